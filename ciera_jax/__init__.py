@@ -1,0 +1,13 @@
+"""CIERA: lossless all-gather that reuses last step's exponents (see README)."""
+
+from ciera_jax.cache import ExponentCache, init_cache, init_cache_tree
+from ciera_jax.collective import all_gather, all_gather_tree, plain_all_gather
+
+__all__ = [
+    "ExponentCache",
+    "init_cache",
+    "init_cache_tree",
+    "all_gather",
+    "all_gather_tree",
+    "plain_all_gather",
+]
