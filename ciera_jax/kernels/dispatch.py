@@ -1,0 +1,49 @@
+"""Picks the implementation of the codec hot path: the Pallas kernels on GPU, fused jnp elsewhere.
+
+``impl``: ``"xla"`` is the pure-jnp reference (``codec.split`` / ``codec.merge``, which XLA
+fuses); ``"pallas"`` is the Pallas kernel, run with ``interpret=True`` when the default backend
+is not a GPU (that is how the tests exercise the kernel bodies on CPU); ``"auto"`` is pallas on
+GPU and xla everywhere else.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ciera_jax.kernels.decode import decode_pallas, decode_reference
+from ciera_jax.kernels.encode import encode_pallas, encode_reference
+
+IMPLS = ("auto", "xla", "pallas")
+
+
+def resolve_impl(impl: str) -> tuple[str, bool]:
+    """``impl`` -> (``"xla"`` or ``"pallas"``, interpret?)."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown codec impl {impl!r}; expected one of {IMPLS}")
+    on_gpu = jax.default_backend() == "gpu"
+    if impl == "auto":
+        impl = "pallas" if on_gpu else "xla"
+    return impl, impl == "pallas" and not on_gpu
+
+
+def encode(x: jnp.ndarray, cache_exp: jnp.ndarray, *, impl: str = "auto"):
+    """``x`` (bf16/float32, any shape) and its cached exponents -> ``(exp, payload_PxN, changed)``.
+
+    ``exp``: uint8, ``x.shape``; ``payload_PxN``: uint8, ``(P, *x.shape)`` as ``codec.split``
+    (P=1 bf16, P=3 float32); ``changed``: bool, ``exp != cache_exp``.
+    """
+    impl, interpret = resolve_impl(impl)
+    if cache_exp.shape != x.shape:
+        raise ValueError(f"cache_exp shape {cache_exp.shape} != x shape {x.shape}")
+    if impl == "xla":
+        return encode_reference(x, cache_exp)
+    return encode_pallas(x, cache_exp, interpret=interpret)
+
+
+def decode(exp: jnp.ndarray, payload_PxN: jnp.ndarray, dtype, *, impl: str = "auto"):
+    """Exactly ``codec.merge(exp, payload_PxN, dtype)``, any shape."""
+    impl, interpret = resolve_impl(impl)
+    if impl == "xla":
+        return decode_reference(exp, payload_PxN, dtype)
+    return decode_pallas(exp, payload_PxN, dtype, interpret=interpret)
