@@ -1,0 +1,368 @@
+"""All-gather with cross-iteration exponent reuse (CIERA), bitwise equal to a plain all-gather.
+
+Call inside ``jax.shard_map``. One gather of a primed bf16 tensor sends 1 byte per element
+(sign + mantissa) plus patches for exponents that differ from the cache; the receiver rebuilds
+the exact words from its cached exponents. Phases, per tensor:
+
+1. encode: split the local shard, compare its exponents with this rank's slice of the cache,
+   compact the changed positions into a patch list.
+2. agree: one ``pmax`` over the change counts of *all* tensors gathered together (a vector),
+   over every manual mesh axis, so the tier choice is the same on every rank.
+3. exchange: ``lax.switch`` on that rank-invariant tier: a compressed gather with static patch
+   capacity K, or (unprimed cache / too many changes) a plain gather of the bits that re-primes
+   the cache.
+
+Gradients: the result is attached to ``x`` through a ``custom_vjp`` whose backward is
+``lax.psum_scatter``, the transpose of an all-gather, so gradients are bitwise those of
+``lax.all_gather``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ciera_jax import codec
+from ciera_jax.cache import ExponentCache
+
+# Patch capacity ladder, as fractions of the local shard size; 0 (no patches) comes first and
+# above the last one the gather falls back to plain. Each patch costs 5 bytes (int32 index +
+# exponent), so even the top tier (n/16 -> 0.31 n bytes) stays well below a plain gather.
+TIER_FRACTIONS: tuple[float, ...] = (1 / 4096, 1 / 1024, 1 / 256, 1 / 64, 1 / 16)
+PATCH_BYTES = 5  # int32 position in the full tensor + uint8 exponent
+AGREEMENT_BYTES = 4  # one int32 change count per tensor in the step's pmax
+
+IMPLS = ("auto", "xla", "pallas")
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def plain_all_gather(x: jax.Array, axis_name, *, axis: int = 0) -> jax.Array:
+    """Lossless baseline: all-gather the same-width unsigned view of ``x`` (tiled on ``axis``).
+
+    Gathering the bits keeps every bit (XLA's CPU bf16 all-gather quiets signalling NaNs) and is
+    the fast path on CPU. Differentiable: the backward is ``psum_scatter`` of the cotangent.
+    """
+    name = "plain_all_gather"
+    axis = _normalize_axis(x, axis, name)
+    _axis_size(axis_name, name)
+    full = codec.from_bits(
+        lax.all_gather(codec.to_bits(lax.stop_gradient(x)), axis_name, axis=axis, tiled=True),
+        x.dtype)
+    return _attach_gather_grad(x, full, axis_name, axis)
+
+
+def all_gather(x: jax.Array, cache: ExponentCache, axis_name, *, axis: int = 0,
+               impl: str = "auto", compress: bool | None = None,
+               tiers: Sequence[float] = TIER_FRACTIONS, name: str = "tensor"):
+    """All-gather ``x`` (this rank's shard) over ``axis_name``, reusing cached exponents.
+
+    Returns ``(full, new_cache, stats)``: ``full`` is bitwise ``lax.all_gather(x, axis_name,
+    axis=axis, tiled=True)``; carry ``new_cache`` to the next step. ``compress=None`` compresses
+    bf16/float32 and gathers other dtypes plainly; ``True`` insists (error for other dtypes);
+    ``False`` always gathers plainly. ``stats`` holds scalars: ``sent_bytes``, ``plain_bytes``,
+    ``changed``, ``agreed_changed``, ``tier``, ``capacity``, ``fallback``.
+    """
+    full, new_cache, stats = all_gather_tree(
+        {name: x}, {name: cache}, axis_name, axis=axis, impl=impl, compress=compress,
+        tiers=tiers)
+    return full[name], new_cache[name], stats[name]
+
+
+def all_gather_tree(tree, caches, axis_name, *, axis=0, impl: str = "auto",
+                    compress=None, tiers: Sequence[float] = TIER_FRACTIONS):
+    """:func:`all_gather` over a pytree with one agreement collective for all leaves.
+
+    ``caches`` mirrors ``tree`` with an :class:`ExponentCache` per leaf. ``axis`` and
+    ``compress`` are either single values or pytrees with the structure of ``tree``.
+    Returns ``(full_tree, new_caches, stats_tree)``.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    leaves, treedef = jax.tree.flatten(tree)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    cache_leaves = _match_tree(caches, treedef, "caches", is_leaf=_is_cache)
+    axes = _broadcast_option(axis, treedef, "axis")
+    compresses = _broadcast_option(compress, treedef, "compress")
+
+    mesh_axes = _manual_axes(axis_name, paths[0] if paths else "tree")
+    specs = []
+    for x, c, ax, comp, path in zip(leaves, cache_leaves, axes, compresses, paths):
+        ax = _normalize_axis(x, ax, path)
+        n_ranks = _axis_size(axis_name, path)
+        specs.append(_LeafSpec(path, ax, n_ranks, _wants_compression(x, c, comp, path)))
+        if specs[-1].compressed:
+            _check_cache(c, x, ax, n_ranks, path)
+
+    encoded = [_encode(lax.stop_gradient(x), c, s, axis_name, tiers, impl) if s.compressed
+               else None for x, c, s in zip(leaves, cache_leaves, specs)]
+    agreed = _agree([e.demand for e in encoded if e is not None], mesh_axes)
+
+    outs, new_caches, stats = [], [], []
+    agreed_iter = iter(agreed)
+    for x, c, s, e in zip(leaves, cache_leaves, specs, encoded):
+        if e is None:
+            full = plain_all_gather(x, axis_name, axis=s.axis)
+            outs.append(full)
+            new_caches.append(c)
+            stats.append(_plain_stats(x))
+            continue
+        full, new_c, st = _exchange(e, c, next(agreed_iter), lax.stop_gradient(x), s,
+                                   axis_name, impl)
+        outs.append(_attach_gather_grad(x, full, axis_name, s.axis))
+        new_caches.append(new_c)
+        stats.append(st)
+    unflat = functools.partial(jax.tree.unflatten, treedef)
+    return unflat(outs), unflat(new_caches), unflat(stats)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+@dataclasses.dataclass(frozen=True)
+class _LeafSpec:
+    path: str
+    axis: int
+    n_ranks: int
+    compressed: bool
+
+
+def _is_cache(x) -> bool:
+    return isinstance(x, ExponentCache)
+
+
+def _match_tree(caches, treedef, what, is_leaf=None):
+    leaves, cdef = jax.tree.flatten(caches, is_leaf=is_leaf)
+    if cdef.num_leaves != treedef.num_leaves:
+        raise ValueError(f"{what} must mirror the gathered tree: {treedef.num_leaves} tensors "
+                         f"but {cdef.num_leaves} {what}; build them with init_cache_tree(tree)")
+    return leaves
+
+
+def _broadcast_option(value, treedef, what):
+    if value is None or isinstance(value, (bool, int, np.integer)):
+        return [value] * treedef.num_leaves
+    leaves = jax.tree.leaves(value, is_leaf=lambda v: v is None)
+    if len(leaves) != treedef.num_leaves:
+        raise ValueError(f"{what} must be one value or a tree mirroring the gathered tree")
+    return leaves
+
+
+def _normalize_axis(x, axis, name) -> int:
+    if not isinstance(axis, (int, np.integer)) or not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"{name}: gather axis {axis} is out of range for a shard of shape "
+                         f"{tuple(x.shape)}; pick an axis in [{-x.ndim}, {x.ndim})")
+    return int(axis) % x.ndim
+
+
+def _axis_size(axis_name, name) -> int:
+    try:
+        return lax.axis_size(axis_name)
+    except NameError:
+        raise ValueError(
+            f"{name}: ciera_jax gathers must run inside jax.shard_map with a mesh axis named "
+            f"{axis_name!r} (got no such bound axis); wrap the caller in jax.shard_map(..., "
+            f"mesh=mesh, in_specs=..., out_specs=...)") from None
+
+
+def _manual_axes(axis_name, name) -> tuple:
+    axes = tuple(jax.sharding.get_abstract_mesh().manual_axes)
+    return axes or (axis_name,)
+
+
+def _wants_compression(x, cache, compress, path) -> bool:
+    if compress is False:
+        return False
+    if not codec.is_compressible(x.dtype):
+        if compress:
+            raise TypeError(f"{path}: compression forced for dtype {x.dtype}, but CIERA only "
+                            "compresses bfloat16 and float32; pass compress=None to gather it "
+                            "plainly")
+        return False
+    if not _is_cache(cache):
+        raise TypeError(f"{path}: expected an ExponentCache, got {type(cache).__name__}; "
+                        "create one with ciera_jax.init_cache(full_shape, dtype)")
+    return True
+
+
+def _check_cache(cache: ExponentCache, x, axis: int, n_ranks: int, path: str) -> None:
+    full = list(x.shape)
+    full[axis] *= n_ranks
+    if np.dtype(cache.dtype) != np.dtype(x.dtype):
+        raise ValueError(f"{path}: the cache was made for {np.dtype(cache.dtype)} but the "
+                         f"tensor is {np.dtype(x.dtype)}; rebuild it with init_cache({tuple(full)}"
+                         f", {np.dtype(x.dtype).name})")
+    if tuple(cache.exp.shape) != tuple(full):
+        raise ValueError(
+            f"{path}: cache shape {tuple(cache.exp.shape)} does not match the gathered shape "
+            f"{tuple(full)} (shard {tuple(x.shape)} x {n_ranks} ranks on axis {axis}); the cache "
+            f"must hold the full tensor and be replicated over the gather axis: "
+            f"init_cache({tuple(full)}, {np.dtype(x.dtype).name}) with a PartitionSpec that "
+            f"does not shard it over the gather axis")
+    if math.prod(full) >= 2**31 - 1:
+        raise ValueError(f"{path}: {math.prod(full)} elements exceed the int32 patch index; "
+                         "split the tensor or gather it plainly (compress=False)")
+
+
+# --------------------------------------------------------------------------- the three phases
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Encoded:
+    exp: jax.Array  # uint8, shard shape
+    payload: jax.Array  # uint8 (P, *shard shape)
+    changed: jax.Array  # bool, shard shape
+    count: jax.Array  # int32 scalar: changed exponents in this shard
+    demand: jax.Array  # int32 scalar: count, or "too many" when the cache is unprimed
+    global_offset: jax.Array  # int32: this rank's first index along the gather axis
+    capacities: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+
+
+def tier_capacities(n_local: int, tiers: Sequence[float] = TIER_FRACTIONS) -> tuple[int, ...]:
+    """Static patch capacities for a shard of ``n_local`` elements, 0 first, increasing."""
+    caps = {0} | {min(n_local, max(1, math.ceil(n_local * f))) for f in tiers}
+    return tuple(sorted(caps))
+
+
+def _encode(x, cache: ExponentCache, spec: _LeafSpec, axis_name, tiers, impl) -> _Encoded:
+    from ciera_jax import kernels
+
+    shard_len = x.shape[spec.axis]
+    offset = lax.axis_index(axis_name).astype(jnp.int32) * shard_len
+    cached = lax.dynamic_slice_in_dim(cache.exp, offset, shard_len, axis=spec.axis)
+    exp, payload, changed = kernels.encode(x, cached, impl=impl)
+    count = jnp.sum(changed, dtype=jnp.int32)
+    unprimed = jnp.int32(np.iinfo(np.int32).max)
+    demand = jnp.where(cache.primed, count, unprimed)
+    return _Encoded(exp, payload, changed, count, demand, offset,
+                    tier_capacities(math.prod(x.shape), tiers))
+
+
+def _agree(demands: list, mesh_axes) -> list:
+    """One pmax over every tensor's change count: the largest demand on any rank, per tensor."""
+    if not demands:
+        return []
+    return list(lax.pmax(jnp.stack(demands), mesh_axes))
+
+
+def _exchange(e: _Encoded, cache: ExponentCache, agreed, x, spec: _LeafSpec, axis_name, impl):
+    dtype = x.dtype
+    caps = e.capacities
+    tier = jnp.sum(agreed > jnp.asarray(caps, jnp.int32)).astype(jnp.int32)  # len(caps): plain
+    branches = [functools.partial(_compressed_branch, K=k, spec=spec, axis_name=axis_name,
+                                  dtype=dtype, impl=impl) for k in caps]
+    branches.append(functools.partial(_plain_branch, spec=spec, axis_name=axis_name,
+                                      dtype=dtype))
+    full, new_exp = lax.switch(tier, branches, e, cache.exp, x)
+    fallback = tier == len(caps)
+    n_local = e.exp.size
+    wire_bytes = jnp.where(fallback, n_local * np.dtype(dtype).itemsize,
+                           n_local * codec.word_format(dtype).payload_bytes
+                           + PATCH_BYTES * jnp.asarray(caps + (0,), jnp.int32)[tier])
+    stats = dict(
+        sent_bytes=(wire_bytes + AGREEMENT_BYTES).astype(jnp.int32),
+        plain_bytes=jnp.int32(n_local * np.dtype(dtype).itemsize),
+        changed=e.count,
+        agreed_changed=jnp.minimum(agreed, n_local).astype(jnp.int32),
+        tier=tier,
+        capacity=jnp.asarray(caps + (n_local,), jnp.int32)[tier],
+        fallback=fallback,
+    )
+    new_cache = dataclasses.replace(cache, exp=new_exp, primed=jnp.ones_like(cache.primed))
+    # The gathered tensor differs by nothing across ranks, but lax.all_gather types it as
+    # varying; match that so callers can mix it with per-rank values as they would a gather.
+    return lax.pcast(full, axis_name, to="varying"), new_cache, stats
+
+
+def _plain_branch(e: _Encoded, cache_exp, x, *, spec, axis_name, dtype):
+    """Gather the bits as they are and re-prime the cache from the result."""
+    del e, cache_exp
+    bits = lax.all_gather(codec.to_bits(x), axis_name, axis=spec.axis, tiled=True,
+                          to="invarying")
+    full = codec.from_bits(bits, dtype)
+    return full, codec.exponent(full)
+
+
+def _compressed_branch(e: _Encoded, cache_exp, x, *, K, spec, axis_name, dtype, impl):
+    """Send payload bytes + K patches in one uint8 buffer; rebuild from cache + patches."""
+    from ciera_jax import kernels
+
+    del x
+    n_ranks = spec.n_ranks
+    shard_shape = e.exp.shape
+    pre = math.prod(shard_shape[:spec.axis])
+    s = shard_shape[spec.axis]
+    post = math.prod(shard_shape[spec.axis + 1:])
+    n_local = e.exp.size
+    n_full = n_local * n_ranks
+    n_planes = e.payload.shape[0]
+
+    parts = [e.payload.reshape(-1)]
+    if K:
+        (pos,) = jnp.nonzero(e.changed.reshape(-1), size=K, fill_value=n_local)
+        valid = pos < n_local
+        new_exp = e.exp.reshape(-1)[jnp.minimum(pos, n_local - 1)]
+        # Position in the full tensor: rank r's rows sit at offset r*s along the gather axis.
+        outer, mid, inner = pos // (s * post), (pos // post) % s, pos % post
+        full_pos = outer * (n_ranks * s * post) + (e.global_offset + mid) * post + inner
+        full_pos = jnp.where(valid, full_pos, n_full).astype(jnp.int32)  # n_full: dropped
+        parts += [lax.bitcast_convert_type(full_pos, jnp.uint8).reshape(-1), new_exp]
+    wire = lax.all_gather(jnp.concatenate(parts), axis_name, axis=0, tiled=False,
+                          to="invarying")  # (N, L) uint8
+
+    payload_len = n_planes * n_local
+    payload = wire[:, :payload_len].reshape(n_ranks, n_planes, pre, s, post)
+    payload = payload.transpose(1, 2, 0, 3, 4).reshape((n_planes,) + _full_shape(e, spec))
+    exp_flat = cache_exp.reshape(-1)
+    if K:
+        idx_bytes = wire[:, payload_len:payload_len + 4 * K].reshape(n_ranks * K, 4)
+        idx = lax.bitcast_convert_type(idx_bytes, jnp.int32)
+        vals = wire[:, payload_len + 4 * K:].reshape(-1)
+        exp_flat = exp_flat.at[idx].set(vals, mode="drop", unique_indices=True)
+    exp_full = exp_flat.reshape(cache_exp.shape)
+    return kernels.decode(exp_full, payload, dtype, impl=impl), exp_full
+
+
+def _full_shape(e: _Encoded, spec: _LeafSpec) -> tuple[int, ...]:
+    shape = list(e.exp.shape)
+    shape[spec.axis] *= spec.n_ranks
+    return tuple(shape)
+
+
+def _plain_stats(x) -> dict:
+    n_bytes = jnp.int32(x.size * np.dtype(x.dtype).itemsize)
+    return dict(sent_bytes=n_bytes, plain_bytes=n_bytes, changed=jnp.int32(0),
+                agreed_changed=jnp.int32(0), tier=jnp.int32(-1), capacity=jnp.int32(0),
+                fallback=jnp.bool_(False))
+
+
+# --------------------------------------------------------------------------- gradient
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _attach_gather_grad(x, full, axis_name, axis):
+    """Returns ``full`` (computed without gradient); differentiates as an all-gather of x."""
+    del x
+    return full
+
+
+def _attach_fwd(x, full, axis_name, axis):
+    del x
+    return full, None
+
+
+def _attach_bwd(axis_name, axis, _, ct_full):
+    dx = lax.psum_scatter(ct_full, axis_name, scatter_dimension=axis, tiled=True)
+    return dx, jnp.zeros_like(ct_full)
+
+
+_attach_gather_grad.defvjp(_attach_fwd, _attach_bwd)
