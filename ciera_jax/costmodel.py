@@ -1,0 +1,253 @@
+"""The cost formulas, in one place: the planner, the simulator and calibration all read them.
+
+A gather moves ``wire`` bytes (the full gathered tensor as it travels) over a ring of ``N``
+ranks. Every method is described by two numbers per tensor, its wire bytes and its codec
+seconds; the time is the collective's time on the link plus the codec time:
+
+    t_plain  = (N-1)*alpha + (N-1)/N * n*b / beta
+    t_ciera  = (N-1)*alpha + (N-1)/N * (n*payload + patches) / beta + n*b / codec_rate
+               + codec launch + agreement share
+    t_int8   = (N-1)*alpha + (N-1)/N * n*(1 + 2/256) / beta + (de)quantize at HBM rate
+    t_entropy= (N-1)*alpha + (N-1)/N * n*b/1.5 / beta + encode + decode at entropy-codec rate
+
+``n`` is the element count of the FULL tensor, ``b`` its bytes per element. The link is a
+:class:`Profile` (one flat ring) or a :class:`Topology` (NVLink ring inside a node, then a
+ring across nodes: the standard two-level all-gather).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Union
+
+# Patch-capacity ladder, as fractions of the local shard's element count. The collective
+# imports this: capacities = ceil(n_local * f), deduplicated, with 0 first. A change count
+# above the top tier makes the gather fall back to a plain gather of the bits.
+TIER_FRACTIONS: tuple[float, ...] = (1 / 4096, 1 / 1024, 1 / 256, 1 / 64, 1 / 16)
+PATCH_BYTES = 5  # int32 index + uint8 exponent
+INT8_BLOCK = 256  # ZeRO++ qwZ-style blockwise absmax int8; one bf16 scale per block
+INT8_SCALE_BYTES = 2
+ENTROPY_RATIO = 1.5  # single-pass lossless entropy coding of bf16 (ZipNN / DietGPU class)
+
+PROFILE_DIR = Path(__file__).parent / "profiles"
+METHODS = ("plain", "int8", "entropy", "ciera")
+
+
+@dataclasses.dataclass
+class Profile:
+    """One link and one device: what a calibration run measures, or a documented default.
+
+    alpha_s     latency per ring hop (s)
+    beta_Bps    bytes/s per link per direction as a ring collective achieves it (bus bandwidth)
+    codec_Bps   CIERA encode+decode rate, in bytes of bf16 input per second
+    agreement_s one tiny pmax over the mesh (s)
+    hbm_Bps     achievable device-memory bandwidth (int8 quantize/dequantize run at this rate)
+    entropy_Bps encode+decode rate of a single-pass entropy codec, bytes of input per second
+    codec_launch_s fixed cost of the codec kernels (encode + decode launches) per gather
+    """
+
+    name: str
+    alpha_s: float
+    beta_Bps: float
+    codec_Bps: float
+    agreement_s: float
+    hbm_Bps: float = 3.0e12
+    entropy_Bps: float = 4.0e11
+    codec_launch_s: float = 5e-6
+    sources: dict = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def load(cls, path_or_name: Union[str, Path]) -> "Profile":
+        """A profile from a JSON file, or a built-in one by name (see :func:`builtin_profiles`)."""
+        p = Path(path_or_name)
+        if not p.suffix and not p.exists():
+            p = PROFILE_DIR / f"{path_or_name}.json"
+            if not p.exists():
+                raise KeyError(f"unknown profile {str(path_or_name)!r}; built-in profiles: "
+                               f"{', '.join(builtin_profiles())}, or a path to a JSON file")
+        if not p.exists():
+            raise FileNotFoundError(f"profile file not found: {p}")
+        d = json.loads(p.read_text())
+        fields = {f.name for f in dataclasses.fields(cls)}
+        missing = {"alpha_s", "beta_Bps", "codec_Bps", "agreement_s"} - set(d)
+        if missing:
+            raise ValueError(f"profile {p} lacks {', '.join(sorted(missing))}")
+        d.setdefault("name", p.stem)
+        return cls(**{k: v for k, v in d.items() if k in fields})
+
+    def save(self, path: Union[str, Path]) -> None:
+        Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n")
+
+
+def builtin_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
+
+
+def get_profile(p: Union[str, Path, Profile]) -> Profile:
+    return p if isinstance(p, Profile) else Profile.load(p)
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """``gpus_per_node`` GPUs on NVLink (``intra``), nodes joined by ``inter`` (one NIC per GPU)."""
+
+    intra: Profile
+    inter: Profile
+    gpus_per_node: int = 8
+
+    # Device-side rates come from the GPU, i.e. the intra-node profile.
+    @property
+    def codec_Bps(self) -> float:
+        return self.intra.codec_Bps
+
+    @property
+    def hbm_Bps(self) -> float:
+        return self.intra.hbm_Bps
+
+    @property
+    def entropy_Bps(self) -> float:
+        return self.intra.entropy_Bps
+
+    @property
+    def codec_launch_s(self) -> float:
+        return self.intra.codec_launch_s
+
+    def agreement(self, N: int) -> float:
+        return self.intra.agreement_s if N <= self.gpus_per_node else self.inter.agreement_s
+
+
+Link = Union[Profile, Topology]
+
+
+# ----------------------------------------------------------------------------- collectives
+
+def ring_allgather_time(wire_bytes: float, N: int, alpha_s: float, beta_Bps: float) -> float:
+    """Ring all-gather of a tensor that is ``wire_bytes`` in full: N-1 hops, each rank
+    receives (N-1)/N of it. A ring reduce-scatter moves the same bytes and costs the same."""
+    if N <= 1:
+        return 0.0
+    return (N - 1) * alpha_s + (N - 1) / N * wire_bytes / beta_Bps
+
+
+def hierarchical_allgather_time(wire_bytes: float, N: int, gpus_per_node: int,
+                                intra: Profile, inter: Profile) -> float:
+    """Two-level all-gather: a ring across nodes among GPUs of equal local rank (each moves
+    1/gpus_per_node of the tensor on its own NIC), then a ring inside each node over NVLink
+    of the full tensor. Single node: just the NVLink ring."""
+    G = min(gpus_per_node, N)
+    M = math.ceil(N / G)
+    t = ring_allgather_time(wire_bytes, G, intra.alpha_s, intra.beta_Bps)
+    if M > 1:
+        t += ring_allgather_time(wire_bytes / G, M, inter.alpha_s, inter.beta_Bps)
+    return t
+
+
+def gather_time(wire_bytes: float, N: int, link: Link) -> float:
+    """All-gather (or reduce-scatter) time on a flat ring (Profile) or two levels (Topology)."""
+    if isinstance(link, Topology):
+        return hierarchical_allgather_time(wire_bytes, N, link.gpus_per_node, link.intra, link.inter)
+    return ring_allgather_time(wire_bytes, N, link.alpha_s, link.beta_Bps)
+
+
+reduce_scatter_time = gather_time
+
+
+def agreement_time(N: int, link: Link) -> float:
+    if N <= 1:
+        return 0.0
+    return link.agreement(N) if isinstance(link, Topology) else link.agreement_s
+
+
+# ----------------------------------------------------------------------------- patch tiers
+
+def tier_ladder(n_local: int, tiers: tuple[float, ...] = TIER_FRACTIONS) -> list[int]:
+    """Patch capacities for a shard of ``n_local`` elements: 0, then ceil(n_local*f), deduplicated."""
+    caps = [0]
+    for f in tiers:
+        c = math.ceil(n_local * f)
+        if c > caps[-1]:
+            caps.append(c)
+    return caps
+
+
+def tier_capacity(n_local: int, count: int, tiers: tuple[float, ...] = TIER_FRACTIONS) -> int | None:
+    """Smallest capacity on the ladder that holds ``count`` patches; None above the top tier
+    (the gather then falls back to plain)."""
+    for c in tier_ladder(n_local, tiers):
+        if count <= c:
+            return c
+    return None
+
+
+def expected_change_count(n_local: int, change_rate: float) -> int:
+    """Changed exponents in one shard per step (the agreed max is rounded up to a tier anyway)."""
+    return math.ceil(max(change_rate, 0.0) * n_local)
+
+
+# ----------------------------------------------------------------------------- methods
+
+@dataclasses.dataclass(frozen=True)
+class GatherCost:
+    """One method on one tensor: bytes on the wire (full tensor), codec seconds on the device,
+    whether CIERA fell back to plain, and the patch capacity it used."""
+
+    method: str
+    wire_bytes: float
+    codec_s: float
+    fallback: bool = False
+    patch_capacity: int = 0
+
+
+def gather_cost(method: str, n: int, N: int, bytes_per_elem: int, link: Link,
+                change_rate: float = 0.0, patch_bytes: int = PATCH_BYTES) -> GatherCost:
+    """Wire bytes and codec time of ``method`` for a tensor of ``n`` elements on ``N`` ranks."""
+    b = bytes_per_elem
+    if method == "plain":
+        return GatherCost("plain", n * b, 0.0)
+    if method == "int8":
+        wire_per_elem = 1 + INT8_SCALE_BYTES / INT8_BLOCK
+        # quantize the local shard (read b, write ~1), dequantize the full tensor (read ~1, write b)
+        q = (n / N) * (b + wire_per_elem) / link.hbm_Bps
+        dq = n * (wire_per_elem + b) / link.hbm_Bps
+        return GatherCost("int8", n * wire_per_elem, q + dq + link.codec_launch_s)
+    if method == "entropy":
+        enc = (n / N) * b / link.entropy_Bps
+        dec = n * b / link.entropy_Bps
+        return GatherCost("entropy", n * b / ENTROPY_RATIO, enc + dec + link.codec_launch_s)
+    if method == "ciera":
+        payload = b - 1  # the exponent byte stays home
+        n_local = math.ceil(n / N)
+        cap = tier_capacity(n_local, expected_change_count(n_local, change_rate))
+        if cap is None:
+            return GatherCost("ciera", n * b, 0.0, fallback=True)
+        return GatherCost("ciera", n * payload + N * cap * patch_bytes,
+                          n * b / link.codec_Bps + link.codec_launch_s, patch_capacity=cap)
+    raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
+
+
+def _time(c: GatherCost, N: int, link: Link) -> float:
+    return gather_time(c.wire_bytes, N, link) + c.codec_s
+
+
+def t_plain(n: int, N: int, bytes_per_elem: int, p: Link) -> float:
+    return _time(gather_cost("plain", n, N, bytes_per_elem, p), N, p)
+
+
+def t_ciera(n: int, N: int, payload_bytes_per_elem: int, change_rate: float, p: Link,
+            patch_bytes: int = PATCH_BYTES, agreement_share_s: float | None = None) -> float:
+    """Compressed gather: payload + tier-rounded patches + codec + agreement share. Above the
+    top tier it is the plain gather (the implementation's fallback) plus the agreement share."""
+    share = agreement_time(N, p) if agreement_share_s is None else agreement_share_s
+    c = gather_cost("ciera", n, N, payload_bytes_per_elem + 1, p, change_rate, patch_bytes)
+    return _time(c, N, p) + share
+
+
+def t_int8(n: int, N: int, bytes_per_elem: int, p: Link) -> float:
+    return _time(gather_cost("int8", n, N, bytes_per_elem, p), N, p)
+
+
+def t_entropy(n: int, N: int, bytes_per_elem: int, p: Link) -> float:
+    return _time(gather_cost("entropy", n, N, bytes_per_elem, p), N, p)

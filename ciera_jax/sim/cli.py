@@ -1,0 +1,99 @@
+"""Simulate FSDP step time on a GPU cluster: plain bf16, int8, entropy-coded and CIERA gathers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ciera_jax.costmodel import METHODS
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="olmoe-1b-7b", help="model config name")
+    p.add_argument("--gpus", default="8,16,32,64,128,256,512,1024",
+                   help="comma-separated GPU counts (default 8..1024)")
+    p.add_argument("--cluster", default="h100", help="built-in cluster: h100 or h200")
+    p.add_argument("--tokens-per-gpu", type=int, default=4096, help="tokens per GPU per step")
+    p.add_argument("--mfu", type=float, default=None, help="model FLOPs utilisation (default 0.35)")
+    p.add_argument("--trace", default=None,
+                   help="exponent-change trace: trace JSON or `ciera train --metrics-out` JSONL")
+    p.add_argument("--codec-stream", choices=("compute", "comm"), default="compute",
+                   help="where codec work runs (default: compute stream)")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--png", default=None, help="plot CIERA's speedup vs GPU count here")
+
+
+def parse_gpus(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--gpus must be comma-separated integers, got {text!r}") from None
+    if not out or any(n < 1 for n in out):
+        raise ValueError(f"--gpus must list positive integers, got {text!r}")
+    return out
+
+
+def format_table(result: dict) -> str:
+    methods = [m for m in METHODS if m in next(iter(result["results"].values()))["methods"]]
+    head = (["GPUs"] + [f"{m} ms" for m in methods] + ["ciera exposed ms"]
+            + [f"x {m}" for m in methods if m != "ciera"])
+    rows = []
+    for N, e in result["results"].items():
+        r = e["methods"]
+        rows.append([N] + [f"{r[m]['step_s'] * 1e3:.1f}" for m in methods]
+                    + [f"{r['ciera']['exposed_comm_s'] * 1e3:.1f}"]
+                    + [f"{e['speedup_ciera_over'][m]:.2f}" for m in methods if m != "ciera"])
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    fmt = lambda r: "  ".join(str(x).rjust(w) for x, w in zip(r, widths))  # noqa: E731
+    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
+
+
+def plot(result: dict, path: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    Ns = [int(n) for n in result["results"]]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m in [m for m in METHODS if m != "ciera"]:
+        ys = [result["results"][str(n)]["speedup_ciera_over"].get(m) for n in Ns]
+        ax.plot(Ns, ys, marker="o", label=f"CIERA over {m}")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("step-time speedup")
+    ax.set_title(f"{result['model']} on {result['cluster']['name']}, "
+                 f"{result['tokens_per_gpu']} tokens/GPU (simulated)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ciera_jax.sim.cluster import get_cluster
+    from ciera_jax.sim.step import sweep
+    from ciera_jax.sim.trace import default_trace, load_trace
+    from models.configs import get_config
+
+    cfg = get_config(args.model)
+    gpus = parse_gpus(args.gpus)
+    if args.tokens_per_gpu < 1:
+        raise ValueError("--tokens-per-gpu must be positive")
+    cluster = get_cluster(args.cluster, mfu=args.mfu)
+    trace = load_trace(args.trace) if args.trace else default_trace()
+    result = sweep(cfg, gpus, cluster, args.tokens_per_gpu, trace,
+                   codec_stream=args.codec_stream)
+    print(f"{cfg.name} on {cluster.name} ({cluster.gpus_per_node} GPUs/node, MFU {cluster.mfu}), "
+          f"{args.tokens_per_gpu} tokens/GPU, trace: {Path(trace.source).name}"
+          + (" (placeholder)" if trace.placeholder else ""))
+    print(format_table(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if args.png:
+        plot(result, args.png)
+        print(f"wrote {args.png}")
+    return 0
