@@ -1,0 +1,147 @@
+"""Cost formulas, tier ladder, per-tensor decisions and `ciera plan`."""
+
+import json
+
+import pytest
+
+from ciera_jax import costmodel as cm
+from ciera_jax.planner import plan_model, plan_tensor, plan_tree, summarize
+from models.configs import get_config, tensor_inventory
+
+
+def ideal(**kw):
+    d = dict(name="ideal", alpha_s=0.0, beta_Bps=1e9, codec_Bps=1e30, agreement_s=0.0,
+             hbm_Bps=1e30, entropy_Bps=1e30, codec_launch_s=0.0)
+    d.update(kw)
+    return cm.Profile(**d)
+
+
+def test_builtin_profiles_load_with_sources():
+    names = cm.builtin_profiles()
+    for n in ("h100-nvlink", "h200-nvlink", "h100-ib400", "h200-ib400", "cpu-emulated"):
+        assert n in names
+        p = cm.Profile.load(n)
+        assert p.alpha_s > 0 and p.beta_Bps > 0 and p.codec_Bps > 0 and p.sources
+    assert cm.Profile.load("h100-ib400").beta_Bps < cm.Profile.load("h100-nvlink").beta_Bps
+
+
+def test_profile_roundtrip_and_unknown(tmp_path):
+    p = cm.Profile.load("h100-nvlink")
+    p.save(tmp_path / "x.json")
+    assert cm.Profile.load(tmp_path / "x.json") == p
+    with pytest.raises(KeyError):
+        cm.Profile.load("no-such-profile")
+    with pytest.raises(FileNotFoundError):
+        cm.Profile.load(tmp_path / "missing.json")
+
+
+def test_ring_formula():
+    p = ideal(alpha_s=1e-5)
+    n, N = 1_000_000, 8
+    assert cm.t_plain(n, N, 2, p) == pytest.approx(7 * 1e-5 + 7 / 8 * 2e6 / 1e9)
+    assert cm.t_plain(n, 1, 2, p) == 0.0
+
+
+def test_zero_latency_ratio_tends_to_byte_ratio():
+    p = ideal()
+    n, N = 1 << 24, 16
+    assert cm.t_plain(n, N, 2, p) / cm.t_ciera(n, N, 1, 0.0, p) == pytest.approx(2.0)
+    assert cm.t_plain(n, N, 4, p) / cm.t_ciera(n, N, 3, 0.0, p) == pytest.approx(4 / 3)
+    # patches make it strictly worse than the byte ratio, never better
+    assert cm.t_plain(n, N, 2, p) / cm.t_ciera(n, N, 1, 1e-3, p) < 2.0
+
+
+def test_tier_ladder_and_fallback():
+    assert cm.tier_ladder(4096) == [0, 1, 4, 16, 64, 256]
+    assert cm.tier_ladder(8) == [0, 1]  # deduplicated
+    assert cm.tier_capacity(4096, 0) == 0
+    assert cm.tier_capacity(4096, 5) == 16
+    assert cm.tier_capacity(4096, 257) is None
+    p = cm.Profile.load("h100-ib400")
+    n, N = 1 << 26, 16
+    # change rate above 1/16: plain gather (plus the agreement) and the planner says plain
+    assert cm.t_ciera(n, N, 1, 0.1, p, agreement_share_s=0.0) == pytest.approx(cm.t_plain(n, N, 2, p))
+    d = plan_tensor((n,), "bfloat16", N, p, 0.1)
+    assert not d.compress and "tier" in d.reason
+
+
+def test_baselines_bytes():
+    n, N, p = 1 << 24, 8, ideal()
+    assert cm.gather_cost("int8", n, N, 2, p).wire_bytes == pytest.approx(n * (1 + 2 / 256))
+    assert cm.gather_cost("entropy", n, N, 2, p).wire_bytes == pytest.approx(n * 2 / 1.5)
+    assert cm.gather_cost("ciera", n, N, 2, p, 0.0).wire_bytes == n
+    with pytest.raises(ValueError):
+        cm.gather_cost("zip", n, N, 2, p)
+
+
+def test_hierarchical_matches_flat_inside_a_node_and_costs_more_across():
+    nv, ib = cm.Profile.load("h100-nvlink"), cm.Profile.load("h100-ib400")
+    topo = cm.Topology(nv, ib, 8)
+    assert cm.gather_time(1e9, 8, topo) == pytest.approx(cm.gather_time(1e9, 8, nv))
+    assert cm.gather_time(1e9, 16, topo) > cm.gather_time(1e9, 8, topo)
+    two = cm.ring_allgather_time(1e9, 8, nv.alpha_s, nv.beta_Bps) + \
+        cm.ring_allgather_time(1e9 / 8, 2, ib.alpha_s, ib.beta_Bps)
+    assert cm.gather_time(1e9, 16, topo) == pytest.approx(two)
+
+
+@pytest.mark.parametrize("profile", ["h100-nvlink", "h100-ib400", "h200-ib400", "cpu-emulated"])
+def test_tiny_tensors_never_compressed(profile):
+    for shape in [(2048,), (64,), (1,)]:
+        assert not plan_tensor(shape, "bfloat16", 16, profile, 1e-3).compress
+
+
+@pytest.mark.parametrize("profile", ["h100-nvlink", "h100-ib400", "h200-nvlink", "h200-ib400"])
+def test_olmoe_16_experts_compressed_norms_routers_plain(profile):
+    ds = plan_model("olmoe-1b-7b", 16, profile)
+    assert len(ds) == len(tensor_inventory(get_config("olmoe-1b-7b")))
+    for d in ds:
+        if d.kind.startswith("expert_"):
+            assert d.compress, d
+        if d.kind in ("norm", "router"):
+            assert not d.compress, d
+    s = summarize(ds)
+    assert s["saving_per_step_s"] > 0 and s["speedup"] > 1
+
+
+def test_other_dtypes_plain():
+    for dt in ("float16", "int32", "uint8"):
+        d = plan_tensor((1 << 24,), dt, 16, "h100-ib400", 0.0)
+        assert not d.compress and "no codec" in d.reason
+    assert plan_tensor((1 << 24,), "float32", 16, "h100-ib400", 0.0).compress
+
+
+def test_plan_tree():
+    import jax
+    import jax.numpy as jnp
+
+    tree = {"w": jax.ShapeDtypeStruct((64, 2048, 1024), jnp.bfloat16),
+            "norm": jnp.ones((2048,), jnp.bfloat16),
+            "step": jax.ShapeDtypeStruct((), jnp.int32),
+            "fp16": jax.ShapeDtypeStruct((4096, 4096), jnp.float16),
+            "list": [jax.ShapeDtypeStruct((4096, 4096), jnp.float32)]}
+    out = plan_tree(tree, 16, "h100-ib400", 1e-3)
+    assert out == {"w": True, "norm": False, "step": False, "fp16": False, "list": [True]}
+
+
+def test_plan_cli(tmp_path, capsys):
+    from ciera_jax.cli import main
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--config", "olmoe-1b-7b", "--gpus", "16", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "w_gate_ExDxF" in text and "saving per step" in text
+    assert len(text.splitlines()) < 60  # aggregated, not one row per tensor
+    d = json.loads(out.read_text())
+    assert d["summary"]["compressed"] > 0 and len(d["decisions"]) == 195
+    assert main(["plan", "--config", "olmoe-1b-7b", "--gpus", "16",
+                 "--profile", "h200-nvlink", "--change-rate", "0.001"]) == 0
+
+
+def test_plan_cli_errors(capsys):
+    from ciera_jax.cli import main
+
+    assert main(["plan", "--config", "no-such-model"]) == 2
+    assert main(["plan", "--profile", "no-such-profile"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown config" in err and "unknown profile" in err
+    assert len([l for l in err.splitlines() if l.strip()]) == 2
