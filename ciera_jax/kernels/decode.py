@@ -43,6 +43,7 @@ def decode_pallas(
     dtype,
     *,
     block: int = BLOCK,
+    num_warps: int = NUM_WARPS,
     interpret: bool = False,
 ) -> jnp.ndarray:
     """Pallas decode: ``exp`` uint8 of any shape, ``payload_PxN`` uint8 of shape (P, *exp.shape)."""
@@ -70,7 +71,7 @@ def decode_pallas(
         grid=(n_pad // block,),
         in_specs=[vec, pl.BlockSpec((P, block), lambda i: (0, i))],
         out_specs=vec,
-        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name=f"ciera_decode_{fmt.dtype.name}",
     )(exp_N, payload)

@@ -56,7 +56,12 @@ def _encode_kernel(x_ref, cache_ref, exp_ref, payload_ref, changed_ref, *, fmt):
 
 
 def encode_pallas(
-    x: jnp.ndarray, cache_exp: jnp.ndarray, *, block: int = BLOCK, interpret: bool = False
+    x: jnp.ndarray,
+    cache_exp: jnp.ndarray,
+    *,
+    block: int = BLOCK,
+    num_warps: int = NUM_WARPS,
+    interpret: bool = False,
 ):
     """Pallas encode of ``x`` (any shape, bf16/float32) against ``cache_exp`` (uint8, same shape)."""
     fmt = codec.word_format(x.dtype)
@@ -86,7 +91,7 @@ def encode_pallas(
         grid=(n_pad // block,),
         in_specs=[vec, vec],
         out_specs=(vec, pl.BlockSpec((P, block), lambda i: (0, i)), vec),
-        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name=f"ciera_encode_{fmt.dtype.name}",
     )(x_N, cache_N)
