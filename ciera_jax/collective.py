@@ -31,12 +31,10 @@ from jax import lax
 
 from ciera_jax import codec
 from ciera_jax.cache import ExponentCache
+# The patch ladder (fractions of the shard; 0 first, plain above the top) and the 5-byte patch
+# live with the cost model so the planner and simulator price exactly what is sent.
+from ciera_jax.costmodel import PATCH_BYTES, TIER_FRACTIONS, tier_ladder
 
-# Patch capacity ladder, as fractions of the local shard size; 0 (no patches) comes first and
-# above the last one the gather falls back to plain. Each patch costs 5 bytes (int32 index +
-# exponent), so even the top tier (n/16 -> 0.31 n bytes) stays well below a plain gather.
-TIER_FRACTIONS: tuple[float, ...] = (1 / 4096, 1 / 1024, 1 / 256, 1 / 64, 1 / 16)
-PATCH_BYTES = 5  # int32 position in the full tensor + uint8 exponent
 AGREEMENT_BYTES = 4  # one int32 change count per tensor in the step's pmax
 
 IMPLS = ("auto", "xla", "pallas")
@@ -227,12 +225,6 @@ class _Encoded:
     capacities: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
 
 
-def tier_capacities(n_local: int, tiers: Sequence[float] = TIER_FRACTIONS) -> tuple[int, ...]:
-    """Static patch capacities for a shard of ``n_local`` elements, 0 first, increasing."""
-    caps = {0} | {min(n_local, max(1, math.ceil(n_local * f))) for f in tiers}
-    return tuple(sorted(caps))
-
-
 def _encode(x, cache: ExponentCache, spec: _LeafSpec, axis_name, tiers, impl) -> _Encoded:
     from ciera_jax import kernels
 
@@ -244,7 +236,7 @@ def _encode(x, cache: ExponentCache, spec: _LeafSpec, axis_name, tiers, impl) ->
     unprimed = jnp.int32(np.iinfo(np.int32).max)
     demand = jnp.where(cache.primed, count, unprimed)
     return _Encoded(exp, payload, changed, count, demand, offset,
-                    tier_capacities(math.prod(x.shape), tiers))
+                    tuple(tier_ladder(math.prod(x.shape), tuple(tiers))))
 
 
 def _agree(demands: list, mesh_axes) -> list:

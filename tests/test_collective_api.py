@@ -1,0 +1,146 @@
+"""Gradients, plain dtypes, pytrees, compiled HLO and error messages of the compressed gather."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ciera_jax
+from bitdata import BF16, F32, adversarial, bits_of, churn, weights
+from harness import mesh_of, run_steps
+
+MESH = ((8,), ("fsdp",))
+
+
+def _put(mesh, x, spec):
+    return jax.device_put(jnp.asarray(x), NamedSharding(mesh, spec))
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
+def test_gradients_equal_those_through_lax_all_gather(dtype):
+    mesh = mesh_of(*MESH)
+    rng = np.random.default_rng(0)
+    shape = (64, 24)
+    w_ct = jnp.asarray(rng.standard_normal(shape), dtype)
+
+    def body(x, cache, w):
+        def loss_ciera(x):
+            full, new_cache, _ = ciera_jax.all_gather(x, cache, "fsdp", axis=1)
+            return jnp.sum((full * w).astype(jnp.float32) ** 2), new_cache
+
+        def loss_plain(x):
+            return jnp.sum((lax.all_gather(x, "fsdp", axis=1, tiled=True) * w)
+                           .astype(jnp.float32) ** 2)
+
+        (_, new_cache), g_ciera = jax.value_and_grad(loss_ciera, has_aux=True)(x)
+        g_plain = jax.grad(loss_plain)(x)
+        g_bits = jax.grad(lambda x: jnp.sum(
+            (ciera_jax.plain_all_gather(x, "fsdp", axis=1) * w).astype(jnp.float32) ** 2))(x)
+        return g_ciera, g_plain, g_bits, new_cache
+
+    spec = P(None, "fsdp")
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, P(), P()),
+                                 out_specs=(spec, spec, spec, P())))
+    cache = ciera_jax.init_cache(shape, dtype)
+    x = weights(rng, shape, dtype, scale=1.0)
+    for _ in range(3):  # unprimed (plain) step, then compressed steps
+        g_c, g_p, g_b, cache = step(_put(mesh, x, spec), cache, w_ct)
+        np.testing.assert_array_equal(bits_of(g_c), bits_of(g_p))
+        np.testing.assert_array_equal(bits_of(g_b), bits_of(g_p))
+        x = churn(rng, x, 0.01)
+    assert bool(cache.primed)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.int32, np.uint8])
+def test_other_dtypes_gather_plainly_and_exactly(dtype):
+    rng = np.random.default_rng(1)
+    word = np.dtype(f"uint{np.dtype(dtype).itemsize * 8}")
+    x = rng.integers(0, np.iinfo(word).max, size=(16, 8), dtype=word).view(dtype)
+    for full, ref, stats, cache in run_steps([x, x]):
+        assert full.dtype == np.dtype(dtype)
+        for rank in range(8):
+            np.testing.assert_array_equal(bits_of(full[rank]), ref[rank])
+            np.testing.assert_array_equal(bits_of(full[rank]), bits_of(x))
+        assert (stats["tier"] == -1).all() and not stats["fallback"].any()
+        assert (stats["sent_bytes"] == stats["plain_bytes"]).all()
+
+
+def _gather_fn(dtype, shape, axis=0, **kw):
+    mesh = mesh_of(*MESH)
+    spec = [None] * len(shape)
+    spec[axis] = "fsdp"
+    spec = P(*spec)
+
+    def body(x, cache):
+        full, c, s = ciera_jax.all_gather(x, cache, "fsdp", axis=axis, **kw)
+        return full[None], c
+
+    return mesh, spec, jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, P()),
+                                             out_specs=(P("fsdp"), P())))
+
+
+def test_errors_name_the_tensor_and_the_fix():
+    mesh, spec, fn = _gather_fn(BF16, (16, 8))
+    x = _put(mesh, np.zeros((16, 8), BF16), spec)
+    with pytest.raises(ValueError, match=r"cache shape \(16, 4\).*gathered shape \(16, 8\)"):
+        fn(x, ciera_jax.init_cache((16, 4), BF16))
+    with pytest.raises(ValueError, match="made for float32.*bfloat16"):
+        fn(x, ciera_jax.init_cache((16, 8), np.float32))
+    with pytest.raises(ValueError, match="inside jax.shard_map"):
+        ciera_jax.all_gather(jnp.zeros((4,), BF16), ciera_jax.init_cache((32,), BF16), "fsdp")
+    with pytest.raises(ValueError, match="gather axis 2 is out of range"):
+        jax.jit(jax.shard_map(
+            lambda x, c: ciera_jax.all_gather(x, c, "fsdp", axis=2)[1], mesh=mesh,
+            in_specs=(spec, P()), out_specs=P()))(x, ciera_jax.init_cache((16, 8), BF16))
+    with pytest.raises(ValueError, match="impl must be one of"):
+        _gather_fn(BF16, (16, 8), impl="cuda")[2](x, ciera_jax.init_cache((16, 8), BF16))
+    xi = _put(mesh, np.zeros((16, 8), np.int32), spec)
+    with pytest.raises(TypeError, match="compression forced for dtype int32"):
+        _gather_fn(np.int32, (16, 8), compress=True)[2](xi, ciera_jax.init_cache((16, 8),
+                                                                                 np.int32))
+
+
+def test_tree_gather_agrees_once_for_all_tensors():
+    mesh = mesh_of(*MESH)
+    rng = np.random.default_rng(2)
+    tree = {"w_ExDxF": weights(rng, (8, 8, 16), BF16), "norm": weights(rng, (8,), F32),
+            "ids": np.arange(16, dtype=np.int32)}
+    specs = {"w_ExDxF": P("fsdp"), "norm": P("fsdp"), "ids": P("fsdp")}
+    caches = ciera_jax.init_cache_tree(tree)
+
+    def body(t, c):
+        full, new_c, stats = ciera_jax.all_gather_tree(t, c, "fsdp")
+        return jax.tree.map(lambda v: v[None], full), new_c
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(specs, P()),
+                       out_specs=(jax.tree.map(lambda _: P("fsdp"), specs), P()))
+    placed = {k: _put(mesh, v, specs[k]) for k, v in tree.items()}
+    jaxpr = str(jax.make_jaxpr(fn)(placed, caches))
+    assert len(re.findall(r"\bpmax\b", jaxpr)) == 1, "one agreement collective per call"
+    for _ in range(2):
+        full, caches = jax.jit(fn)(placed, caches)
+        for k, v in tree.items():
+            for rank in range(8):
+                np.testing.assert_array_equal(bits_of(np.asarray(full[k])[rank]), bits_of(v))
+    assert bool(caches["w_ExDxF"].primed) and caches["ids"].exp.shape == (0,)
+
+
+def test_compiled_hlo_gathers_uint8_payload():
+    shape = (64, 128)
+    mesh, spec, fn = _gather_fn(BF16, shape)
+    x = _put(mesh, adversarial(np.random.default_rng(3), shape, BF16), spec)
+    cache = ciera_jax.init_cache(shape, BF16)
+    hlo = fn.lower(x, cache).compile().as_text()
+    gathers = re.findall(r"= (\w+\[[\d,]*\])\S* all-gather(?:-start)?\(", hlo)
+    n_local = shape[0] * shape[1] // 8
+    # The no-patch tier gathers exactly the 1-byte payload: (8, n_local) uint8.
+    assert f"u8[8,{n_local}]" in gathers, gathers
+    assert any(g.startswith("u16[") for g in gathers), "the priming/fallback path gathers bits"
+    assert not any(g.startswith("bf16[") for g in gathers), "no bf16 gather may survive"
