@@ -1,0 +1,73 @@
+"""Start N local JAX processes that talk over real sockets (gloo), for tests and benchmarks.
+
+Each child runs ``python -m MODULE ARGS`` with ``CIERA_COORDINATOR``, ``CIERA_NUM_PROCESSES``,
+``CIERA_PROCESS_ID`` and ``CIERA_LOCAL_DEVICES`` set; it calls :func:`init_from_env` before
+touching devices. Ports are picked free and a failed start is retried on a new port.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_from_env() -> int:
+    """Join the process group described by the environment; returns this process's id."""
+    from ciera_jax.devices import emulate_cpu_devices
+
+    emulate_cpu_devices(int(os.environ["CIERA_LOCAL_DEVICES"]))
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    pid = int(os.environ["CIERA_PROCESS_ID"])
+    jax.distributed.initialize(os.environ["CIERA_COORDINATOR"],
+                               num_processes=int(os.environ["CIERA_NUM_PROCESSES"]),
+                               process_id=pid, initialization_timeout=120)
+    return pid
+
+
+def run_local(module: str, args: list[str], *, num_processes: int, local_devices: int,
+              timeout_s: float = 300, attempts: int = 3, env: dict | None = None) -> list[str]:
+    """Run ``module`` in ``num_processes`` processes; returns each one's stdout.
+
+    Raises RuntimeError with the children's output if any exits non-zero on every attempt.
+    """
+    last = ""
+    for _ in range(attempts):
+        coordinator = f"127.0.0.1:{free_port()}"
+        procs = []
+        for pid in range(num_processes):
+            child_env = dict(os.environ, **(env or {}), JAX_PLATFORMS="cpu",
+                             CIERA_COORDINATOR=coordinator,
+                             CIERA_NUM_PROCESSES=str(num_processes), CIERA_PROCESS_ID=str(pid),
+                             CIERA_LOCAL_DEVICES=str(local_devices))
+            child_env.pop("XLA_FLAGS", None)
+            procs.append(subprocess.Popen([sys.executable, "-m", module, *args], env=child_env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True))
+        outs, codes = [], []
+        for p in procs:
+            try:
+                out, _ = p.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                out, _ = p.communicate()
+                out += f"\n[timed out after {timeout_s}s]"
+            outs.append(out)
+            codes.append(p.returncode)
+        if all(c == 0 for c in codes):
+            return outs
+        last = "\n".join(f"--- process {i} (exit {c}) ---\n{o[-3000:]}"
+                         for i, (o, c) in enumerate(zip(outs, codes)))
+        if "address already in use" not in last.lower():
+            break
+    raise RuntimeError(f"local multi-process run of {module} failed:\n{last}")
