@@ -1,0 +1,78 @@
+"""Blockwise absmax int8 all-gather (ZeRO++ qwZ style): the lossy baseline.
+
+Each rank splits its flattened shard into blocks of ``BLOCK`` elements, scales each block by its
+absolute maximum to int8 (round to nearest), and all-gathers the int8 codes plus one float32
+scale per block; every rank dequantizes the full tensor. Wire: 1 byte per element + 4 bytes per
+block, about half a bf16 gather, but the weights the model computes with are no longer the
+weights the optimizer holds. Backward is the transpose of an all-gather (``psum_scatter``),
+straight through the quantizer.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+BLOCK = 256
+
+
+def _nblocks(n: int, block: int = BLOCK) -> int:
+    return -(-n // block)
+
+
+def wire_bytes(shard_elems: int, block: int = BLOCK) -> int:
+    """Bytes one rank contributes to the gather: int8 codes + one float32 scale per block."""
+    return _nblocks(shard_elems, block) * (block + 4)
+
+
+def quantize(x, block: int = BLOCK):
+    """Flattened ``x`` -> (int8 codes [nb, block], float32 scales [nb])."""
+    flat = x.reshape(-1).astype(jnp.float32)
+    nb = _nblocks(flat.size, block)
+    flat = jnp.pad(flat, (0, nb * block - flat.size)).reshape(nb, block)
+    amax = jnp.max(jnp.abs(flat), axis=1)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    q = jnp.clip(jnp.round(flat / scale[:, None]), -127, 127).astype(jnp.int8)
+    return q, scale
+
+
+def dequantize(q, scale, shape, dtype):
+    n = 1
+    for s in shape:
+        n *= s
+    return (q.astype(jnp.float32) * scale[..., None]).reshape(*q.shape[:-2], -1)[..., :n].reshape(
+        *q.shape[:-2], *shape).astype(dtype)
+
+
+def int8_all_gather(x, axis_name: str, *, axis: int = 0, block: int = BLOCK):
+    """Quantize the local shard, all-gather codes + scales, dequantize; tiled along ``axis``.
+
+    Differentiable w.r.t. ``x``: the backward is ``psum_scatter`` of the cotangent.
+    """
+    return _int8_gather(x, axis_name, axis, block)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _int8_gather(x, axis_name, axis, block):
+    q, scale = quantize(x, block)
+    q_all = lax.all_gather(q, axis_name, axis=0, tiled=False)  # [N, nb, block]
+    s_all = lax.all_gather(scale, axis_name, axis=0, tiled=False)  # [N, nb]
+    parts = dequantize(q_all, s_all, x.shape, x.dtype)  # [N, *shard]
+    parts = jnp.moveaxis(parts, 0, axis)  # [..., N, shard_axis, ...]
+    shape = list(x.shape)
+    shape[axis] *= parts.shape[axis]
+    return parts.reshape(shape)
+
+
+def _fwd(x, axis_name, axis, block):
+    return _int8_gather(x, axis_name, axis, block), None
+
+
+def _bwd(axis_name, axis, block, _, ct):
+    return (lax.psum_scatter(ct, axis_name, scatter_dimension=axis, tiled=True),)
+
+
+_int8_gather.defvjp(_fwd, _bwd)

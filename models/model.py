@@ -1,0 +1,246 @@
+"""OLMoE-style decoder in Flax NNX: attention with RoPE/QK-norm, dropless MoE FFN every layer.
+
+Parameter names and shapes are exactly ``models.configs.tensor_inventory`` (names carry their
+shapes: ``w_gate_ExDxF``). Parameters are float32; every layer is ``@gathered``: inside
+``shard_map`` over ``fsdp`` it casts its float32 shards to bfloat16 and all-gathers them just
+before use (CIERA, plain or int8, see ``ciera_jax.fsdp``). Matmuls take bf16 operands and
+accumulate in float32; the residual stream, norms, softmaxes and losses are float32.
+
+Activation names carry shapes too: B batch, L sequence, D model, H heads, K kv heads,
+Q head dim, E experts, F expert hidden, T tokens (B*L), A assignments (T*top_k).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from ciera_jax.fsdp import gathered
+from models.configs import ModelConfig
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+INIT_STD = 0.02
+
+
+def rms_norm(x, scale, eps: float = 1e-6):
+    x = x.astype(F32)
+    x = x * lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
+    return x * scale.astype(F32)
+
+
+def mm(x, w):
+    """bf16 x bf16 -> f32 matmul over the last axis of x and the first of w."""
+    return jnp.dot(x.astype(BF16), w.astype(BF16), preferred_element_type=F32)
+
+
+def rope(x_BxLxHxQ, positions_L, theta: float):
+    half = x_BxLxHxQ.shape[-1] // 2
+    freq = theta ** (-jnp.arange(half, dtype=F32) / half)
+    ang_LxQ2 = positions_L.astype(F32)[:, None] * freq[None, :]
+    sin, cos = jnp.sin(ang_LxQ2)[None, :, None, :], jnp.cos(ang_LxQ2)[None, :, None, :]
+    x1, x2 = x_BxLxHxQ[..., :half], x_BxLxHxQ[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _param(rngs: nnx.Rngs, shape, std=INIT_STD):
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, F32))
+
+
+def _ones(shape):
+    return nnx.Param(jnp.ones(shape, F32))
+
+
+def _zeros(shape):
+    return nnx.Param(jnp.zeros(shape, F32))
+
+
+class Embed(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.embed_VxD = _param(rngs, (cfg.vocab_size, cfg.d_model))
+
+    @gathered()
+    def __call__(self, tokens_BxL):
+        return jnp.take(self.embed_VxD[...], tokens_BxL, axis=0).astype(F32)
+
+
+class Head(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.final_norm = _ones((cfg.d_model,))
+        self.head_DxV = _param(rngs, (cfg.d_model, cfg.vocab_size))
+
+    @gathered()
+    def __call__(self, x_BxLxD):
+        return mm(rms_norm(x_BxLxD, self.final_norm[...]), self.head_DxV[...])
+
+
+class Attention(nnx.Module):
+    """Pre-norm multi-head / grouped-query attention with RoPE; returns the residual update."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        D, K = cfg.d_model, cfg.kv_dim
+        out_std = INIT_STD / (2 * cfg.n_layers) ** 0.5
+        self.cfg = cfg
+        self.attn_norm = _ones((D,))
+        self.wq_DxD = _param(rngs, (D, D))
+        self.wk_DxK = _param(rngs, (D, K))
+        self.wv_DxK = _param(rngs, (D, K))
+        self.wo_DxD = _param(rngs, (D, D), out_std)
+        if cfg.qkv_bias:
+            self.bq_D, self.bk_K, self.bv_K = _zeros((D,)), _zeros((K,)), _zeros((K,))
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = _ones((D,)), _ones((K,))
+
+    @gathered()
+    def __call__(self, x_BxLxD, positions_L):
+        cfg = self.cfg
+        B, L, _ = x_BxLxD.shape
+        H, K, Q = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        h = rms_norm(x_BxLxD, self.attn_norm[...])
+        q, k, v = mm(h, self.wq_DxD[...]), mm(h, self.wk_DxK[...]), mm(h, self.wv_DxK[...])
+        if cfg.qkv_bias:
+            q, k, v = q + self.bq_D[...], k + self.bk_K[...], v + self.bv_K[...]
+        if cfg.qk_norm:
+            q, k = rms_norm(q, self.q_norm[...]), rms_norm(k, self.k_norm[...])
+        q_BxLxHxQ = rope(q.reshape(B, L, H, Q), positions_L, cfg.rope_theta)
+        k_BxLxKxQ = rope(k.reshape(B, L, K, Q), positions_L, cfg.rope_theta)
+        v_BxLxKxQ = v.reshape(B, L, K, Q)
+        if K != H:
+            k_BxLxKxQ = jnp.repeat(k_BxLxKxQ, H // K, axis=2)
+            v_BxLxKxQ = jnp.repeat(v_BxLxKxQ, H // K, axis=2)
+        s_BxHxLxL = jnp.einsum("bqhd,bkhd->bhqk", q_BxLxHxQ.astype(BF16), k_BxLxKxQ.astype(BF16),
+                               preferred_element_type=F32) / jnp.sqrt(F32(Q))
+        causal = jnp.tril(jnp.ones((L, L), bool))
+        p = jax.nn.softmax(jnp.where(causal, s_BxHxLxL, -1e30), axis=-1)
+        o_BxLxHxQ = jnp.einsum("bhqk,bkhd->bqhd", p.astype(BF16), v_BxLxKxQ.astype(BF16),
+                               preferred_element_type=F32)
+        return mm(o_BxLxHxQ.reshape(B, L, H * Q), self.wo_DxD[...])
+
+
+def swiglu(h, w_gate, w_up, w_down):
+    return mm(jax.nn.silu(mm(h, w_gate)) * mm(h, w_up), w_down)
+
+
+class DenseMLP(nnx.Module):
+    """Dense SwiGLU FFN (DeepSeek's leading dense layers)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        D, F = cfg.d_model, cfg.d_dense
+        self.mlp_norm = _ones((D,))
+        self.dense_gate_DxF = _param(rngs, (D, F))
+        self.dense_up_DxF = _param(rngs, (D, F))
+        self.dense_down_FxD = _param(rngs, (F, D), INIT_STD / (2 * cfg.n_layers) ** 0.5)
+
+    @gathered()
+    def __call__(self, x_BxLxD):
+        h = rms_norm(x_BxLxD, self.mlp_norm[...])
+        out = swiglu(h, self.dense_gate_DxF[...], self.dense_up_DxF[...], self.dense_down_FxD[...])
+        return out, {"lb_loss": F32(0), "z_loss": F32(0)}
+
+
+class MoE(nnx.Module):
+    """Softmax router, top-k, dropless SwiGLU experts via grouped matmul (``lax.ragged_dot``).
+
+    Token copies are sorted by expert so each expert's rows are contiguous; ``ragged_dot``
+    multiplies each group by its expert's weights. Optional shared experts (DeepSeek, Qwen)
+    with an optional sigmoid gate (Qwen). Returns the residual update and the aux losses.
+    """
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        D, E, F = cfg.d_model, cfg.n_experts, cfg.d_expert
+        out_std = INIT_STD / (2 * cfg.n_layers) ** 0.5
+        self.cfg = cfg
+        self.mlp_norm = _ones((D,))
+        self.router_DxE = _param(rngs, (D, E))
+        self.w_gate_ExDxF = _param(rngs, (E, D, F))
+        self.w_up_ExDxF = _param(rngs, (E, D, F))
+        self.w_down_ExFxD = _param(rngs, (E, F, D), out_std)
+        if cfg.n_shared_experts:
+            S = cfg.d_shared
+            self.shared_gate_DxS = _param(rngs, (D, S))
+            self.shared_up_DxS = _param(rngs, (D, S))
+            self.shared_down_SxD = _param(rngs, (S, D), out_std)
+            if cfg.shared_expert_gate:
+                self.shared_router_Dx1 = _param(rngs, (D, 1))
+
+    @gathered()
+    def __call__(self, x_BxLxD):
+        cfg = self.cfg
+        B, L, D = x_BxLxD.shape
+        E, k = cfg.n_experts, cfg.top_k
+        h_TxD = rms_norm(x_BxLxD, self.mlp_norm[...]).reshape(B * L, D)
+        logits_TxE = mm(h_TxD, self.router_DxE[...])
+        probs_TxE = jax.nn.softmax(logits_TxE, axis=-1)
+        top_p_Txk, top_e_Txk = lax.top_k(probs_TxE, k)
+        # Dropless routing: sort the T*k token copies by expert, one ragged group per expert.
+        e_A = top_e_Txk.reshape(-1)
+        order_A = jnp.argsort(e_A, stable=True)
+        tok_A = order_A // k
+        sizes_E = jnp.zeros((E,), jnp.int32).at[e_A].add(1)
+        xs_AxD = h_TxD.astype(BF16)[tok_A]
+        g_AxF = lax.ragged_dot(xs_AxD, self.w_gate_ExDxF[...], sizes_E, preferred_element_type=F32)
+        u_AxF = lax.ragged_dot(xs_AxD, self.w_up_ExDxF[...], sizes_E, preferred_element_type=F32)
+        a_AxF = (jax.nn.silu(g_AxF) * u_AxF).astype(BF16)
+        y_AxD = lax.ragged_dot(a_AxF, self.w_down_ExFxD[...], sizes_E, preferred_element_type=F32)
+        y_TxkxD = y_AxD[jnp.argsort(order_A)].reshape(B * L, k, D)  # back to token order
+        out_TxD = jnp.sum(y_TxkxD * top_p_Txk[..., None], axis=1)
+        if cfg.n_shared_experts:
+            sh = swiglu(h_TxD, self.shared_gate_DxS[...], self.shared_up_DxS[...],
+                        self.shared_down_SxD[...])
+            if cfg.shared_expert_gate:
+                sh = sh * jax.nn.sigmoid(mm(h_TxD, self.shared_router_Dx1[...]))
+            out_TxD = out_TxD + sh
+        # Switch-style load balance: E * sum_e (fraction of copies to e) * (mean prob of e).
+        frac_E = sizes_E.astype(F32) / (B * L * k)
+        lb_loss = E * jnp.sum(frac_E * jnp.mean(probs_TxE, axis=0))
+        z_loss = jnp.mean(jnp.square(jax.nn.logsumexp(logits_TxE, axis=-1)))
+        return out_TxD.reshape(B, L, D), {"lb_loss": lb_loss, "z_loss": z_loss}
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs):
+        self.attn = Attention(cfg, rngs)
+        self.mlp = DenseMLP(cfg, rngs) if layer < cfg.n_dense_layers else MoE(cfg, rngs)
+
+    def __call__(self, x_BxLxD, positions_L):
+        x_BxLxD = x_BxLxD + self.attn(x_BxLxD, positions_L)
+        delta, aux = self.mlp(x_BxLxD)
+        return x_BxLxD + delta, aux
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = Embed(cfg, rngs)
+        self.layers = nnx.List([Block(cfg, i, rngs) for i in range(cfg.n_layers)])
+        self.head = Head(cfg, rngs)
+
+    def __call__(self, tokens_BxL):
+        positions_L = jnp.arange(tokens_BxL.shape[1])
+        x = self.embed(tokens_BxL)
+        lb, z = [], []
+        for block in self.layers:
+            x, aux = block(x, positions_L)
+            lb.append(aux["lb_loss"])
+            z.append(aux["z_loss"])
+        n_moe = max(1, self.cfg.n_layers - self.cfg.n_dense_layers)
+        return self.head(x), {"lb_loss": sum(lb) / n_moe, "z_loss": sum(z) / n_moe}
+
+    def loss(self, tokens_BxL1, lb_coef: float = 0.01, z_coef: float = 0.001):
+        """Next-token cross-entropy (mean over tokens) + load-balance and router z-losses."""
+        logits_BxLxV, aux = self(tokens_BxL1[:, :-1])
+        targets_BxL = tokens_BxL1[:, 1:]
+        logp = jax.nn.log_softmax(logits_BxLxV, axis=-1)
+        ce = -jnp.mean(jnp.take_along_axis(logp, targets_BxL[..., None], axis=-1))
+        total = ce + lb_coef * aux["lb_loss"] + z_coef * aux["z_loss"]
+        return total, {"ce": ce, **aux}
+
+
+def param_count(model: nnx.Module) -> int:
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def abstract_model(cfg: ModelConfig) -> Transformer:
+    """The model with shapes only (no memory): for parameter counts of the big configs."""
+    return nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
