@@ -232,9 +232,9 @@ def _encode(x, cache: ExponentCache, spec: _LeafSpec, axis_name, tiers, impl) ->
     offset = lax.axis_index(axis_name).astype(jnp.int32) * shard_len
     cached = lax.dynamic_slice_in_dim(cache.exp, offset, shard_len, axis=spec.axis)
     exp, payload, changed = kernels.encode(x, cached, impl=impl)
-    count = jnp.sum(changed, dtype=jnp.int32)
-    unprimed = jnp.int32(np.iinfo(np.int32).max)
-    demand = jnp.where(cache.primed, count, unprimed)
+    # An unprimed cache knows no exponent: all of them count as changed.
+    count = jnp.where(cache.primed, jnp.sum(changed, dtype=jnp.int32), changed.size)
+    demand = jnp.where(cache.primed, count, jnp.int32(np.iinfo(np.int32).max))
     return _Encoded(exp, payload, changed, count, demand, offset,
                     tuple(tier_ladder(math.prod(x.shape), tuple(tiers))))
 
