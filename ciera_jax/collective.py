@@ -83,54 +83,146 @@ def all_gather_tree(tree, caches, axis_name, *, axis=0, impl: str = "auto",
     ``compress`` are either single values or pytrees with the structure of ``tree``.
     Returns ``(full_tree, new_caches, stats_tree)``.
     """
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     leaves, treedef = jax.tree.flatten(tree)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
     cache_leaves = _match_tree(caches, treedef, "caches", is_leaf=_is_cache)
     axes = _broadcast_option(axis, treedef, "axis")
     compresses = _broadcast_option(compress, treedef, "compress")
+    _check_impl(impl)
 
-    mesh_axes = _manual_axes(axis_name, paths[0] if paths else "tree")
-    specs = []
-    for x, c, ax, comp, path in zip(leaves, cache_leaves, axes, compresses, paths):
-        ax = _normalize_axis(x, ax, path)
-        n_ranks = _axis_size(axis_name, path)
-        specs.append(_LeafSpec(path, ax, n_ranks, _wants_compression(x, c, comp, path)))
-        if specs[-1].compressed:
-            _check_cache(c, x, ax, n_ranks, path)
-
-    encoded = [_encode(lax.stop_gradient(x), c, s, axis_name, tiers, impl) if s.compressed
-               else None for x, c, s in zip(leaves, cache_leaves, specs)]
-    agreed = _agree([e.demand for e in encoded if e is not None], mesh_axes)
-
+    encoded = [encode(x, c, axis_name, axis=ax, impl=impl, tiers=tiers, name=path)
+               if _wants_compression(x, c, comp, path) else None
+               for x, c, ax, comp, path in zip(leaves, cache_leaves, axes, compresses, paths)]
+    agreed = iter(agree([e for e in encoded if e is not None], axis_name))
     outs, new_caches, stats = [], [], []
-    agreed_iter = iter(agreed)
-    for x, c, s, e in zip(leaves, cache_leaves, specs, encoded):
+    for x, c, ax, e in zip(leaves, cache_leaves, axes, encoded):
         if e is None:
-            full = plain_all_gather(x, axis_name, axis=s.axis)
-            outs.append(full)
+            outs.append(plain_all_gather(x, axis_name, axis=ax))
             new_caches.append(c)
             stats.append(_plain_stats(x))
-            continue
-        full, new_c, st = _exchange(e, c, next(agreed_iter), lax.stop_gradient(x), s,
-                                   axis_name, impl)
-        outs.append(_attach_gather_grad(x, full, axis_name, s.axis))
-        new_caches.append(new_c)
-        stats.append(st)
+        else:
+            full, new_c, st = exchange(x, e, c, next(agreed), axis_name, impl=impl)
+            outs.append(full)
+            new_caches.append(new_c)
+            stats.append(st)
     unflat = functools.partial(jax.tree.unflatten, treedef)
     return unflat(outs), unflat(new_caches), unflat(stats)
 
 
-# --------------------------------------------------------------------------- validation
+# --------------------------------------------------------------------------- the three phases
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class _LeafSpec:
-    path: str
-    axis: int
-    n_ranks: int
-    compressed: bool
+class Encoded:
+    """What one rank sends for one tensor, computed before the gather (it can be carried over
+    from the end of the previous step: it depends only on the shard and the cache).
+
+    ``payload``: uint8 (P, *shard shape); ``patch_pos``/``patch_exp``: the first
+    ``capacities[-1]`` changed exponents (position in the full tensor, new exponent; unused
+    slots hold an out-of-range position); ``count``: exponents changed in this shard;
+    ``demand``: ``count``, or int32 max when the cache is unprimed.
+    """
+
+    payload: jax.Array
+    patch_pos: jax.Array
+    patch_exp: jax.Array
+    count: jax.Array
+    demand: jax.Array
+    axis: int = dataclasses.field(metadata=dict(static=True))
+    n_ranks: int = dataclasses.field(metadata=dict(static=True))
+    capacities: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shard_shape(self) -> tuple[int, ...]:
+        return tuple(self.payload.shape[1:])
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        shape = list(self.shard_shape)
+        shape[self.axis] *= self.n_ranks
+        return tuple(shape)
+
+
+def encode(x: jax.Array, cache: ExponentCache, axis_name, *, axis: int = 0,
+           impl: str = "auto", tiers: Sequence[float] = TIER_FRACTIONS,
+           name: str = "tensor") -> Encoded:
+    """Phase 1: split this rank's shard and list its exponents that differ from the cache."""
+    from ciera_jax import kernels
+
+    _check_impl(impl)
+    axis = _normalize_axis(x, axis, name)
+    n_ranks = _axis_size(axis_name, name)
+    codec.word_format(x.dtype)
+    _check_cache(cache, x, axis, n_ranks, name)
+    x = lax.stop_gradient(x)
+    shard_len = x.shape[axis]
+    offset = lax.axis_index(axis_name).astype(jnp.int32) * shard_len
+    cached = lax.dynamic_slice_in_dim(cache.exp, offset, shard_len, axis=axis)
+    exp, payload, changed = kernels.encode(x, cached, impl=impl)
+    capacities = tuple(tier_ladder(x.size, tuple(tiers)))
+    patch_pos, patch_exp = _compact_patches(exp, changed, offset, axis, n_ranks,
+                                            capacities[-1])
+    # An unprimed cache knows no exponent: all of them count as changed.
+    count = jnp.where(cache.primed, jnp.sum(changed, dtype=jnp.int32), changed.size)
+    demand = jnp.where(cache.primed, count, jnp.int32(np.iinfo(np.int32).max))
+    return Encoded(payload, patch_pos, patch_exp, count, demand, axis, n_ranks, capacities)
+
+
+def agree(encoded, axis_name):
+    """Phase 2: one ``pmax`` over every tensor's demand, over all manual mesh axes.
+
+    ``encoded`` is an :class:`Encoded` or a pytree of them; returns the same structure of
+    int32 scalars, identical on every rank, so every rank picks the same tier.
+    """
+    leaves, treedef = jax.tree.flatten(encoded, is_leaf=lambda e: isinstance(e, Encoded))
+    if not leaves:
+        return jax.tree.unflatten(treedef, [])
+    mesh_axes = tuple(jax.sharding.get_abstract_mesh().manual_axes) or (axis_name,)
+    agreed = lax.pmax(jnp.stack([e.demand for e in leaves]), mesh_axes)
+    return jax.tree.unflatten(treedef, list(agreed))
+
+
+def exchange(x: jax.Array, encoded: Encoded, cache: ExponentCache, agreed, axis_name, *,
+             impl: str = "auto"):
+    """Phase 3: gather at the agreed tier and rebuild; returns ``(full, new_cache, stats)``.
+
+    ``x`` must be the shard ``encoded`` was made from: the compressed tiers send the payload,
+    the plain fallback sends ``x``'s bits; gradients flow to ``x`` as through an all-gather.
+    """
+    e = encoded
+    dtype = np.dtype(x.dtype)
+    if tuple(x.shape) != e.shard_shape:
+        raise ValueError(f"exchange: shard shape {tuple(x.shape)} differs from the encoded "
+                         f"shard {e.shard_shape}; encode and exchange the same tensor")
+    caps = e.capacities
+    tier = jnp.sum(agreed > jnp.asarray(caps, jnp.int32)).astype(jnp.int32)  # len(caps): plain
+    branches = [functools.partial(_compressed_branch, K=k, axis_name=axis_name, dtype=dtype,
+                                  impl=impl) for k in caps]
+    branches.append(functools.partial(_plain_branch, axis_name=axis_name, dtype=dtype))
+    full, new_exp = lax.switch(tier, branches, e, cache.exp, lax.stop_gradient(x))
+    fallback = tier == len(caps)
+    n_local = x.size
+    wire_bytes = jnp.where(fallback, n_local * dtype.itemsize,
+                           n_local * codec.word_format(dtype).payload_bytes
+                           + PATCH_BYTES * jnp.asarray(caps + (0,), jnp.int32)[tier])
+    stats = dict(
+        sent_bytes=(wire_bytes + AGREEMENT_BYTES).astype(jnp.int32),
+        plain_bytes=jnp.int32(n_local * dtype.itemsize),
+        changed=e.count,
+        agreed_changed=jnp.minimum(agreed, n_local).astype(jnp.int32),
+        tier=tier,
+        capacity=jnp.asarray(caps + (n_local,), jnp.int32)[tier],
+        fallback=fallback,
+    )
+    new_cache = dataclasses.replace(cache, exp=new_exp, primed=jnp.ones_like(cache.primed))
+    # The gathered tensor differs by nothing across ranks, but lax.all_gather types it as
+    # varying; match that so callers can mix it with per-rank values as they would a gather.
+    full = lax.pcast(full, axis_name, to="varying")
+    return _attach_gather_grad(x, full, axis_name, e.axis), new_cache, stats
+
+
+# --------------------------------------------------------------------------- validation
 
 
 def _is_cache(x) -> bool:
@@ -171,11 +263,6 @@ def _axis_size(axis_name, name) -> int:
             f"mesh=mesh, in_specs=..., out_specs=...)") from None
 
 
-def _manual_axes(axis_name, name) -> tuple:
-    axes = tuple(jax.sharding.get_abstract_mesh().manual_axes)
-    return axes or (axis_name,)
-
-
 def _wants_compression(x, cache, compress, path) -> bool:
     if compress is False:
         return False
@@ -210,124 +297,63 @@ def _check_cache(cache: ExponentCache, x, axis: int, n_ranks: int, path: str) ->
                          "split the tensor or gather it plainly (compress=False)")
 
 
-# --------------------------------------------------------------------------- the three phases
+def _check_impl(impl) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class _Encoded:
-    exp: jax.Array  # uint8, shard shape
-    payload: jax.Array  # uint8 (P, *shard shape)
-    changed: jax.Array  # bool, shard shape
-    count: jax.Array  # int32 scalar: changed exponents in this shard
-    demand: jax.Array  # int32 scalar: count, or "too many" when the cache is unprimed
-    global_offset: jax.Array  # int32: this rank's first index along the gather axis
-    capacities: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+def _compact_patches(exp, changed, offset, axis, n_ranks, K):
+    """The first ``K`` changed positions, as flat indices into the *full* tensor, and their
+    new exponents; unused slots get index ``n_full``, which the receiver's scatter drops."""
+    n_local = exp.size
+    n_full = n_local * n_ranks
+    if K == 0:
+        return jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.uint8)
+    (pos,) = jnp.nonzero(changed.reshape(-1), size=K, fill_value=n_local)
+    valid = pos < n_local
+    new_exp = exp.reshape(-1)[jnp.minimum(pos, n_local - 1)]
+    # Rank r's slab sits at offset r*s along the gather axis of the full tensor.
+    s = exp.shape[axis]
+    post = math.prod(exp.shape[axis + 1:])
+    outer, mid, inner = pos // (s * post), (pos // post) % s, pos % post
+    full_pos = outer * (n_ranks * s * post) + (offset + mid) * post + inner
+    return jnp.where(valid, full_pos, n_full).astype(jnp.int32), new_exp
 
 
-def _encode(x, cache: ExponentCache, spec: _LeafSpec, axis_name, tiers, impl) -> _Encoded:
-    from ciera_jax import kernels
-
-    shard_len = x.shape[spec.axis]
-    offset = lax.axis_index(axis_name).astype(jnp.int32) * shard_len
-    cached = lax.dynamic_slice_in_dim(cache.exp, offset, shard_len, axis=spec.axis)
-    exp, payload, changed = kernels.encode(x, cached, impl=impl)
-    # An unprimed cache knows no exponent: all of them count as changed.
-    count = jnp.where(cache.primed, jnp.sum(changed, dtype=jnp.int32), changed.size)
-    demand = jnp.where(cache.primed, count, jnp.int32(np.iinfo(np.int32).max))
-    return _Encoded(exp, payload, changed, count, demand, offset,
-                    tuple(tier_ladder(math.prod(x.shape), tuple(tiers))))
-
-
-def _agree(demands: list, mesh_axes) -> list:
-    """One pmax over every tensor's change count: the largest demand on any rank, per tensor."""
-    if not demands:
-        return []
-    return list(lax.pmax(jnp.stack(demands), mesh_axes))
-
-
-def _exchange(e: _Encoded, cache: ExponentCache, agreed, x, spec: _LeafSpec, axis_name, impl):
-    dtype = x.dtype
-    caps = e.capacities
-    tier = jnp.sum(agreed > jnp.asarray(caps, jnp.int32)).astype(jnp.int32)  # len(caps): plain
-    branches = [functools.partial(_compressed_branch, K=k, spec=spec, axis_name=axis_name,
-                                  dtype=dtype, impl=impl) for k in caps]
-    branches.append(functools.partial(_plain_branch, spec=spec, axis_name=axis_name,
-                                      dtype=dtype))
-    full, new_exp = lax.switch(tier, branches, e, cache.exp, x)
-    fallback = tier == len(caps)
-    n_local = e.exp.size
-    wire_bytes = jnp.where(fallback, n_local * np.dtype(dtype).itemsize,
-                           n_local * codec.word_format(dtype).payload_bytes
-                           + PATCH_BYTES * jnp.asarray(caps + (0,), jnp.int32)[tier])
-    stats = dict(
-        sent_bytes=(wire_bytes + AGREEMENT_BYTES).astype(jnp.int32),
-        plain_bytes=jnp.int32(n_local * np.dtype(dtype).itemsize),
-        changed=e.count,
-        agreed_changed=jnp.minimum(agreed, n_local).astype(jnp.int32),
-        tier=tier,
-        capacity=jnp.asarray(caps + (n_local,), jnp.int32)[tier],
-        fallback=fallback,
-    )
-    new_cache = dataclasses.replace(cache, exp=new_exp, primed=jnp.ones_like(cache.primed))
-    # The gathered tensor differs by nothing across ranks, but lax.all_gather types it as
-    # varying; match that so callers can mix it with per-rank values as they would a gather.
-    return lax.pcast(full, axis_name, to="varying"), new_cache, stats
-
-
-def _plain_branch(e: _Encoded, cache_exp, x, *, spec, axis_name, dtype):
+def _plain_branch(e: Encoded, cache_exp, x, *, axis_name, dtype):
     """Gather the bits as they are and re-prime the cache from the result."""
-    del e, cache_exp
-    bits = lax.all_gather(codec.to_bits(x), axis_name, axis=spec.axis, tiled=True,
-                          to="invarying")
+    del cache_exp
+    bits = lax.all_gather(codec.to_bits(x), axis_name, axis=e.axis, tiled=True, to="invarying")
     full = codec.from_bits(bits, dtype)
     return full, codec.exponent(full)
 
 
-def _compressed_branch(e: _Encoded, cache_exp, x, *, K, spec, axis_name, dtype, impl):
+def _compressed_branch(e: Encoded, cache_exp, x, *, K, axis_name, dtype, impl):
     """Send payload bytes + K patches in one uint8 buffer; rebuild from cache + patches."""
     from ciera_jax import kernels
 
     del x
-    n_ranks = spec.n_ranks
-    shard_shape = e.exp.shape
-    pre = math.prod(shard_shape[:spec.axis])
-    s = shard_shape[spec.axis]
-    post = math.prod(shard_shape[spec.axis + 1:])
-    n_local = e.exp.size
-    n_full = n_local * n_ranks
-    n_planes = e.payload.shape[0]
-
+    N, n_planes = e.n_ranks, e.payload.shape[0]
+    shard = e.shard_shape
+    pre, s, post = math.prod(shard[:e.axis]), shard[e.axis], math.prod(shard[e.axis + 1:])
     parts = [e.payload.reshape(-1)]
     if K:
-        (pos,) = jnp.nonzero(e.changed.reshape(-1), size=K, fill_value=n_local)
-        valid = pos < n_local
-        new_exp = e.exp.reshape(-1)[jnp.minimum(pos, n_local - 1)]
-        # Position in the full tensor: rank r's rows sit at offset r*s along the gather axis.
-        outer, mid, inner = pos // (s * post), (pos // post) % s, pos % post
-        full_pos = outer * (n_ranks * s * post) + (e.global_offset + mid) * post + inner
-        full_pos = jnp.where(valid, full_pos, n_full).astype(jnp.int32)  # n_full: dropped
-        parts += [lax.bitcast_convert_type(full_pos, jnp.uint8).reshape(-1), new_exp]
-    wire = lax.all_gather(jnp.concatenate(parts), axis_name, axis=0, tiled=False,
-                          to="invarying")  # (N, L) uint8
+        pos = lax.bitcast_convert_type(e.patch_pos[:K], jnp.uint8).reshape(-1)
+        parts += [pos, e.patch_exp[:K]]
+    wire_NxL = lax.all_gather(jnp.concatenate(parts), axis_name, axis=0, tiled=False,
+                              to="invarying")
 
-    payload_len = n_planes * n_local
-    payload = wire[:, :payload_len].reshape(n_ranks, n_planes, pre, s, post)
-    payload = payload.transpose(1, 2, 0, 3, 4).reshape((n_planes,) + _full_shape(e, spec))
+    payload_len = n_planes * pre * s * post
+    payload = wire_NxL[:, :payload_len].reshape(N, n_planes, pre, s, post)
+    payload = payload.transpose(1, 2, 0, 3, 4).reshape((n_planes,) + e.full_shape)
     exp_flat = cache_exp.reshape(-1)
     if K:
-        idx_bytes = wire[:, payload_len:payload_len + 4 * K].reshape(n_ranks * K, 4)
-        idx = lax.bitcast_convert_type(idx_bytes, jnp.int32)
-        vals = wire[:, payload_len + 4 * K:].reshape(-1)
-        exp_flat = exp_flat.at[idx].set(vals, mode="drop", unique_indices=True)
+        pos_bytes = wire_NxL[:, payload_len:payload_len + 4 * K].reshape(N * K, 4)
+        pos = lax.bitcast_convert_type(pos_bytes, jnp.int32)
+        vals = wire_NxL[:, payload_len + 4 * K:].reshape(-1)
+        exp_flat = exp_flat.at[pos].set(vals, mode="drop")
     exp_full = exp_flat.reshape(cache_exp.shape)
     return kernels.decode(exp_full, payload, dtype, impl=impl), exp_full
-
-
-def _full_shape(e: _Encoded, spec: _LeafSpec) -> tuple[int, ...]:
-    shape = list(e.exp.shape)
-    shape[spec.axis] *= spec.n_ranks
-    return tuple(shape)
 
 
 def _plain_stats(x) -> dict:
