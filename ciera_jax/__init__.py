@@ -13,4 +13,8 @@ __all__ = [
     "all_gather_tree",
     "plain_all_gather",
     "gathered",
+    "Encoded",
+    "encode",
+    "agree",
+    "exchange",
 ]
