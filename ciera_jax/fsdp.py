@@ -27,12 +27,12 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import math
 import re
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec as P
@@ -323,6 +323,45 @@ def _is_split(spec: P, axis_name: str) -> bool:
     return any(a == axis_name or (isinstance(a, tuple) and axis_name in a) for a in spec)
 
 
+def state_specs(model: nnx.Module, state: nnx.State, axis_name: str = AXIS, n: int | None = None):
+    """PartitionSpecs for ``state`` (e.g. ``nnx.split(model, nnx.Param, ...)[1]``), one per
+    Variable: a prefix tree usable as ``shard_map`` in/out specs. See :func:`param_specs`."""
+    spec_dict = param_specs(model, axis_name, n)
+
+    def one(path, _):
+        d = spec_dict
+        for k in path:
+            d = d[getattr(k, "key", getattr(k, "name", k))]
+        return d
+
+    return jax.tree_util.tree_map_with_path(one, state,
+                                            is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def put(tree, specs, mesh):
+    """Host values -> global arrays laid out by ``specs`` (a prefix tree of PartitionSpecs)
+    on ``mesh``; works multi-process too (every process passes the same full values)."""
+    from jax.sharding import NamedSharding
+
+    def one(s, x):
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, NamedSharding(mesh, s), lambda i: x[i])
+
+    return jax.tree.map(lambda s, sub: jax.tree.map(functools.partial(one, s), sub),
+                        specs, tree, is_leaf=lambda s: isinstance(s, P))
+
+
+def merge(graphdef, *states):
+    """``nnx.merge`` with fresh Variables at the current trace level.
+
+    Use it inside the traced loss function: the decorator updates the exponent caches in
+    place, and NNX refuses to mutate Variables created at an outer trace level (e.g. states
+    that came in through ``shard_map`` and are passed to ``jax.grad`` as non-differentiated
+    arguments).
+    """
+    return nnx.merge(graphdef, *jax.tree.map(lambda x: x, states))
+
+
 def global_sq_norm(tree, specs, axis_name: str = AXIS):
     """Squared global L2 norm of a sharded pytree inside shard_map.
 
@@ -350,7 +389,6 @@ def clip_by_global_norm(grads, specs, max_norm: float, axis_name: str = AXIS):
 
 __all__ = [
     "AXIS", "RULES", "GATHER_MODES", "ExponentCacheVar", "GatherContext", "gather_mode",
-    "gathered", "attach_caches", "reset_caches", "param_specs", "rule_axis", "param_axis",
+    "gathered", "attach_caches", "reset_caches", "param_specs", "state_specs", "put", "merge", "rule_axis", "param_axis",
     "spec_for", "global_sq_norm", "clip_by_global_norm", "gather_params", "invariant",
 ]
-del math, Any

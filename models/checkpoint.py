@@ -57,3 +57,13 @@ def restore(directory: str, template):
     state = TrainState(int(meta["step"]), got["state"]["params"], template.caches,
                        got["state"]["opt_state"])
     return state, meta
+
+
+def latest_meta(directory: str) -> dict | None:
+    """The JSON metadata of the latest checkpoint (None if there is none)."""
+    step = latest_step(directory)
+    if step is None:
+        return None
+    with _manager(directory, create=False) as mgr:
+        got = mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    return dict(got["meta"])

@@ -90,32 +90,12 @@ def _is_spec(x) -> bool:
     return isinstance(x, P)
 
 
-def _specs_like(spec_dict, state: nnx.State):
-    """PartitionSpecs for an ``nnx.State`` of params, one per Variable (a prefix tree)."""
-
-    def one(path, _):
-        d = spec_dict
-        for k in path:
-            d = d[getattr(k, "key", getattr(k, "name", k))]
-        return d
-
-    return jax.tree_util.tree_map_with_path(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
 def _full_specs(prefix_specs, tree):
     return jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), prefix_specs, tree,
                         is_leaf=_is_spec)
 
 
-def _put(tree, specs, mesh):
-    """Host values -> global arrays sharded by ``specs`` (works multi-process too)."""
-
-    def one(s, x):
-        x = np.asarray(x)
-        return jax.make_array_from_callback(x.shape, NamedSharding(mesh, s), lambda i: x[i])
-
-    return jax.tree.map(lambda s, sub: jax.tree.map(functools.partial(one, s), sub),
-                        specs, tree, is_leaf=_is_spec)
+_put = fsdp.put
 
 
 @dataclasses.dataclass
@@ -173,9 +153,9 @@ def build_trainer(tc: TrainConfig, mesh: Mesh) -> Trainer:
     if tc.gather not in fsdp.GATHER_MODES:
         raise ValueError(f"unknown gather {tc.gather!r}; choose one of: {', '.join(fsdp.GATHER_MODES)}")
     abstract = nnx.eval_shape(lambda: fsdp.attach_caches(Transformer(cfg, nnx.Rngs(0))))
-    spec_dict = fsdp.param_specs(abstract, AXIS, n=n)  # raises if the mesh does not divide
     graphdef, params, caches = nnx.split(abstract, nnx.Param, ExponentCacheVar)
-    param_specs = _specs_like(spec_dict, params)
+    # The rule table's specs; raises if the mesh does not divide a split dimension.
+    param_specs = fsdp.state_specs(abstract, params, AXIS, n=n)
     tx = make_optimizer(tc)
     opt_abs = jax.eval_shape(tx.init, params)
     opt_specs = optax.tree_map_params(
@@ -206,9 +186,7 @@ def _make_step(tc: TrainConfig, mesh: Mesh, graphdef, param_specs, opt_specs, tx
     n = mesh.shape[AXIS]
 
     def loss_fn(params, caches, tokens):
-        # Fresh Variables at this trace level (the decorator updates the caches in place).
-        caches = jax.tree.map(lambda x: x, caches)
-        model = nnx.merge(graphdef, params, caches)
+        model = fsdp.merge(graphdef, params, caches)  # caches are updated in place
         with fsdp.gather_mode(tc.gather) as ctx:
             loss, parts = model.loss(tokens, tc.lb_coef, tc.z_coef)
         new_caches = nnx.state(model, ExponentCacheVar)
@@ -323,6 +301,7 @@ def summarize(history: list[dict], tc: TrainConfig, gather: str) -> str:
     phases = [("first step", [r for r in history if r["step"] == first]),
               (f"warm-up (<= {w})", [r for r in history if first < r["step"] <= w]),
               (f"after warm-up", [r for r in history if r["step"] > max(w, first)]),
+              ("last 25%", history[len(history) - max(1, len(history) // 4):]),
               ("all", history)]
     lines = [f"summary: config={tc.config} gather={gather} steps {first}..{history[-1]['step']}",
              f"{'phase':<18}{'steps':>6}{'loss':>9}{'wire/plain':>12}{'exp chg %':>11}"
@@ -360,11 +339,16 @@ def train(tc: TrainConfig, *, steps: int, seed: int = 0, mesh: Mesh | None = Non
             log(f"no checkpoint in {checkpoint_dir}; starting from step 0")
         else:
             state, meta = restored
+            if meta.get("config", tc.config) != tc.config:
+                raise ValueError(f"checkpoint in {checkpoint_dir} is for config "
+                                 f"{meta['config']!r}, not {tc.config!r}")
             if meta.get("seed", seed) != seed:
                 raise ValueError(f"checkpoint was trained with seed {meta['seed']}, not {seed}")
             log(f"resumed from {checkpoint_dir} at step {state.step} (caches re-prime)")
 
     tokens_per_step = tc.batch_size * tc.length
+    meta_out = {"seed": seed, "config": tc.config, "gather": tc.gather,
+                "schedule_steps": tc.schedule_steps, "batch_size": tc.batch_size}
     history: list[dict] = []
     out = open(metrics_out, "a" if resume else "w") if metrics_out else None
     try:
@@ -388,10 +372,10 @@ def train(tc: TrainConfig, *, steps: int, seed: int = 0, mesh: Mesh | None = Non
             if not math.isfinite(rec["loss"]):
                 raise FloatingPointError(f"loss is {rec['loss']} at step {state.step}")
             if checkpoint_dir and checkpoint_every and state.step % checkpoint_every == 0:
-                ckpt.save(checkpoint_dir, state, {"seed": seed, "config": tc.config})
+                ckpt.save(checkpoint_dir, state, meta_out)
         if checkpoint_dir and (not history or not checkpoint_every
                                or state.step % checkpoint_every != 0):
-            ckpt.save(checkpoint_dir, state, {"seed": seed, "config": tc.config})
+            ckpt.save(checkpoint_dir, state, meta_out)
     finally:
         if out:
             out.close()
