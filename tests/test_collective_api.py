@@ -144,3 +144,30 @@ def test_compiled_hlo_gathers_uint8_payload():
     assert f"u8[8,{n_local}]" in gathers, gathers
     assert any(g.startswith("u16[") for g in gathers), "the priming/fallback path gathers bits"
     assert not any(g.startswith("bf16[") for g in gathers), "no bf16 gather may survive"
+
+
+def test_phases_encoded_ahead_match_the_one_call_gather():
+    """encode at the end of one step, agree + exchange in the next: same bits, same stats."""
+    mesh = mesh_of(*MESH)
+    rng = np.random.default_rng(4)
+    shape = (8, 16, 24)
+    spec = P(None, "fsdp")
+
+    def ahead(x, cache):
+        e = ciera_jax.encode(x, cache, "fsdp", axis=1)
+        full, new_cache, st = ciera_jax.exchange(x, e, cache, ciera_jax.agree(e, "fsdp"), "fsdp")
+        one, _, st_one = ciera_jax.all_gather(x, cache, "fsdp", axis=1)
+        same = jnp.all(lax.bitcast_convert_type(full, jnp.uint16) ==
+                       lax.bitcast_convert_type(one, jnp.uint16))
+        return full[None], new_cache, (same & (st["sent_bytes"] == st_one["sent_bytes"]))[None]
+
+    fn = jax.jit(jax.shard_map(ahead, mesh=mesh, in_specs=(spec, P()),
+                               out_specs=(P("fsdp"), P(), P("fsdp"))))
+    cache = ciera_jax.init_cache(shape, BF16)
+    x = weights(rng, shape, BF16)
+    for _ in range(3):
+        full, cache, same = fn(_put(mesh, x, spec), cache)
+        assert np.asarray(same).all()
+        for rank in range(8):
+            np.testing.assert_array_equal(bits_of(np.asarray(full)[rank]), bits_of(x))
+        x = churn(rng, x, 0.01)
