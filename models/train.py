@@ -148,14 +148,14 @@ def build_trainer(tc: TrainConfig, mesh: Mesh) -> Trainer:
         return _TRAINERS[key]
     cfg = tc.model
     n = mesh.shape[AXIS]
-    if tc.batch_size % n:
-        raise ValueError(f"batch size {tc.batch_size} is not divisible by the {n} devices")
     if tc.gather not in fsdp.GATHER_MODES:
         raise ValueError(f"unknown gather {tc.gather!r}; choose one of: {', '.join(fsdp.GATHER_MODES)}")
     abstract = nnx.eval_shape(lambda: fsdp.attach_caches(Transformer(cfg, nnx.Rngs(0))))
     graphdef, params, caches = nnx.split(abstract, nnx.Param, ExponentCacheVar)
     # The rule table's specs; raises if the mesh does not divide a split dimension.
     param_specs = fsdp.state_specs(abstract, params, AXIS, n=n)
+    if tc.batch_size % n:
+        raise ValueError(f"batch size {tc.batch_size} is not divisible by the {n} devices")
     tx = make_optimizer(tc)
     opt_abs = jax.eval_shape(tx.init, params)
     opt_specs = optax.tree_map_params(

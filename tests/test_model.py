@@ -1,0 +1,93 @@
+"""The MoE transformer: parameter counts vs published totals, names/shapes vs the inventory,
+dropless routing vs a per-token reference, and the data pipeline."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models import configs, data
+from models.model import MoE, Transformer, abstract_model, param_count, rms_norm, swiglu
+
+BIG = [n for n, c in configs.CONFIGS.items() if c.published_total_params]
+
+
+@pytest.mark.parametrize("name", BIG)
+def test_param_counts_match_published(name):
+    cfg = configs.get_config(name)
+    n = param_count(abstract_model(cfg))
+    assert n == configs.total_params(cfg)
+    assert abs(n / cfg.published_total_params - 1) < 0.02, (n, cfg.published_total_params)
+
+
+@pytest.mark.parametrize("name", ["tiny", "deepseek-moe-16b", "qwen1.5-moe-a2.7b"])
+def test_param_names_and_shapes_are_the_inventory(name):
+    cfg = configs.get_config(name)
+    state = nnx.state(abstract_model(cfg), nnx.Param)
+    got = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+        keys = [getattr(k, "key", k) for k in path]
+        layer = keys[1] if keys[0] == "layers" else None
+        name_ = [k for k in keys if isinstance(k, str) and k != "value"][-1]
+        got[(layer, name_)] = tuple(x.shape)
+    want = {(t.layer, t.name): t.shape for t in configs.tensor_inventory(cfg)}
+    assert got == want
+
+
+def test_moe_dropless_matches_per_token_reference():
+    cfg = configs.get_config("tiny")
+    moe = MoE(cfg, nnx.Rngs(3))
+    x = jax.random.normal(jax.random.key(0), (2, 8, cfg.d_model), jnp.float32)
+    y, aux = moe(x)
+    h = rms_norm(x, moe.mlp_norm[...]).reshape(-1, cfg.d_model)
+    probs = jax.nn.softmax(h.astype(jnp.bfloat16).astype(jnp.float32)
+                           @ moe.router_DxE[...].astype(jnp.bfloat16).astype(jnp.float32), -1)
+    bf = lambda w: w.astype(jnp.bfloat16)
+    ref = []
+    for t in range(h.shape[0]):
+        p, e = jax.lax.top_k(probs[t], cfg.top_k)
+        ref.append(sum(p[j] * swiglu(h[t][None], bf(moe.w_gate_ExDxF[...][e[j]]),
+                                     bf(moe.w_up_ExDxF[...][e[j]]),
+                                     bf(moe.w_down_ExFxD[...][e[j]]))[0]
+                       for j in range(cfg.top_k)))
+    np.testing.assert_allclose(np.asarray(y).reshape(-1, cfg.d_model), np.stack(ref),
+                               rtol=2e-2, atol=2e-4)
+    assert float(aux["lb_loss"]) > 0.5 and float(aux["z_loss"]) > 0
+
+
+def test_forward_and_loss_finite():
+    cfg = configs.get_config("tiny")
+    model = Transformer(cfg, nnx.Rngs(0))
+    toks = jax.random.randint(jax.random.key(0), (2, 17), 0, cfg.vocab_size)
+    loss, parts = model.loss(toks)
+    assert np.isfinite(float(loss))
+    assert abs(float(parts["ce"]) - np.log(cfg.vocab_size)) < 0.5  # near uniform at init
+
+
+def test_builtin_corpus_deterministic_batches(tmp_path, monkeypatch):
+    monkeypatch.setenv("CIERA_CACHE_DIR", str(tmp_path))
+    ds = data.load_dataset(None, 256, 64)
+    assert ds.train.dtype == np.uint8 and len(ds.train) > 100_000 and len(ds.val) > 1000
+    assert list(tmp_path.glob("stdlib-bytes-*.bin"))
+    ds2 = data.load_dataset(None, 256, 64)  # from the disk cache
+    np.testing.assert_array_equal(ds.train, ds2.train)
+    b = ds.batch(0, 5, 4, 64)
+    assert b.shape == (4, 65) and b.dtype == np.int32
+    np.testing.assert_array_equal(b, ds2.batch(0, 5, 4, 64))
+    assert not np.array_equal(b, ds.batch(0, 6, 4, 64))
+    assert not np.array_equal(b, ds.batch(1, 5, 4, 64))
+
+
+def test_token_file_loader(tmp_path):
+    p = tmp_path / "toks.bin"
+    np.arange(5000, dtype=np.uint16).tofile(p)
+    ds = data.load_dataset(str(p), 8000, 16)
+    assert ds.train.dtype == np.uint16 and len(ds.train) + len(ds.val) == 5000
+    q = tmp_path / "toks.u32"
+    np.arange(5000, dtype=np.uint32).tofile(q)
+    assert data.load_dataset(str(q), 8000, 16).train.dtype == np.uint32
+    with pytest.raises(FileNotFoundError, match="not found"):
+        data.load_dataset(str(tmp_path / "nope.bin"), 256, 16)
+    with pytest.raises(ValueError, match="vocab_size"):
+        data.load_dataset(str(p), 256, 16)
