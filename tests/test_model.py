@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from models import configs, data
-from models.model import MoE, Transformer, abstract_model, param_count, rms_norm, swiglu
+from models.model import MoE, abstract_model, param_count, rms_norm, swiglu
 
 BIG = [n for n, c in configs.CONFIGS.items() if c.published_total_params]
 
@@ -38,7 +38,7 @@ def test_param_names_and_shapes_are_the_inventory(name):
 def test_moe_dropless_matches_per_token_reference():
     cfg = configs.get_config("tiny")
     moe = MoE(cfg, nnx.Rngs(3))
-    x = jax.random.normal(jax.random.key(0), (2, 8, cfg.d_model), jnp.float32)
+    x = jax.random.normal(jax.random.key(0), (2, 3, cfg.d_model), jnp.float32)
     y, aux = moe(x)
     h = rms_norm(x, moe.mlp_norm[...]).reshape(-1, cfg.d_model)
     probs = jax.nn.softmax(h.astype(jnp.bfloat16).astype(jnp.float32)
@@ -54,15 +54,6 @@ def test_moe_dropless_matches_per_token_reference():
     np.testing.assert_allclose(np.asarray(y).reshape(-1, cfg.d_model), np.stack(ref),
                                rtol=2e-2, atol=2e-4)
     assert float(aux["lb_loss"]) > 0.5 and float(aux["z_loss"]) > 0
-
-
-def test_forward_and_loss_finite():
-    cfg = configs.get_config("tiny")
-    model = Transformer(cfg, nnx.Rngs(0))
-    toks = jax.random.randint(jax.random.key(0), (2, 17), 0, cfg.vocab_size)
-    loss, parts = model.loss(toks)
-    assert np.isfinite(float(loss))
-    assert abs(float(parts["ce"]) - np.log(cfg.vocab_size)) < 0.5  # near uniform at init
 
 
 def test_builtin_corpus_deterministic_batches(tmp_path, monkeypatch):
