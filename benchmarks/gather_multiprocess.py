@@ -1,0 +1,168 @@
+"""Plain-bits vs CIERA all-gather across real processes over sockets (gloo), optionally through
+a bandwidth-limited link between network namespaces.
+
+For 2 and 4 processes (each with ``--local-devices`` CPU devices, default 1) it gathers OLMoE
+expert up-projections ``(E, 2048, 1024)`` bf16 on the d_model axis, at each churn level, with
+the plain bits gather and CIERA (steady state: primed cache carried, two weight versions that
+differ in ``churn`` of their exponents alternate) timed interleaved in the same run. Links:
+
+* ``loopback``  processes on 127.0.0.1 (``ciera_jax.launch.run_local``): gloo over the kernel's
+                loopback, no bandwidth limit;
+* ``10gbit``, ``1gbit`` (any tc rate): every process in its own network namespace, joined by
+                veth links to a bridge, each link shaped with ``tc tbf`` in both directions
+                (``ciera_jax.netns``), standing in for an inter-node network. Needs root,
+                iproute2 and tc; where they are missing it says why and skips those links.
+
+Per row: median seconds per gather (the slowest process's median), ``time ciera/plain`` next to
+``wire ciera/plain`` (bytes one rank sends, from CIERA's stats), and the plain gather's achieved
+rate (bytes each rank receives per second).
+
+    python benchmarks/gather_multiprocess.py [--procs 2 4] [--links loopback 10gbit 1gbit]
+        [--experts 1 4] [--churn 0 0.01] [--reps 5] [--out results/gather_multiprocess.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+WORKER = "mp_gather_bench_worker"
+D_MODEL, D_FF = 2048, 1024
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(__doc__.splitlines()[1:]))
+    p.add_argument("--procs", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--local-devices", type=int, default=1, help="CPU devices per process")
+    p.add_argument("--links", nargs="+", default=["loopback", "10gbit", "1gbit"],
+                   help="loopback and/or tc rates (e.g. 10gbit 1gbit); 'veth' = namespaces "
+                        "without shaping")
+    p.add_argument("--experts", type=int, nargs="+", default=[1, 4],
+                   help=f"experts per tensor: (E, {D_MODEL}, {D_FF}) bf16 = 4 MB per expert")
+    p.add_argument("--churn", type=float, nargs="+", default=[0.0, 0.01])
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=300, help="seconds per launch")
+    p.add_argument("--out", default="results/gather_multiprocess.json")
+    return p.parse_args(argv)
+
+
+def aggregate(results: list[dict], link: str, procs: int) -> list[dict]:
+    """One row per (shape, churn): the slowest process's median for each method."""
+    by_key: dict[tuple, dict] = {}
+    for res in results:
+        for r in res["records"]:
+            key = (tuple(r["shape"]), r["target_change_rate"])
+            row = by_key.setdefault(key, dict(link=link, procs=procs, devices=r["N"],
+                                              shape=list(r["shape"]),
+                                              mb=r["n_bytes"] / 2**20,
+                                              churn=r["target_change_rate"], per_process={}))
+            row[f"{r['method']}_s"] = max(row.get(f"{r['method']}_s", 0.0), r["seconds"])
+            row["per_process"].setdefault(r["method"], []).append(r["seconds"])
+            if r["method"] == "ciera":
+                row.update(wire_ratio=r["wire_ratio"], measured_churn=r["change_rate"],
+                           tier=r["stats"]["tier"], fallback=bool(r["stats"]["fallback"]))
+    rows = []
+    for row in by_key.values():
+        row["time_ratio"] = row["ciera_s"] / row["plain_s"]
+        N = row["devices"]
+        row["plain_recv_GBps"] = (N - 1) / N * row["mb"] * 2**20 / row["plain_s"] / 1e9
+        rows.append(row)
+    return rows
+
+
+def print_rows(rows: list[dict], header: bool) -> None:
+    if header:
+        print(f"{'link':>9} {'procs':>5} {'dev':>3} {'MB':>4} {'churn':>6} {'plain ms':>9} "
+              f"{'ciera ms':>9} {'t ciera/plain':>13} {'wire c/p':>8} {'plain GB/s':>10} "
+              f"{'fb':>2}")
+    for r in rows:
+        print(f"{r['link']:>9} {r['procs']:>5} {r['devices']:>3} {r['mb']:4.0f} "
+              f"{r['churn']:6.2%} {r['plain_s'] * 1e3:9.2f} {r['ciera_s'] * 1e3:9.2f} "
+              f"{r['time_ratio']:13.2f} {r['wire_ratio']:8.3f} {r['plain_recv_GBps']:10.3f} "
+              f"{'y' if r['fallback'] else '-':>2}", flush=True)
+
+
+def parse_results(outs: list[str]) -> list[dict]:
+    res = []
+    for out in outs:
+        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+        if not lines:
+            raise RuntimeError(f"a worker printed no RESULT line:\n{out[-2000:]}")
+        res.append(json.loads(lines[-1][len("RESULT "):]))
+    return res
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from ciera_jax import netns
+    from ciera_jax.launch import run_local
+
+    spec = json.dumps(dict(shapes=[[e, D_MODEL, D_FF] for e in args.experts], axis=1,
+                           churn=args.churn, reps=args.reps, warmup=args.warmup))
+    env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    shaped = [lk for lk in args.links if lk != "loopback"]
+    ns_ok, ns_why = (netns.available() if shaped else (False, "no namespace links asked for"))
+    if shaped and not ns_ok:
+        print(f"bandwidth-limited links skipped ({', '.join(shaped)}): {ns_why}", flush=True)
+    print(f"gather_multiprocess: {args.local_devices} CPU device(s) per process, bf16 "
+          f"(E, {D_MODEL}, {D_FF}) on axis 1, median of {args.reps}, slowest process",
+          flush=True)
+
+    rows, skipped, failures = [], [], []
+    t0 = time.perf_counter()
+    for link in args.links:
+        if link != "loopback" and not ns_ok:
+            skipped.append(dict(link=link, reason=ns_why))
+            continue
+        for procs in args.procs:
+            t_launch = time.perf_counter()
+            try:
+                if link == "loopback":
+                    outs = run_local(WORKER, [spec], num_processes=procs,
+                                     local_devices=args.local_devices, timeout_s=args.timeout,
+                                     env=env)
+                else:
+                    rate = None if link == "veth" else link
+                    with netns.LimitedLink(procs, rate) as lk:
+                        outs = netns.run_in_namespaces(lk, WORKER, [spec],
+                                                       local_devices=args.local_devices,
+                                                       timeout_s=args.timeout, env=env)
+                new = aggregate(parse_results(outs), link, procs)
+            except (RuntimeError, OSError) as e:
+                print(f"{link} x {procs} processes failed: {str(e)[:1500]}", flush=True)
+                failures.append(dict(link=link, procs=procs, error=str(e)[-3000:]))
+                continue
+            for r in new:
+                r["launch_s"] = time.perf_counter() - t_launch
+            print_rows(new, header=not rows)
+            rows += new
+    elapsed = time.perf_counter() - t0
+    out = dict(benchmark="gather_multiprocess",
+               env=dict(host=platform.node(), python=platform.python_version(),
+                        cpus=os.cpu_count(), local_devices=args.local_devices, reps=args.reps,
+                        seconds=elapsed),
+               rows=rows, skipped=skipped, failures=failures,
+               notes=["time_ratio = ciera / plain bits; wire_ratio = bytes one rank sends, "
+                      "ciera / plain",
+                      "shaped links: per-process namespace, veth to a bridge, tc tbf at the "
+                      "rate in both directions (ciera_jax.netns)",
+                      "times are the slowest process's median per method"])
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {args.out} ({elapsed:.0f} s)")
+    return 1 if failures and not rows else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
