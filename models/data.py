@@ -15,7 +15,6 @@ Batches are a pure function of ``(seed, position)``: batch ``i`` draws its windo
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import sys
 import sysconfig

@@ -19,17 +19,14 @@ All three gather modes run this same code; ciera and plain give bitwise-identica
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -350,6 +347,11 @@ def train(tc: TrainConfig, *, steps: int, seed: int = 0, mesh: Mesh | None = Non
     meta_out = {"seed": seed, "config": tc.config, "gather": tc.gather,
                 "schedule_steps": tc.schedule_steps, "batch_size": tc.batch_size}
     history: list[dict] = []
+    if metrics_out and resume and Path(metrics_out).exists():
+        # Keep the records up to the restored step (a crashed run may have logged past it).
+        keep = [line for line in Path(metrics_out).read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= state.step]
+        Path(metrics_out).write_text("".join(line + "\n" for line in keep))
     out = open(metrics_out, "a" if resume else "w") if metrics_out else None
     try:
         while state.step < steps:
@@ -373,8 +375,8 @@ def train(tc: TrainConfig, *, steps: int, seed: int = 0, mesh: Mesh | None = Non
                 raise FloatingPointError(f"loss is {rec['loss']} at step {state.step}")
             if checkpoint_dir and checkpoint_every and state.step % checkpoint_every == 0:
                 ckpt.save(checkpoint_dir, state, meta_out)
-        if checkpoint_dir and (not history or not checkpoint_every
-                               or state.step % checkpoint_every != 0):
+        if checkpoint_dir and history and (not checkpoint_every
+                                           or state.step % checkpoint_every != 0):
             ckpt.save(checkpoint_dir, state, meta_out)
     finally:
         if out:
@@ -386,4 +388,3 @@ def train(tc: TrainConfig, *, steps: int, seed: int = 0, mesh: Mesh | None = Non
 
 __all__ = ["TrainConfig", "Trainer", "TrainState", "build_trainer", "make_mesh", "train",
            "params_sha256", "summarize", "RunResult"]
-del sys, Path

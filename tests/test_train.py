@@ -7,7 +7,6 @@ One TrainConfig for all runs, so the compiled step is shared in-process (it is m
 import json
 
 import jax
-import numpy as np
 import pytest
 from flax import nnx
 
