@@ -9,8 +9,8 @@ the exact words from its cached exponents. Phases, per tensor:
 2. agree: one ``pmax`` over the change counts of *all* tensors gathered together (a vector),
    over every manual mesh axis, so the tier choice is the same on every rank.
 3. exchange: ``lax.switch`` on that rank-invariant tier: a compressed gather with static patch
-   capacity K, or (unprimed cache / too many changes) a plain gather of the bits that re-primes
-   the cache.
+   capacity K (sparse patches, or a changed-bit map plus exponents when many changed), or
+   (unprimed cache / too many changes) a plain gather of the bits that re-primes the cache.
 
 Gradients: the result is attached to ``x`` through a ``custom_vjp`` whose backward is
 ``lax.psum_scatter``, the transpose of an all-gather, so gradients are bitwise those of
@@ -22,18 +22,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ciera_jax import codec
+from ciera_jax import codec, patches
 from ciera_jax.cache import ExponentCache
-# The patch ladder (fractions of the shard; 0 first, plain above the top) and the 5-byte patch
-# live with the cost model so the planner and simulator price exactly what is sent.
-from ciera_jax.costmodel import PATCH_BYTES, TIER_FRACTIONS, tier_ladder
+# The tier ladder lives with the cost model so the planner and simulator price exactly what
+# is sent.
+from ciera_jax.costmodel import DEFAULT_LADDER, Ladder, Tier
 
 AGREEMENT_BYTES = 4  # one int32 change count per tensor in the step's pmax
 
@@ -60,7 +59,7 @@ def plain_all_gather(x: jax.Array, axis_name, *, axis: int = 0) -> jax.Array:
 
 def all_gather(x: jax.Array, cache: ExponentCache, axis_name, *, axis: int = 0,
                impl: str = "auto", compress: bool | None = None,
-               tiers: Sequence[float] = TIER_FRACTIONS, name: str = "tensor"):
+               ladder: Ladder = DEFAULT_LADDER, name: str = "tensor"):
     """All-gather ``x`` (this rank's shard) over ``axis_name``, reusing cached exponents.
 
     Returns ``(full, new_cache, stats)``: ``full`` is bitwise ``lax.all_gather(x, axis_name,
@@ -71,12 +70,12 @@ def all_gather(x: jax.Array, cache: ExponentCache, axis_name, *, axis: int = 0,
     """
     full, new_cache, stats = all_gather_tree(
         {name: x}, {name: cache}, axis_name, axis=axis, impl=impl, compress=compress,
-        tiers=tiers)
+        ladder=ladder)
     return full[name], new_cache[name], stats[name]
 
 
 def all_gather_tree(tree, caches, axis_name, *, axis=0, impl: str = "auto",
-                    compress=None, tiers: Sequence[float] = TIER_FRACTIONS):
+                    compress=None, ladder: Ladder = DEFAULT_LADDER):
     """:func:`all_gather` over a pytree with one agreement collective for all leaves.
 
     ``caches`` mirrors ``tree`` with an :class:`ExponentCache` per leaf. ``axis`` and
@@ -90,7 +89,7 @@ def all_gather_tree(tree, caches, axis_name, *, axis=0, impl: str = "auto",
     compresses = _broadcast_option(compress, treedef, "compress")
     _check_impl(impl)
 
-    encoded = [encode(x, c, axis_name, axis=ax, impl=impl, tiers=tiers, name=path)
+    encoded = [encode(x, c, axis_name, axis=ax, impl=impl, ladder=ladder, name=path)
                if _wants_compression(x, c, comp, path) else None
                for x, c, ax, comp, path in zip(leaves, cache_leaves, axes, compresses, paths)]
     agreed = iter(agree([e for e in encoded if e is not None], axis_name))
@@ -118,20 +117,23 @@ class Encoded:
     """What one rank sends for one tensor, computed before the gather (it can be carried over
     from the end of the previous step: it depends only on the shard and the cache).
 
-    ``payload``: uint8 (P, *shard shape); ``patch_pos``/``patch_exp``: the first
-    ``capacities[-1]`` changed exponents (position in the full tensor, new exponent; unused
-    slots hold an out-of-range position); ``count``: exponents changed in this shard;
-    ``demand``: ``count``, or int32 max when the cache is unprimed.
+    ``payload``: uint8 (P, *shard shape); ``patch_exp``: the new exponents of the first
+    changed elements, in position order, as many as the largest tier holds; ``patch_pos``:
+    their positions in the full tensor, as many as the largest sparse tier holds (unused slots
+    hold an out-of-range position); ``changed_bits``: one bit per element, packed little-end
+    first (empty when the ladder has no bitmap tier); ``count``: exponents changed in this
+    shard; ``demand``: ``count``, or int32 max when the cache is unprimed.
     """
 
     payload: jax.Array
     patch_pos: jax.Array
     patch_exp: jax.Array
+    changed_bits: jax.Array
     count: jax.Array
     demand: jax.Array
     axis: int = dataclasses.field(metadata=dict(static=True))
     n_ranks: int = dataclasses.field(metadata=dict(static=True))
-    capacities: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    tiers: tuple[Tier, ...] = dataclasses.field(metadata=dict(static=True))
 
     @property
     def shard_shape(self) -> tuple[int, ...]:
@@ -145,7 +147,7 @@ class Encoded:
 
 
 def encode(x: jax.Array, cache: ExponentCache, axis_name, *, axis: int = 0,
-           impl: str = "auto", tiers: Sequence[float] = TIER_FRACTIONS,
+           impl: str = "auto", ladder: Ladder = DEFAULT_LADDER,
            name: str = "tensor") -> Encoded:
     """Phase 1: split this rank's shard and list its exponents that differ from the cache."""
     from ciera_jax import kernels
@@ -160,13 +162,16 @@ def encode(x: jax.Array, cache: ExponentCache, axis_name, *, axis: int = 0,
     offset = lax.axis_index(axis_name).astype(jnp.int32) * shard_len
     cached = lax.dynamic_slice_in_dim(cache.exp, offset, shard_len, axis=axis)
     exp, payload, changed = kernels.encode(x, cached, impl=impl)
-    capacities = tuple(tier_ladder(x.size, tuple(tiers)))
-    patch_pos, patch_exp = _compact_patches(exp, changed, offset, axis, n_ranks,
-                                            capacities[-1])
+    tiers = ladder.tiers(x.size)
     # An unprimed cache knows no exponent: all of them count as changed.
     count = jnp.where(cache.primed, jnp.sum(changed, dtype=jnp.int32), changed.size)
+    patch_pos, patch_exp = patches.compact(exp, changed, count, offset, axis, n_ranks, tiers)
+    bitmap = any(t.bitmap for t in tiers)
+    changed_bits = (patches.pack_bits(changed.reshape(-1)) if bitmap
+                    else jnp.zeros((0,), jnp.uint8))
     demand = jnp.where(cache.primed, count, jnp.int32(np.iinfo(np.int32).max))
-    return Encoded(payload, patch_pos, patch_exp, count, demand, axis, n_ranks, capacities)
+    return Encoded(payload, patch_pos, patch_exp, changed_bits, count, demand, axis, n_ranks,
+                   tiers)
 
 
 def agree(encoded, axis_name):
@@ -195,25 +200,25 @@ def exchange(x: jax.Array, encoded: Encoded, cache: ExponentCache, agreed, axis_
     if tuple(x.shape) != e.shard_shape:
         raise ValueError(f"exchange: shard shape {tuple(x.shape)} differs from the encoded "
                          f"shard {e.shard_shape}; encode and exchange the same tensor")
-    caps = e.capacities
-    tier = jnp.sum(agreed > jnp.asarray(caps, jnp.int32)).astype(jnp.int32)  # len(caps): plain
-    branches = [functools.partial(_compressed_branch, K=k, axis_name=axis_name, dtype=dtype,
-                                  impl=impl) for k in caps]
+    tiers = e.tiers
+    capacities = jnp.asarray([t.capacity for t in tiers], jnp.int32)
+    tier = jnp.sum(agreed > capacities).astype(jnp.int32)  # len(tiers): plain
+    branches = [functools.partial(_compressed_branch, tier=t, axis_name=axis_name, dtype=dtype,
+                                  impl=impl) for t in tiers]
     branches.append(functools.partial(_plain_branch, axis_name=axis_name, dtype=dtype))
     full, new_exp = lax.switch(tier, branches, e, cache.exp, lax.stop_gradient(x))
-    fallback = tier == len(caps)
     n_local = x.size
-    wire_bytes = jnp.where(fallback, n_local * dtype.itemsize,
-                           n_local * codec.word_format(dtype).payload_bytes
-                           + PATCH_BYTES * jnp.asarray(caps + (0,), jnp.int32)[tier])
+    payload_bytes = n_local * codec.word_format(dtype).payload_bytes
+    wire = [payload_bytes + t.patch_bytes(n_local) for t in tiers] + [n_local * dtype.itemsize]
     stats = dict(
-        sent_bytes=(wire_bytes + AGREEMENT_BYTES).astype(jnp.int32),
+        sent_bytes=jnp.asarray(wire, jnp.int32)[tier] + AGREEMENT_BYTES,
         plain_bytes=jnp.int32(n_local * dtype.itemsize),
         changed=e.count,
         agreed_changed=jnp.minimum(agreed, n_local).astype(jnp.int32),
         tier=tier,
-        capacity=jnp.asarray(caps + (n_local,), jnp.int32)[tier],
-        fallback=fallback,
+        capacity=jnp.asarray([t.capacity for t in tiers] + [n_local], jnp.int32)[tier],
+        bitmap=jnp.asarray([t.bitmap for t in tiers] + [False])[tier],
+        fallback=tier == len(tiers),
     )
     new_cache = dataclasses.replace(cache, exp=new_exp, primed=jnp.ones_like(cache.primed))
     # The gathered tensor differs by nothing across ranks, but lax.all_gather types it as
@@ -302,24 +307,6 @@ def _check_impl(impl) -> None:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
-def _compact_patches(exp, changed, offset, axis, n_ranks, K):
-    """The first ``K`` changed positions, as flat indices into the *full* tensor, and their
-    new exponents; unused slots get index ``n_full``, which the receiver's scatter drops."""
-    n_local = exp.size
-    n_full = n_local * n_ranks
-    if K == 0:
-        return jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.uint8)
-    (pos,) = jnp.nonzero(changed.reshape(-1), size=K, fill_value=n_local)
-    valid = pos < n_local
-    new_exp = exp.reshape(-1)[jnp.minimum(pos, n_local - 1)]
-    # Rank r's slab sits at offset r*s along the gather axis of the full tensor.
-    s = exp.shape[axis]
-    post = math.prod(exp.shape[axis + 1:])
-    outer, mid, inner = pos // (s * post), (pos // post) % s, pos % post
-    full_pos = outer * (n_ranks * s * post) + (offset + mid) * post + inner
-    return jnp.where(valid, full_pos, n_full).astype(jnp.int32), new_exp
-
-
 def _plain_branch(e: Encoded, cache_exp, x, *, axis_name, dtype):
     """Gather the bits as they are and re-prime the cache from the result."""
     del cache_exp
@@ -328,39 +315,54 @@ def _plain_branch(e: Encoded, cache_exp, x, *, axis_name, dtype):
     return full, codec.exponent(full)
 
 
-def _compressed_branch(e: Encoded, cache_exp, x, *, K, axis_name, dtype, impl):
-    """Send payload bytes + K patches in one uint8 buffer; rebuild from cache + patches."""
+def _compressed_branch(e: Encoded, cache_exp, x, *, tier: Tier, axis_name, dtype, impl):
+    """Send payload bytes + patches in one uint8 buffer; rebuild from cache + patches."""
     from ciera_jax import kernels
 
     del x
-    N, n_planes = e.n_ranks, e.payload.shape[0]
-    shard = e.shard_shape
-    pre, s, post = math.prod(shard[:e.axis]), shard[e.axis], math.prod(shard[e.axis + 1:])
+    K, n_planes = tier.capacity, e.payload.shape[0]
+    n_local = math.prod(e.shard_shape)
     parts = [e.payload.reshape(-1)]
-    if K:
-        pos = lax.bitcast_convert_type(e.patch_pos[:K], jnp.uint8).reshape(-1)
-        parts += [pos, e.patch_exp[:K]]
+    if tier.bitmap:
+        parts += [e.changed_bits, e.patch_exp[:K]]
+    elif K:
+        parts += [lax.bitcast_convert_type(e.patch_pos[:K], jnp.uint8).reshape(-1),
+                  e.patch_exp[:K]]
     wire_NxL = lax.all_gather(jnp.concatenate(parts), axis_name, axis=0, tiled=False,
                               to="invarying")
 
-    payload_len = n_planes * pre * s * post
-    payload = wire_NxL[:, :payload_len].reshape(N, n_planes, pre, s, post)
-    payload = payload.transpose(1, 2, 0, 3, 4).reshape((n_planes,) + e.full_shape)
-    exp_flat = cache_exp.reshape(-1)
-    if K:
-        pos_bytes = wire_NxL[:, payload_len:payload_len + 4 * K].reshape(N * K, 4)
-        pos = lax.bitcast_convert_type(pos_bytes, jnp.int32)
-        vals = wire_NxL[:, payload_len + 4 * K:].reshape(-1)
-        exp_flat = exp_flat.at[pos].set(vals, mode="drop")
-    exp_full = exp_flat.reshape(cache_exp.shape)
-    return kernels.decode(exp_full, payload, dtype, impl=impl), exp_full
+    end = n_planes * n_local
+    payload = _to_full_layout(wire_NxL[:, :end].reshape(-1, n_planes, n_local), e)
+    if tier.bitmap:
+        changed_NxN = patches.unpack_bits(wire_NxL[:, end:end + e.changed_bits.size], n_local)
+        new_NxN = patches.apply_bitmap(changed_NxN, wire_NxL[:, end + e.changed_bits.size:])
+        exp_full = jnp.where(_to_full_layout(changed_NxN, e), _to_full_layout(new_NxN, e),
+                             cache_exp)
+    elif K:
+        pos = lax.bitcast_convert_type(wire_NxL[:, end:end + 4 * K].reshape(-1, 4), jnp.int32)
+        exp_full = patches.apply_sparse(cache_exp, pos, wire_NxL[:, end + 4 * K:].reshape(-1))
+    else:
+        exp_full = cache_exp
+    return kernels.decode(exp_full, payload.reshape((n_planes,) + e.full_shape), dtype,
+                          impl=impl), exp_full
+
+
+def _to_full_layout(a_NxPxn, e: Encoded):
+    """Rank-major (N, [P,] n_local) rows -> the full tensor's layout ([P,] *full_shape)."""
+    shard = e.shard_shape
+    pre, s, post = math.prod(shard[:e.axis]), shard[e.axis], math.prod(shard[e.axis + 1:])
+    lead = a_NxPxn.shape[1:-1]  # the payload planes, if any
+    a = a_NxPxn.reshape((e.n_ranks,) + lead + (pre, s, post))
+    k = len(lead)
+    a = jnp.moveaxis(a, 0, k + 1)  # (lead..., pre, N, s, post)
+    return a.reshape(lead + e.full_shape)
 
 
 def _plain_stats(x) -> dict:
     n_bytes = jnp.int32(x.size * np.dtype(x.dtype).itemsize)
     return dict(sent_bytes=n_bytes, plain_bytes=n_bytes, changed=jnp.int32(0),
                 agreed_changed=jnp.int32(0), tier=jnp.int32(-1), capacity=jnp.int32(0),
-                fallback=jnp.bool_(False))
+                bitmap=jnp.bool_(False), fallback=jnp.bool_(False))
 
 
 # --------------------------------------------------------------------------- gradient

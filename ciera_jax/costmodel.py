@@ -23,11 +23,7 @@ import math
 from pathlib import Path
 from typing import Union
 
-# Patch-capacity ladder, as fractions of the local shard's element count. The collective
-# imports this: capacities = ceil(n_local * f), deduplicated, with 0 first. A change count
-# above the top tier makes the gather fall back to a plain gather of the bits.
-TIER_FRACTIONS: tuple[float, ...] = (1 / 4096, 1 / 1024, 1 / 256, 1 / 64, 1 / 16)
-PATCH_BYTES = 5  # int32 index + uint8 exponent
+PATCH_BYTES = 5  # a sparse patch: int32 position + uint8 exponent
 INT8_BLOCK = 256  # ZeRO++ qwZ-style blockwise absmax int8; one bf16 scale per block
 INT8_SCALE_BYTES = 2
 ENTROPY_RATIO = 1.5  # single-pass lossless entropy coding of bf16 (ZipNN / DietGPU class)
@@ -163,23 +159,48 @@ def agreement_time(N: int, link: Link) -> float:
 
 # ----------------------------------------------------------------------------- patch tiers
 
-def tier_ladder(n_local: int, tiers: tuple[float, ...] = TIER_FRACTIONS) -> list[int]:
-    """Patch capacities for a shard of ``n_local`` elements: 0, then ceil(n_local*f), deduplicated."""
-    caps = [0]
-    for f in tiers:
-        c = math.ceil(n_local * f)
-        if c > caps[-1]:
-            caps.append(c)
-    return caps
+@dataclasses.dataclass(frozen=True)
+class Tier:
+    """A static patch capacity ``capacity`` (changed exponents one rank may send) and how the
+    patches travel: sparse, an (int32 position, exponent) pair each, or ``bitmap``, one
+    changed-bit per element plus one exponent per change, which is cheaper above n/32."""
+
+    capacity: int
+    bitmap: bool = False
+
+    def patch_bytes(self, n_local: int) -> int:
+        if self.bitmap:
+            return math.ceil(n_local / 8) + self.capacity
+        return PATCH_BYTES * self.capacity
 
 
-def tier_capacity(n_local: int, count: int, tiers: tuple[float, ...] = TIER_FRACTIONS) -> int | None:
-    """Smallest capacity on the ladder that holds ``count`` patches; None above the top tier
-    (the gather then falls back to plain)."""
-    for c in tier_ladder(n_local, tiers):
-        if count <= c:
-            return c
-    return None
+@dataclasses.dataclass(frozen=True)
+class Ladder:
+    """The tiers a compressed gather may pick, as fractions of the local shard's size.
+
+    Warm-up churn (5-15% of exponents per step) lands on the bitmap tiers, so it still
+    travels at 1.2-1.6 bytes per bf16 element instead of falling back to 2.
+    """
+
+    sparse: tuple[float, ...] = (1 / 4096, 1 / 1024, 1 / 256, 1 / 32)
+    bitmap: tuple[float, ...] = (1 / 8, 1 / 4, 1 / 2)
+
+    def tiers(self, n_local: int) -> tuple[Tier, ...]:
+        """0 first, then increasing capacities, deduplicated; above the last: plain."""
+        tiers = [Tier(0)]
+        for fractions, bitmap in ((self.sparse, False), (self.bitmap, True)):
+            for f in fractions:
+                c = min(n_local, math.ceil(n_local * f))
+                if c > tiers[-1].capacity:
+                    tiers.append(Tier(c, bitmap))
+        return tuple(tiers)
+
+    def tier_for(self, n_local: int, count: int) -> Tier | None:
+        """Smallest tier that holds ``count`` changes; None above the top (plain fallback)."""
+        return next((t for t in self.tiers(n_local) if count <= t.capacity), None)
+
+
+DEFAULT_LADDER = Ladder()
 
 
 def expected_change_count(n_local: int, change_rate: float) -> int:
@@ -220,11 +241,14 @@ def gather_cost(method: str, n: int, N: int, bytes_per_elem: int, link: Link,
     if method == "ciera":
         payload = b - 1  # the exponent byte stays home
         n_local = math.ceil(n / N)
-        cap = tier_capacity(n_local, expected_change_count(n_local, change_rate))
-        if cap is None:
+        tier = DEFAULT_LADDER.tier_for(n_local, expected_change_count(n_local, change_rate))
+        if tier is None:
             return GatherCost("ciera", n * b, 0.0, fallback=True)
-        return GatherCost("ciera", n * payload + N * cap * patch_bytes,
-                          n * b / link.codec_Bps + link.codec_launch_s, patch_capacity=cap)
+        patches = (tier.patch_bytes(n_local) if tier.bitmap
+                   else tier.capacity * patch_bytes)
+        return GatherCost("ciera", n * payload + N * patches,
+                          n * b / link.codec_Bps + link.codec_launch_s,
+                          patch_capacity=tier.capacity)
     raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
 
 

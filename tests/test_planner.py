@@ -52,16 +52,24 @@ def test_zero_latency_ratio_tends_to_byte_ratio():
 
 
 def test_tier_ladder_and_fallback():
-    assert cm.tier_ladder(4096) == [0, 1, 4, 16, 64, 256]
-    assert cm.tier_ladder(8) == [0, 1]  # deduplicated
-    assert cm.tier_capacity(4096, 0) == 0
-    assert cm.tier_capacity(4096, 5) == 16
-    assert cm.tier_capacity(4096, 257) is None
+    ladder = cm.DEFAULT_LADDER
+    assert [t.capacity for t in ladder.tiers(4096)] == [0, 1, 4, 16, 128, 512, 1024, 2048]
+    assert [t.bitmap for t in ladder.tiers(4096)] == [False] * 5 + [True] * 3
+    assert [t.capacity for t in ladder.tiers(8)] == [0, 1, 2, 4]  # deduplicated
+    assert ladder.tier_for(4096, 0).capacity == 0
+    assert ladder.tier_for(4096, 5).capacity == 16
+    assert ladder.tier_for(4096, 300) == cm.Tier(512, bitmap=True)
+    assert ladder.tier_for(4096, 2049) is None
+    # a bitmap tier costs a bit per element plus a byte per change; sparse 5 bytes per change
+    assert cm.Tier(512, bitmap=True).patch_bytes(4096) == 512 + 512
+    assert cm.Tier(128).patch_bytes(4096) == 640
     p = cm.Profile.load("h100-ib400")
     n, N = 1 << 26, 16
-    # change rate above 1/16: plain gather (plus the agreement) and the planner says plain
-    assert cm.t_ciera(n, N, 1, 0.1, p, agreement_share_s=0.0) == pytest.approx(cm.t_plain(n, N, 2, p))
-    d = plan_tensor((n,), "bfloat16", N, p, 0.1)
+    # change rate above 1/2: plain gather (plus the agreement) and the planner says plain
+    assert cm.t_ciera(n, N, 1, 0.6, p, agreement_share_s=0.0) == pytest.approx(cm.t_plain(n, N, 2, p))
+    # warm-up churn (10%) still travels compressed, on a bitmap tier
+    assert cm.t_ciera(n, N, 1, 0.1, p, agreement_share_s=0.0) < 0.7 * cm.t_plain(n, N, 2, p)
+    d = plan_tensor((n,), "bfloat16", N, p, 0.6)
     assert not d.compress and "tier" in d.reason
 
 
