@@ -334,8 +334,9 @@ def _compressed_branch(e: Encoded, cache_exp, x, *, tier: Tier, axis_name, dtype
     end = n_planes * n_local
     payload = _to_full_layout(wire_NxL[:, :end].reshape(-1, n_planes, n_local), e)
     if tier.bitmap:
-        changed_NxN = patches.unpack_bits(wire_NxL[:, end:end + e.changed_bits.size], n_local)
-        new_NxN = patches.apply_bitmap(changed_NxN, wire_NxL[:, end + e.changed_bits.size:])
+        nb = e.changed_bits.size
+        changed_NxN, new_NxN = patches.apply_bitmap(wire_NxL[:, end:end + nb],
+                                                    wire_NxL[:, end + nb:], n_local)
         exp_full = jnp.where(_to_full_layout(changed_NxN, e), _to_full_layout(new_NxN, e),
                              cache_exp)
     elif K:

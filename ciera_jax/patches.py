@@ -85,7 +85,8 @@ def compact(exp, changed, count, offset, axis: int, n_ranks: int, tiers: tuple[T
             if tier.capacity == 0:
                 return absent_pos, jnp.zeros((n_exp,), jnp.uint8)
             if tier.bitmap:  # positions travel as bits; list the exponents in order
-                slot = jnp.where(flat_mask, prefix_sum(flat_mask.astype(jnp.int32)) - 1, n_exp)
+                ranks = changes_before(pack_bits(flat_mask)[None])[0, :n_local]
+                slot = jnp.where(flat_mask, ranks, n_exp)
                 return absent_pos, jnp.zeros((n_exp,), jnp.uint8).at[slot].set(
                     flat_exp, mode="drop")
             pos = first_positions(flat_mask, tier.capacity)
@@ -126,12 +127,26 @@ def unpack_bits(bits_NxB, n: int):
     return bits.reshape(bits_NxB.shape[0], -1)[:, :n].astype(bool)
 
 
-def apply_bitmap(changed_NxN, exps_NxK):
-    """New exponent of every element of every rank's shard: the j-th set bit of row r takes
-    ``exps_NxK[r, j]`` (values where the bit is clear are unspecified; mask them)."""
+def changes_before(bits_NxB):
+    """For every element of every row, how many set bits precede it in its row: int32 (N, 8B).
+
+    Works on the packed bytes: a prefix sum over byte popcounts (8x shorter than one over the
+    elements) plus the popcount of the lower bits of the element's own byte.
+    """
+    pc = lax.population_count(bits_NxB).astype(jnp.int32)
+    before_byte = prefix_sum(pc, axis=1) - pc
+    lower = (jnp.uint8(1) << jnp.arange(8, dtype=jnp.uint8)) - jnp.uint8(1)
+    within = lax.population_count(bits_NxB[:, :, None] & lower).astype(jnp.int32)
+    return (before_byte[:, :, None] + within).reshape(bits_NxB.shape[0], -1)
+
+
+def apply_bitmap(bits_NxB, exps_NxK, n: int):
+    """Each rank's changed mask and new exponents per element, both (N, n): the j-th set bit
+    of row r takes ``exps_NxK[r, j]`` (new exponents where the bit is clear are meaningless)."""
     k = exps_NxK.shape[1]
-    rank_of_change = prefix_sum(changed_NxN.astype(jnp.int32), axis=1) - 1
-    return jnp.take_along_axis(exps_NxK, jnp.clip(rank_of_change, 0, k - 1), axis=1)
+    ranks = changes_before(bits_NxB)[:, :n]
+    new = jnp.take_along_axis(exps_NxK, jnp.minimum(ranks, k - 1), axis=1)
+    return unpack_bits(bits_NxB, n), new
 
 
 def apply_sparse(cache_exp, pos, vals):

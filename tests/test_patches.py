@@ -59,3 +59,16 @@ def test_compact_lists_changes_in_order_for_the_local_tier(count):
         assert (np.asarray(pos)[count:] == n_full).all()
     else:
         assert (np.asarray(pos) == n_full).all(), "bitmap tiers send bits, not positions"
+
+
+def test_apply_bitmap_gives_each_change_its_exponent_in_order():
+    rng = np.random.default_rng(1)
+    n, k = 37, 20
+    mask = rng.random((3, n)) < 0.4
+    exps = rng.integers(0, 256, (3, k)).astype(np.uint8)
+    bits = jnp.stack([patches.pack_bits(jnp.asarray(m)) for m in mask])
+    got_mask, got_new = patches.apply_bitmap(bits, jnp.asarray(exps), n)
+    np.testing.assert_array_equal(np.asarray(got_mask), mask)
+    for r in range(3):
+        np.testing.assert_array_equal(np.asarray(got_new)[r][mask[r]],
+                                      exps[r][:mask[r].sum()])
