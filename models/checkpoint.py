@@ -55,7 +55,7 @@ def restore(directory: str, template):
                                                         meta=ocp.args.JsonRestore()))
     meta = dict(got["meta"])
     state = TrainState(int(meta["step"]), got["state"]["params"], template.caches,
-                       got["state"]["opt_state"])
+                       got["state"]["opt_state"], ahead=None)  # re-encoded at the first step
     return state, meta
 
 

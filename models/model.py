@@ -1,7 +1,8 @@
 """OLMoE-style decoder in Flax NNX: attention with RoPE/QK-norm, dropless MoE FFN every layer.
 
-Parameter names and shapes are exactly ``models.configs.tensor_inventory`` (names carry their
-shapes: ``w_gate_ExDxF``). Parameters are float32; every layer is ``@gathered``: inside
+Parameter names and per-layer shapes are exactly ``models.configs.tensor_inventory`` (names
+carry their shapes: ``w_gate_ExDxF``); the decoder layers are stacked on a leading layer axis
+and run with ``lax.scan``. Parameters are float32; every layer is ``@gathered``: inside
 ``shard_map`` over ``fsdp`` it casts its float32 shards to bfloat16 and all-gathers them just
 before use (CIERA, plain or int8, see ``ciera_jax.fsdp``). Matmuls take bf16 operands and
 accumulate in float32; the residual stream, norms, softmaxes and losses are float32.
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from ciera_jax import fsdp
 from ciera_jax.fsdp import gathered
 from models.configs import ModelConfig
 
@@ -199,9 +201,11 @@ class MoE(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs):
+    """One decoder layer: attention then the MoE (or, ``dense=True``, a dense SwiGLU) FFN."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dense: bool = False):
         self.attn = Attention(cfg, rngs)
-        self.mlp = DenseMLP(cfg, rngs) if layer < cfg.n_dense_layers else MoE(cfg, rngs)
+        self.mlp = DenseMLP(cfg, rngs) if dense else MoE(cfg, rngs)
 
     def __call__(self, x_BxLxD, positions_L):
         x_BxLxD = x_BxLxD + self.attn(x_BxLxD, positions_L)
@@ -210,22 +214,37 @@ class Block(nnx.Module):
 
 
 class Transformer(nnx.Module):
+    """Embedding, the decoder layers stacked on a leading layer axis (``layers``: the MoE
+    layers; ``dense_layers``: DeepSeek's leading dense layers, when the config has them), head.
+
+    A stacked parameter is the per-layer tensor of ``configs.tensor_inventory`` with the layer
+    axis first (``layers/mlp/w_gate_ExDxF``: (L, E, D, F)); the stack runs under ``lax.scan``
+    (:func:`ciera_jax.fsdp.scan_layers`), so one layer body is traced and compiled.
+    """
+
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = Embed(cfg, rngs)
-        self.layers = nnx.List([Block(cfg, i, rngs) for i in range(cfg.n_layers)])
+        n_dense = cfg.n_dense_layers
+        self.dense_layers = (fsdp.stack(lambda r: Block(cfg, r, dense=True), n_dense, rngs)
+                             if n_dense else None)
+        self.layers = fsdp.stack(lambda r: Block(cfg, r), cfg.n_layers - n_dense, rngs)
         self.head = Head(cfg, rngs)
+
+    def stacks(self) -> list[tuple[int, nnx.Module]]:
+        """(index of the first layer, stack) in execution order."""
+        out = [(0, self.dense_layers)] if self.dense_layers is not None else []
+        return out + [(self.cfg.n_dense_layers, self.layers)]
 
     def __call__(self, tokens_BxL):
         positions_L = jnp.arange(tokens_BxL.shape[1])
         x = self.embed(tokens_BxL)
-        lb, z = [], []
-        for block in self.layers:
-            x, aux = block(x, positions_L)
-            lb.append(aux["lb_loss"])
-            z.append(aux["z_loss"])
+        lb, z = F32(0), F32(0)
+        for _, layers in self.stacks():
+            x, aux = fsdp.scan_layers(layers, x, positions_L)
+            lb, z = lb + jnp.sum(aux["lb_loss"]), z + jnp.sum(aux["z_loss"])
         n_moe = max(1, self.cfg.n_layers - self.cfg.n_dense_layers)
-        return self.head(x), {"lb_loss": sum(lb) / n_moe, "z_loss": sum(z) / n_moe}
+        return self.head(x), {"lb_loss": lb / n_moe, "z_loss": z / n_moe}
 
     def loss(self, tokens_BxL1, lb_coef: float = 0.01, z_coef: float = 0.001):
         """Next-token cross-entropy (mean over tokens) + load-balance and router z-losses."""

@@ -22,11 +22,13 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 import time
 from pathlib import Path
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -55,6 +57,8 @@ class TrainConfig:
     clip_norm: float = 1.0
     lb_coef: float = 0.01
     z_coef: float = 0.001
+    profile: str | None = None  # cost-model profile (name or JSON); None: by platform
+    plan: str = "auto"  # auto: planner + expert weights; cost: planner only; all: every tensor
 
     @property
     def model(self) -> configs.ModelConfig:
@@ -97,10 +101,16 @@ _put = fsdp.put
 
 @dataclasses.dataclass
 class TrainState:
+    """``ahead``: what the end of the previous step prepared for this one (``encoded``: the
+    ``ciera_jax.Encoded`` of every compressed tensor, per rank; ``word_changed``: bf16 words of
+    each gathered tensor that differ from the previous gather). Derived, like the caches: never
+    checkpointed; None after init/restore (then :meth:`Trainer.prepare` encodes at the start)."""
+
     step: int
     params: nnx.State
     caches: nnx.State
     opt_state: object
+    ahead: dict | None = None
 
 
 @dataclasses.dataclass
@@ -113,10 +123,21 @@ class Trainer:
     tx: optax.GradientTransformation
     kinds: dict[str, str]
     step_fn: Callable
+    tensors: dict = dataclasses.field(default_factory=dict)  # key -> fsdp.GatheredTensor
+    compress: dict = dataclasses.field(default_factory=dict)  # key -> bool (ciera only)
+    plan_summary: str = ""
+    prepare_fn: Callable | None = None
 
     @property
     def n(self) -> int:
         return self.mesh.shape[AXIS]
+
+    def prepare(self, state: "TrainState") -> "TrainState":
+        """Fill ``state.ahead`` at the start (first step, after a restore): encode against
+        the current (unprimed) caches, so the first gather primes them."""
+        if state.ahead is not None:
+            return state
+        return dataclasses.replace(state, ahead=self.prepare_fn(state.params, state.caches))
 
     def init_state(self, seed: int) -> TrainState:
         model = fsdp.attach_caches(Transformer(self.tc.model, nnx.Rngs(seed)))
@@ -158,51 +179,165 @@ def build_trainer(tc: TrainConfig, mesh: Mesh) -> Trainer:
     opt_specs = optax.tree_map_params(
         tx, lambda _, s: s, opt_abs, _full_specs(param_specs, params),
         transform_non_params=lambda _: P(), is_leaf=_is_spec)
-    kinds = _kinds(cfg)
-    step_fn = _make_step(tc, mesh, graphdef, param_specs, opt_specs, tx)
-    tr = Trainer(tc, mesh, graphdef, param_specs, opt_specs, tx, kinds, step_fn)
+    tensors = fsdp.gathered_tensors(abstract)
+    kinds = _kinds(cfg, tensors)
+    compress, plan_summary = make_plan(tc, tensors, n, mesh.devices.flat[0].platform)
+    if tc.gather != "ciera":
+        compress = {k: False for k in compress}
+    step_fn, prepare_fn = _make_step(tc, mesh, graphdef, param_specs, opt_specs, tx, tensors,
+                                     compress)
+    tr = Trainer(tc, mesh, graphdef, param_specs, opt_specs, tx, kinds, step_fn, tensors,
+                 compress, plan_summary, prepare_fn)
     _TRAINERS[key] = tr
     return tr
 
 
-def _kinds(cfg: configs.ModelConfig) -> dict[str, str]:
-    """Tensor path as the gather stats name it -> TensorSpec.kind."""
+def _kinds(cfg: configs.ModelConfig, tensors: dict) -> dict[str, str]:
+    """Tensor path as the gather stats name it (per layer) -> TensorSpec.kind."""
+    by_name = {t.name: t.kind for t in configs.tensor_inventory(cfg)}
     out = {}
-    mods = {"embed_VxD": "embed", "head_DxV": "head"}
-    for t in configs.tensor_inventory(cfg):
-        if t.layer is None:
-            if t.name in mods:
-                out[f"{mods[t.name]}/{t.name}"] = t.kind
-        else:
-            sub = "attn" if t.kind in ("attention",) else "mlp"
-            out[f"layers/{t.layer}/{sub}/{t.name}"] = t.kind
+    for key, t in tensors.items():
+        kind = by_name.get(key.rsplit("/", 1)[-1], "other")
+        for layer in range(t.stack or 1):
+            out[t.layer_key(layer)] = kind
     return out
 
 
-def _make_step(tc: TrainConfig, mesh: Mesh, graphdef, param_specs, opt_specs, tx):
+# ----------------------------------------------------------------------------- the plan
+
+PLANS = ("auto", "cost", "all")
+EXPERT_WEIGHT = re.compile(r"w_(gate|up|down)_Ex\w+")
+
+
+def default_profile(platform: str) -> str:
+    return "cpu-emulated" if platform == "cpu" else "h100-nvlink"
+
+
+def make_plan(tc: TrainConfig, tensors: dict, n: int, platform: str) -> tuple[dict, str]:
+    """Compress-or-plain per gathered tensor, from the cost model (``ciera_jax.planner``).
+
+    ``cost``: the planner alone (``plan_tree`` with the profile); ``auto`` (default): the
+    planner, plus the routed expert weights always (the tensors CIERA exists for: in the toy
+    configs they are too small for the saving to beat the codec launch and latency on any
+    profile, and the runs are there to exercise the codec); ``all``: every tensor of a codec
+    dtype. Returns ``({key: bool}, one-line summary)``.
+    """
+    from ciera_jax import planner
+
+    if tc.plan not in PLANS:
+        raise ValueError(f"unknown plan {tc.plan!r}; choose one of: {', '.join(PLANS)}")
+    profile = tc.profile or default_profile(platform)
+    tree = {f"{k}#{layer}": jax.ShapeDtypeStruct(t.shape, t.dtype)
+            for k, t in tensors.items() for layer in range(t.stack or 1)}
+    decided = planner.plan_tree(tree, n, profile)
+    by_cost = {k: decided[f"{k}#0"] for k in tensors}
+    forced = {k: tc.plan == "all" or (tc.plan == "auto"
+                                       and bool(EXPERT_WEIGHT.fullmatch(k.rsplit("/", 1)[-1])))
+              for k in tensors}
+    compress = {k: bool(by_cost[k] or forced[k]) for k in tensors}
+    size = {k: math.prod(t.shape) * (t.stack or 1) for k, t in tensors.items()}
+    frac = sum(size[k] for k in tensors if compress[k]) / max(sum(size.values()), 1)
+    n_cost = sum(by_cost.values())
+    n_forced = sum(1 for k in tensors if compress[k] and not by_cost[k])
+    summary = (f"plan: profile={getattr(planner.cm.get_profile(profile), 'name', profile)} "
+               f"ranks={n} --plan {tc.plan}: compress {sum(compress.values())}/{len(tensors)} "
+               f"tensors ({100 * frac:.1f}% of gathered bytes): {n_cost} by the cost model"
+               + (f", {n_forced} forced ({'expert weights' if tc.plan == 'auto' else 'all'})"
+                  if n_forced else ""))
+    return compress, summary
+
+
+# ----------------------------------------------------------------------------- the step
+
+def _ranked(tree):
+    """Per-rank values -> a leading axis of size 1 (sharded over fsdp outside shard_map)."""
+    return jax.tree.map(lambda a: a[None], tree)
+
+
+def _unranked(tree):
+    return jax.tree.map(lambda a: a[0], tree)
+
+
+def _word_changes(tensors: dict, old: dict, new: dict) -> dict:
+    """bf16 words of each gathered tensor (per layer for stacks) that differ between the
+    gathers of ``old`` and ``new`` params: rank-invariant int32 counts."""
+    out = {}
+    for k, t in tensors.items():
+        a = lax.bitcast_convert_type(old[k].astype(jnp.bfloat16), jnp.uint16)
+        b = lax.bitcast_convert_type(new[k].astype(jnp.bfloat16), jnp.uint16)
+        axes = tuple(range(1 if t.stack else 0, a.ndim))
+        out[k] = lax.psum(jnp.sum(a != b, axis=axes, dtype=jnp.int32), AXIS)
+    return out
+
+
+def _all_words(tensors: dict) -> dict:
+    """Word-change counts of a first gather: every word is new."""
+    return {k: (jnp.full((t.stack,), math.prod(t.shape), jnp.int32) if t.stack
+                else jnp.int32(math.prod(t.shape))) for k, t in tensors.items()}
+
+
+def _make_step(tc: TrainConfig, mesh: Mesh, graphdef, param_specs, opt_specs, tx, tensors,
+               compress):
+    """The compiled step and the compiled ``prepare`` (first step / after restore).
+
+    Step t, one jit of one shard_map:
+      agree   one pmax over the demands of every layer of every compressed tensor (their
+              Encoded came in with the state, prepared at the end of step t-1)
+      forward embed; per layer stack a scan whose body gathers layer l+1 (exchange: switch on
+              the agreed tier, decode) next to the compute of layer l; head. Each gathered
+              compute is rematerialized: backward re-gathers instead of keeping full weights
+      update  grads (psum_scatter of the weight cotangents), global-norm clipping, AdamW
+      encode  the new params (bf16) against the caches the gathers just updated: the Encoded
+              for step t+1, and the word-change counts; out with the state (donated)
+    """
     n = mesh.shape[AXIS]
+    ahead_specs = {"encoded": P(AXIS), "word_changed": P()}
 
-    def loss_fn(params, caches, tokens):
-        model = fsdp.merge(graphdef, params, caches)  # caches are updated in place
-        with fsdp.gather_mode(tc.gather) as ctx:
+    def loss_fn(params, caches, caches_d, encoded, agreed, tokens):
+        model = fsdp.merge(graphdef, params, caches)
+        engine = fsdp.Engine(tc.gather, tensors, caches=caches_d, encoded=encoded, agreed=agreed)
+        with engine.active():
             loss, parts = model.loss(tokens, tc.lb_coef, tc.z_coef)
-        new_caches = nnx.state(model, ExponentCacheVar)
         # Mean over the global batch: each rank's mean over its equal share, divided by n.
-        return loss / n, (loss, parts, new_caches, ctx.stats)
+        return loss / n, (loss, parts, engine.new_caches, engine.stats)
 
-    def local_step(params, caches, opt_state, tokens):
-        grads, (loss, parts, caches, stats) = jax.grad(loss_fn, has_aux=True)(params, caches, tokens)
+    def prepare(params, caches):
+        encoded = fsdp.encode_tensors(tensors, fsdp.param_dict(params), fsdp.cache_dict(caches),
+                                      compress, AXIS)
+        return {"encoded": _ranked(encoded), "word_changed": _all_words(tensors)}
+
+    def local_step(params, caches, opt_state, ahead, tokens):
+        encoded = _unranked(ahead["encoded"])
+        agreed = fsdp.agree_tensors(tensors, encoded, AXIS)  # the step's one agreement
+        caches_d = fsdp.cache_dict(caches)
+        grads, (loss, parts, new_caches, stats) = jax.grad(loss_fn, has_aux=True)(
+            params, caches, caches_d, encoded, agreed, tokens)
+        caches_d = {**caches_d, **new_caches}
         grads, gnorm = fsdp.clip_by_global_norm(grads, param_specs, tc.clip_norm, AXIS)
         updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        new_params = optax.apply_updates(params, updates)
+        # Prepare step t+1 while everything it needs is final (off its critical path).
+        old_d, new_d = fsdp.param_dict(params), fsdp.param_dict(new_params)
+        ahead_next = {
+            "encoded": _ranked(fsdp.encode_tensors(tensors, new_d, caches_d, compress, AXIS)),
+            "word_changed": _word_changes(tensors, old_d, new_d)}
+        for k, st in stats.items():
+            st["words_changed"] = ahead["word_changed"][k]
+        per_layer = {}
+        for k, st in stats.items():
+            t = tensors[k]
+            for layer in range(t.stack or 1):
+                per_layer[t.layer_key(layer)] = ({s: v[layer] for s, v in st.items()}
+                                                 if t.stack else st)
         metrics = {"loss": lax.pmean(loss, AXIS), "grad_norm": gnorm,
-                   **{k: lax.pmean(v, AXIS) for k, v in parts.items()}, "gather": stats}
-        return params, caches, opt_state, metrics
+                   **{k: lax.pmean(v, AXIS) for k, v in parts.items()}, "gather": per_layer}
+        return new_params, fsdp.with_caches(caches, new_caches), opt_state, ahead_next, metrics
 
     sm = jax.shard_map(local_step, mesh=mesh,
-                       in_specs=(param_specs, P(), opt_specs, P(AXIS)),
-                       out_specs=(param_specs, P(), opt_specs, P()))
-    return jax.jit(sm, donate_argnums=(0, 1, 2))
+                       in_specs=(param_specs, P(), opt_specs, ahead_specs, P(AXIS)),
+                       out_specs=(param_specs, P(), opt_specs, ahead_specs, P()))
+    prep = jax.shard_map(prepare, mesh=mesh, in_specs=(param_specs, P()), out_specs=ahead_specs)
+    return jax.jit(sm, donate_argnums=(0, 1, 2, 3)), jax.jit(prep)
 
 
 # ----------------------------------------------------------------------------- params hash
@@ -246,6 +381,7 @@ def _step_record(step: int, m: dict, dt: float, kinds: dict, with_tensors: bool)
     sent = sum(float(s["sent_bytes"]) for s in g.values())
     plain = sum(float(s["plain_bytes"]) for s in g.values())
     changed = sum(float(s["changed"]) for s in g.values())
+    words = sum(float(s["words_changed"]) for s in g.values())
     elems = sum(float(s["elements"]) for s in g.values())
     tiers: dict[str, int] = {}
     for s in g.values():
@@ -254,6 +390,7 @@ def _step_record(step: int, m: dict, dt: float, kinds: dict, with_tensors: bool)
            "lb_loss": float(m["lb_loss"]), "z_loss": float(m["z_loss"]),
            "grad_norm": float(m["grad_norm"]), "sent_bytes": int(sent), "plain_bytes": int(plain),
            "exp_changed_frac": changed / max(elems, 1.0),
+           "word_changed_frac": words / max(elems, 1.0),
            "fallbacks": int(sum(int(s["fallback"]) for s in g.values())),
            "tiers": tiers, "step_time_s": dt}
     if with_tensors:
@@ -262,10 +399,14 @@ def _step_record(step: int, m: dict, dt: float, kinds: dict, with_tensors: bool)
         by_kind: dict[str, list[float]] = {}
         for k, s in g.items():
             kind = kinds.get(k, "other")
-            acc = by_kind.setdefault(kind, [0.0, 0.0])
+            acc = by_kind.setdefault(kind, [0.0, 0.0, 0.0])
             acc[0] += float(s["changed"])
-            acc[1] += float(s["elements"])
-        rec["exp_change_by_kind"] = {k: c / max(e, 1.0) for k, (c, e) in sorted(by_kind.items())}
+            acc[1] += float(s["words_changed"])
+            acc[2] += float(s["elements"])
+        rec["exp_change_by_kind"] = {k: c / max(e, 1.0)
+                                     for k, (c, _, e) in sorted(by_kind.items())}
+        rec["word_change_by_kind"] = {k: w / max(e, 1.0)
+                                      for k, (_, w, e) in sorted(by_kind.items())}
     return rec
 
 
@@ -343,6 +484,8 @@ def train(tc: TrainConfig, *, steps: int, seed: int = 0, mesh: Mesh | None = Non
                 raise ValueError(f"checkpoint was trained with seed {meta['seed']}, not {seed}")
             log(f"resumed from {checkpoint_dir} at step {state.step} (caches re-prime)")
 
+    if tc.gather == "ciera":
+        log(tr.plan_summary)
     tokens_per_step = tc.batch_size * tc.length
     meta_out = {"seed": seed, "config": tc.config, "gather": tc.gather,
                 "schedule_steps": tc.schedule_steps, "batch_size": tc.batch_size}
@@ -357,11 +500,12 @@ def train(tc: TrainConfig, *, steps: int, seed: int = 0, mesh: Mesh | None = Non
         while state.step < steps:
             batch = tr.batch(dataset, seed, state.step)  # data position == step
             t0 = time.perf_counter()
-            params, caches, opt_state, m = tr.step_fn(state.params, state.caches,
-                                                      state.opt_state, batch)
+            state = tr.prepare(state)  # first step / after restore: encode at the start
+            params, caches, opt_state, ahead, m = tr.step_fn(
+                state.params, state.caches, state.opt_state, state.ahead, batch)
             m = jax.device_get(m)
             dt = time.perf_counter() - t0
-            state = TrainState(state.step + 1, params, caches, opt_state)
+            state = TrainState(state.step + 1, params, caches, opt_state, ahead)
             rec = _step_record(state.step, m, dt, tr.kinds,
                                with_tensors=trace_every > 0 and (state.step % trace_every == 0
                                                                 or state.step == 1))

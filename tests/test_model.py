@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from models import configs, data
-from models.model import MoE, abstract_model, param_count, rms_norm, swiglu
+from models.model import MoE, Transformer, abstract_model, param_count, rms_norm, swiglu
 
 BIG = [n for n, c in configs.CONFIGS.items() if c.published_total_params]
 
@@ -23,16 +23,40 @@ def test_param_counts_match_published(name):
 
 @pytest.mark.parametrize("name", ["tiny", "deepseek-moe-16b", "qwen1.5-moe-a2.7b"])
 def test_param_names_and_shapes_are_the_inventory(name):
+    # Layers are stacked: a (L, *shape) parameter under `layers` (MoE layers) or
+    # `dense_layers` (DeepSeek's leading dense layers) is L per-layer tensors of the inventory.
     cfg = configs.get_config(name)
     state = nnx.state(abstract_model(cfg), nnx.Param)
+    first = {"dense_layers": 0, "layers": cfg.n_dense_layers}
     got = {}
     for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
         keys = [getattr(k, "key", k) for k in path]
-        layer = keys[1] if keys[0] == "layers" else None
         name_ = [k for k in keys if isinstance(k, str) and k != "value"][-1]
-        got[(layer, name_)] = tuple(x.shape)
+        if keys[0] in first:
+            for i in range(x.shape[0]):
+                got[(first[keys[0]] + i, name_)] = tuple(x.shape[1:])
+        else:
+            got[(None, name_)] = tuple(x.shape)
     want = {(t.layer, t.name): t.shape for t in configs.tensor_inventory(cfg)}
     assert got == want
+
+
+def test_stacked_forward_is_the_layer_by_layer_forward():
+    # The scanned stack computes what applying its layers one by one computes.
+    cfg = configs.get_config("tiny")
+    toks = jax.random.randint(jax.random.key(0), (2, 9), 0, cfg.vocab_size)
+
+    def by_hand(t):
+        model = Transformer(cfg, nnx.Rngs(0))
+        graphdef, state = nnx.split(model.layers)
+        x, pos = model.embed(t), jnp.arange(t.shape[1])
+        for i in range(cfg.n_layers):
+            x, _ = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))(x, pos)
+        return model.head(x)
+
+    scanned = jax.jit(lambda t: Transformer(cfg, nnx.Rngs(0))(t)[0])
+    np.testing.assert_allclose(np.asarray(scanned(toks)),
+                               np.asarray(jax.jit(by_hand)(toks)), rtol=1e-5, atol=1e-5)
 
 
 def test_moe_dropless_matches_per_token_reference():
