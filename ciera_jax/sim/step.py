@@ -163,6 +163,32 @@ def schedule(groups: list[Group], agreement_s: float = 0.0) -> tuple[float, floa
     return max(end.values()), busy["compute"], busy["comm"]
 
 
+def _on_stream(groups: list[Group], codec_stream: str) -> list[Group]:
+    if codec_stream == "compute":
+        return groups
+    return [dataclasses.replace(g, gather_s=g.gather_s + g.codec_s, codec_s=0.0) for g in groups]
+
+
+def overlap_aware(planned: list[Group], plain: list[Group], agreement_s: float,
+                  codec_stream: str) -> list[Group]:
+    """Keep a group compressed only where that shortens the step.
+
+    The per-tensor planner prices a gather in isolation; a gather that prefetch already hides
+    behind compute gains nothing from compression and still pays its codec. Greedily, group by
+    group, fall back to the plain gather wherever the replayed step is no slower.
+    """
+    groups = list(planned)
+    best = schedule(_on_stream(groups, codec_stream), agreement_s)[0]
+    for i, alt in enumerate(plain):
+        if groups[i].n_compressed == 0:
+            continue
+        trial = groups[:i] + [alt] + groups[i + 1:]
+        t = schedule(_on_stream(trial, codec_stream), agreement_s)[0]
+        if t <= best:
+            groups, best = trial, t
+    return groups
+
+
 def simulate_step(cfg: Any, gpus: int, cluster: Cluster | str = "h100", method: str = "plain",
                   tokens_per_gpu: int = 4096, trace: Trace | None = None,
                   codec_stream: str = "compute") -> StepResult:
@@ -180,12 +206,12 @@ def simulate_step(cfg: Any, gpus: int, cluster: Cluster | str = "h100", method: 
         raise ValueError(f"codec_stream must be 'comm' or 'compute', not {codec_stream!r}")
     trace = trace or default_trace()
     groups = build_groups(cfg, gpus, cluster, method, tokens_per_gpu, trace)
-    codec = 2 * sum(g.codec_s for g in groups)  # forward gather + backward re-gather
-    if codec_stream == "comm":
-        groups = [dataclasses.replace(g, gather_s=g.gather_s + g.codec_s, codec_s=0.0)
-                  for g in groups]
     agree = cm.agreement_time(gpus, cluster.topology) if method == "ciera" else 0.0
-    step, busy_compute, busy_comm = schedule(groups, agree)
+    if method == "ciera":
+        plain = build_groups(cfg, gpus, cluster, "plain", tokens_per_gpu, trace)
+        groups = overlap_aware(groups, plain, agree, codec_stream)
+    codec = 2 * sum(g.codec_s for g in groups)  # forward gather + backward re-gather
+    step, busy_compute, busy_comm = schedule(_on_stream(groups, codec_stream), agree)
     compute = sum(g.fwd_s + g.bwd_s for g in groups)
     return StepResult(method, gpus, step, compute, codec, busy_comm, step - busy_compute,
                       sum(g.wire_bytes for g in groups), sum(g.plain_bytes for g in groups),
