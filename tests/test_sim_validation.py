@@ -26,7 +26,7 @@ FACTOR = 3.0
 
 def test_simulator_predicts_held_out_gathers_within_factor():
     """One retry: a load spike on the shared machine can spoil one calibration or timing."""
-    for attempt in range(2):
+    for _ in range(2):
         report, ok = _calibrate_and_predict()
         print(report)
         if ok:
