@@ -137,7 +137,25 @@ class Trainer:
         the current (unprimed) caches, so the first gather primes them."""
         if state.ahead is not None:
             return state
-        return dataclasses.replace(state, ahead=self.prepare_fn(state.params, state.caches))
+        caches = fsdp.cache_dict(state.caches)
+        if any(np.any(np.asarray(c.primed)) for c in caches.values()):
+            return dataclasses.replace(state, ahead=self.prepare_fn(state.params, state.caches))
+        # Fresh caches (init, restore): every Encoded only has to say "prime me" (demand =
+        # int32 max), and the priming gather sends the shard's own bits, not the payload. So
+        # build it on the host instead of compiling the encoder a second time.
+        shapes = jax.eval_shape(self.prepare_fn, state.params, state.caches)
+        big = np.iinfo(np.int32).max
+
+        def priming(key, e):
+            zero = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), e)
+            n_local = math.prod(self.tensors[key].shape) // self.n
+            return dataclasses.replace(zero, count=np.full(e.count.shape, n_local, np.int32),
+                                       demand=np.full(e.demand.shape, big, np.int32))
+
+        host = {"encoded": {k: priming(k, e) for k, e in shapes["encoded"].items()},
+                "word_changed": jax.tree.map(lambda a: np.asarray(a), jax.device_get(
+                    _all_words(self.tensors)))}
+        return dataclasses.replace(state, ahead=_put(host, AHEAD_SPECS, self.mesh))
 
     def init_state(self, seed: int) -> TrainState:
         model = fsdp.attach_caches(Transformer(self.tc.model, nnx.Rngs(seed)))
@@ -249,6 +267,9 @@ def make_plan(tc: TrainConfig, tensors: dict, n: int, platform: str) -> tuple[di
 
 # ----------------------------------------------------------------------------- the step
 
+AHEAD_SPECS = {"encoded": P(AXIS), "word_changed": P()}
+
+
 def _ranked(tree):
     """Per-rank values -> a leading axis of size 1 (sharded over fsdp outside shard_map)."""
     return jax.tree.map(lambda a: a[None], tree)
@@ -291,7 +312,7 @@ def _make_step(tc: TrainConfig, mesh: Mesh, graphdef, param_specs, opt_specs, tx
               for step t+1, and the word-change counts; out with the state (donated)
     """
     n = mesh.shape[AXIS]
-    ahead_specs = {"encoded": P(AXIS), "word_changed": P()}
+    ahead_specs = AHEAD_SPECS
 
     def loss_fn(params, caches, caches_d, encoded, agreed, tokens):
         model = fsdp.merge(graphdef, params, caches)
