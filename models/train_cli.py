@@ -19,6 +19,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=200, help="train until this step (default 200)")
     p.add_argument("--gather", default="ciera", choices=("ciera", "plain", "int8"),
                    help="ciera (lossless, compressed), plain (lossless baseline), int8 (lossy)")
+    p.add_argument("--profile", default=None,
+                   help="cost-model profile for the compress-or-plain plan: a built-in name "
+                        "(cpu-emulated, h100-nvlink, ...) or a JSON file from `ciera calibrate` "
+                        "(default: cpu-emulated on CPU, h100-nvlink on GPU)")
+    p.add_argument("--plan", default="auto", choices=("auto", "cost", "all"),
+                   help="auto: the cost model plus the expert weights always; cost: the cost "
+                        "model alone; all: every gathered tensor (ciera only)")
     p.add_argument("--devices", type=int, default=None,
                    help="fsdp mesh size (default: 8 emulated CPU devices, or all accelerators)")
     p.add_argument("--seed", type=int, default=0)
@@ -89,7 +96,8 @@ def run(args) -> int:
     mesh = make_mesh(n)
     tc = TrainConfig(config=args.config, gather=args.gather, batch_size=args.batch_size,
                      seq_len=args.seq_len, lr=args.lr, warmup_steps=args.warmup_steps,
-                     schedule_steps=_schedule_steps(args))
+                     schedule_steps=_schedule_steps(args), profile=args.profile,
+                     plan=args.plan)
     is_main = jax.process_index() == 0
     log = (lambda s: print(s, flush=True)) if is_main else None
     if is_main:

@@ -73,15 +73,23 @@ def test_cli_resume_is_bitwise_and_writes_metrics(runs, tmp_path, capsys):
     assert "resumed from" in out and "step   20/20" in out
     assert out.strip().splitlines()[-1] == f"params_sha256={runs['ciera'].sha256}"
     assert "summary:" in out and "wire/plain" in out and "params_sha256=" in first
+    assert "plan: profile=cpu-emulated ranks=8" in first  # the plan, once, at the start
+    assert first.count("plan: profile=") == 1
     recs = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
     for key in ("step", "loss", "sent_bytes", "plain_bytes", "exp_changed_frac", "fallbacks",
-                "step_time_s"):
+                "step_time_s", "word_changed_frac"):
         assert key in recs[0]
+    # a first gather: every word is new; later a word changes at least as often as its exponent
+    assert recs[0]["word_changed_frac"] == 1.0 and recs[10]["word_changed_frac"] == 1.0
+    assert all(r["exp_changed_frac"] <= r["word_changed_frac"] <= 1 for r in recs)
+    assert 0 < recs[5]["word_changed_frac"] < 1
     traced = [r for r in recs if "exp_change_by_kind" in r]
     assert traced and {"expert_gate", "expert_up", "expert_down", "attention", "embed", "head",
                         "router"} <= set(traced[-1]["exp_change_by_kind"])
     assert all(0 <= v <= 1 for v in traced[-1]["exp_change_by_tensor"].values())
+    assert set(traced[-1]["word_change_by_kind"]) == set(traced[-1]["exp_change_by_kind"])
+    assert "layers/1/mlp/w_gate_ExDxF" in traced[-1]["exp_change_by_tensor"]
     # the resumed run's first step re-primed its fresh caches
     assert recs[10]["fallbacks"] > 0
 
@@ -96,3 +104,23 @@ def test_bad_input_one_clear_line(argv, msg, capsys):
     assert cli.main(["train", "--steps", "1", *argv]) == 2
     err = capsys.readouterr().err
     assert msg in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_plan_compresses_expert_weights_by_default():
+    from models.train import make_plan
+    from ciera_jax import fsdp
+    from models.model import abstract_model
+
+    model = fsdp.attach_caches(abstract_model(TC.model))
+    tensors = fsdp.gathered_tensors(model)
+    auto, summary = make_plan(TC, tensors, 8, "cpu")
+    assert {k for k, v in auto.items() if v} == {
+        "layers/mlp/w_gate_ExDxF", "layers/mlp/w_up_ExDxF", "layers/mlp/w_down_ExFxD"}
+    assert "profile=cpu-emulated" in summary and "forced (expert weights)" in summary
+    # tiny's tensors are too small for the cost model on any built-in profile
+    cost, _ = make_plan(TrainConfig(plan="cost", profile="h100-nvlink"), tensors, 8, "gpu")
+    assert not any(cost.values())
+    every, _ = make_plan(TrainConfig(plan="all"), tensors, 8, "cpu")
+    assert all(every.values())
+    with pytest.raises(ValueError, match="unknown plan"):
+        make_plan(TrainConfig(plan="most"), tensors, 8, "cpu")
