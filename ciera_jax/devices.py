@@ -1,10 +1,24 @@
-"""Emulated CPU devices for laptops and CI; real accelerators are used as they are."""
+"""Emulated CPU devices for laptops and CI; real accelerators are used as they are, with the
+XLA flags that let collectives overlap compute on GPU."""
 
 from __future__ import annotations
 
 import os
 
 _FLAG = "--xla_force_host_platform_device_count"
+
+# Applied on GPU unless the user's XLA_FLAGS already set them (checked by flag name). Both
+# parse in jaxlib 0.10.2; async collectives are XLA's default there (the old
+# --xla_gpu_enable_async_all_gather flag is gone and is now rejected as unknown).
+#   latency-hiding scheduler: moves collectives' start/done apart so the gather of layer l+1
+#     runs under the compute of layer l (JAX "GPU performance tips"; NVIDIA JAX-Toolbox sets it
+#     by default in its images)
+#   highest-priority async stream: collectives' stream gets priority over compute kernels so a
+#     prefetch is not starved by the matmuls it should hide behind (JAX "GPU performance tips")
+GPU_XLA_FLAGS: tuple[str, ...] = (
+    "--xla_gpu_enable_latency_hiding_scheduler=true",
+    "--xla_gpu_enable_highest_priority_async_stream=true",
+)
 
 
 def emulate_cpu_devices(n: int) -> None:
@@ -13,10 +27,25 @@ def emulate_cpu_devices(n: int) -> None:
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"{_FLAG}={n}"])
 
 
+def apply_gpu_flags(flags=GPU_XLA_FLAGS) -> list[str]:
+    """Append ``flags`` to XLA_FLAGS, skipping any whose name the user already set; returns
+    the ones added. Must run before JAX creates its backends."""
+    current = os.environ.get("XLA_FLAGS", "").split()
+    names = {f.split("=", 1)[0] for f in current}
+    added = [f for f in flags if f.split("=", 1)[0] not in names]
+    if added:
+        os.environ["XLA_FLAGS"] = " ".join(current + added)
+    return added
+
+
 def setup_devices(n: int | None) -> None:
-    """Use accelerators when present, else ``n`` emulated CPU devices (default 8)."""
-    if os.environ.get("JAX_PLATFORMS", "") in ("", "cpu") and not _has_accelerator():
+    """Use accelerators when present (GPU: with :data:`GPU_XLA_FLAGS`), else ``n`` emulated
+    CPU devices (default 8)."""
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms in ("", "cpu") and not _has_accelerator():
         emulate_cpu_devices(n or 8)
+    elif platforms != "cpu" and _has_gpu():
+        apply_gpu_flags()
 
 
 def _has_accelerator() -> bool:
@@ -24,3 +53,10 @@ def _has_accelerator() -> bool:
 
     return any(importlib.util.find_spec(m) is not None
                for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm_plugin", "libtpu"))
+
+
+def _has_gpu() -> bool:
+    import importlib.util
+
+    return any(importlib.util.find_spec(m) is not None
+               for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm_plugin"))
