@@ -2,16 +2,21 @@
 
 The train step is one ``jax.jit`` of one ``jax.shard_map`` over the ``fsdp`` mesh axis:
 
-    params (f32 shards)  caches (replicated)  opt state (shards)  tokens (batch over fsdp)
-        |                    |
-        +-- loss_fn: nnx.merge -> model.loss; every @gathered layer casts its shards to bf16
-        |            and gathers them just before use (ciera / plain / int8), updating its
-        |            exponent caches; the caches and gather stats leave through the aux
-        +-- grads: sharded params get the psum_scatter of the gather's backward (summed over
-        |          ranks); replicated params (norms) are psummed by shard_map's autodiff.
-        |          The loss is divided by the rank count, so both are grads of the global mean.
+    params (f32 shards)  caches (replicated)  opt state (shards)  ahead (per rank)  tokens
+        |
+        +-- agree: ONE pmax over the demands of every layer of every compressed tensor (their
+        |          ``Encoded`` came in ``ahead``, made at the end of the previous step)
+        +-- forward (``fsdp.Engine``): embed; each layer stack under ``lax.scan``, the body
+        |          gathering layer l+1 (exchange: switch on the agreed tier + decode; or the
+        |          plain / int8 gather) next to the compute of layer l; head. Tensors the plan
+        |          leaves plain use the plain gather. Gathered computes are rematerialized:
+        |          backward re-gathers (exact) and psum_scatters the weight cotangents
+        +-- grads: the loss is divided by the rank count, so these are grads of the global mean;
+        |          replicated params (norms) are psummed by shard_map's autodiff
         +-- global-norm clipping (psum of sharded squares + replicated counted once), AdamW
-    -> new params, new caches, new opt state, metrics (all rank-invariant scalars)
+        +-- prepare step t+1: encode the new params (bf16) against the caches the gathers just
+            updated, count the bf16 words that changed -> ``ahead`` (donated back in)
+    -> new params, new caches, new opt state, ahead, metrics (all rank-invariant scalars)
 
 All three gather modes run this same code; ciera and plain give bitwise-identical params.
 """
