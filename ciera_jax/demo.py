@@ -36,13 +36,7 @@ def run(args) -> int:
     if shape[0] % n:
         raise ValueError(f"--shape {args.shape}: first dimension must divide by {n} devices")
     mesh = jax.make_mesh((n,), ("fsdp",))
-
-    def body(w, cache):
-        full, cache, stats = ciera_jax.all_gather(w, cache, "fsdp")
-        return full[None], cache, jax.tree.map(lambda v: v[None], stats)
-
-    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("fsdp"), P()),
-                                 out_specs=(P("fsdp"), P(), P("fsdp"))))
+    step = gather_step(mesh)
     rng = np.random.default_rng(args.seed)
     w = (rng.standard_normal(shape) * 0.02).astype(jnp.bfloat16)
     cache = ciera_jax.init_cache(shape, jnp.bfloat16)
@@ -66,13 +60,29 @@ def run(args) -> int:
         print(f"{t:>4} {path:>10} {sent / 2**20:>9.2f} {plain / 2**20:>9.2f} "
               f"{sent / plain:>6.3f} {int(stats['changed'].sum()):>8} "
               f"{'exact' if exact else 'DIFFERS':>8}")
-        w = _drift(rng, w, args.churn)
+        w = drift(rng, w, args.churn)
     print(f"total: sent {total_sent / 2**20:.2f} MiB of {total_plain / 2**20:.2f} MiB "
           f"({total_sent / total_plain:.3f}), bitwise exact on every rank: {all_exact}")
     return 0 if all_exact else 1
 
 
-def _drift(rng, w, churn):
+def gather_step(mesh):
+    """jit(shard_map) of one CIERA gather on axis 0 over ``fsdp``: (w, cache) -> (every rank's
+    full tensor stacked, new cache, every rank's stats stacked)."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    import ciera_jax
+
+    def body(w, cache):
+        full, cache, stats = ciera_jax.all_gather(w, cache, "fsdp")
+        return full[None], cache, jax.tree.map(lambda v: v[None], stats)
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("fsdp"), P()),
+                                 out_specs=(P("fsdp"), P(), P("fsdp"))))
+
+
+def drift(rng, w, churn):
     """Move every mantissa; change the exponent of a ``churn`` fraction of elements by +-1."""
     import numpy as np
 
