@@ -2,7 +2,7 @@
 
 from ciera_jax.cache import ExponentCache, init_cache, init_cache_tree
 from ciera_jax.collective import (Encoded, agree, all_gather, all_gather_tree, encode, exchange,
-                                  plain_all_gather)
+                                  plain_all_gather, priming_encoded)
 from ciera_jax.fsdp import gathered
 
 __all__ = [
@@ -17,4 +17,5 @@ __all__ = [
     "encode",
     "agree",
     "exchange",
+    "priming_encoded",
 ]

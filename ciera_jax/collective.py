@@ -174,6 +174,20 @@ def encode(x: jax.Array, cache: ExponentCache, axis_name, *, axis: int = 0,
                    tiers)
 
 
+def priming_encoded(abstract: Encoded, n_local: int) -> Encoded:
+    """A host-side (numpy) :class:`Encoded` that asks for a priming gather, shaped like
+    ``abstract`` (an ``Encoded`` or its ``jax.eval_shape``, leading stacked axes allowed).
+
+    Payload and patches are zeros and every exponent counts as changed, so ``demand`` is int32
+    max and the exchange takes the plain branch, which sends the shard's own bits: nothing
+    needs encoding, e.g. for a fresh or restored cache.
+    """
+    zero = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), abstract)
+    return dataclasses.replace(
+        zero, count=np.full(abstract.count.shape, n_local, np.int32),
+        demand=np.full(abstract.demand.shape, np.iinfo(np.int32).max, np.int32))
+
+
 def agree(encoded, axis_name):
     """Phase 2: one ``pmax`` over every tensor's demand, over all manual mesh axes.
 

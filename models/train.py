@@ -41,6 +41,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import ciera_jax
 from ciera_jax import fsdp
 from ciera_jax.fsdp import AXIS, ExponentCacheVar
 from models import configs
@@ -83,10 +84,15 @@ def make_mesh(n_devices: int | None = None) -> Mesh:
     return Mesh(np.array(devs[:n]), (AXIS,))
 
 
-def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
-    sched = optax.warmup_cosine_decay_schedule(
+def make_schedule(tc: TrainConfig) -> optax.Schedule:
+    """Linear warm-up to ``lr``, cosine decay to ``lr * min_lr_ratio`` at ``schedule_steps``."""
+    return optax.warmup_cosine_decay_schedule(
         0.0, tc.lr, max(1, tc.warmup_steps), max(tc.schedule_steps, tc.warmup_steps + 1),
         end_value=tc.lr * tc.min_lr_ratio)
+
+
+def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+    sched = make_schedule(tc)
     # Clipping is done before (globally, under sharding); AdamW is elementwise, so it is
     # correct on shards.
     return optax.adamw(sched, b1=0.9, b2=0.95, eps=1e-8, weight_decay=tc.weight_decay)
@@ -149,15 +155,9 @@ class Trainer:
         # int32 max), and the priming gather sends the shard's own bits, not the payload. So
         # build it on the host instead of compiling the encoder a second time.
         shapes = jax.eval_shape(self.prepare_fn, state.params, state.caches)
-        big = np.iinfo(np.int32).max
-
-        def priming(key, e):
-            zero = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), e)
-            n_local = math.prod(self.tensors[key].shape) // self.n
-            return dataclasses.replace(zero, count=np.full(e.count.shape, n_local, np.int32),
-                                       demand=np.full(e.demand.shape, big, np.int32))
-
-        host = {"encoded": {k: priming(k, e) for k, e in shapes["encoded"].items()},
+        host = {"encoded": {k: ciera_jax.priming_encoded(
+                    e, math.prod(self.tensors[k].shape) // self.n)
+                    for k, e in shapes["encoded"].items()},
                 "word_changed": jax.tree.map(lambda a: np.asarray(a), jax.device_get(
                     _all_words(self.tensors)))}
         return dataclasses.replace(state, ahead=_put(host, AHEAD_SPECS, self.mesh))
