@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _init_distributed(args) -> None:
     import jax
 
+    if args.coordinator or "JAX_COORDINATOR_ADDRESS" in os.environ:
+        # CPU processes exchange collectives over gloo sockets (GPUs use NCCL regardless).
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if args.coordinator:
         if args.num_processes is None or args.process_id is None:
             raise ValueError("--coordinator needs --num-processes and --process-id")
