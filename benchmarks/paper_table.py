@@ -17,7 +17,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ciera_jax import costmodel as cm  # noqa: E402
 from ciera_jax.sim import default_trace, get_cluster, load_trace, sweep  # noqa: E402
 
 MODEL = "olmoe-1b-7b"
@@ -124,9 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         wire_c = main_run["results"][str(N)]["methods"]["ciera"]["wire_bytes_per_gather_pass"]
         gather_only[N] = wire_p / wire_c
 
-    lines = [f"| GPUs | published x lossless | published x lossy | simulated x plain bf16 | "
-             f"simulated x int8 | simulated x entropy 1.5x | comm-bound corner x plain | "
-             f"gather bytes ratio |",
+    lines = ["| GPUs | published x lossless | published x lossy | simulated x plain bf16 | "
+             "simulated x int8 | simulated x entropy 1.5x | comm-bound corner x plain | "
+             "gather bytes ratio |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for N in Ns:
         s = main_run["results"][str(N)]["speedup_ciera_over"]

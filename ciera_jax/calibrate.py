@@ -29,7 +29,6 @@ interleaved timing).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import functools
 import math

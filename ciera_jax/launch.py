@@ -43,31 +43,46 @@ def run_local(module: str, args: list[str], *, num_processes: int, local_devices
     last = ""
     for _ in range(attempts):
         coordinator = f"127.0.0.1:{free_port()}"
-        procs = []
-        for pid in range(num_processes):
-            child_env = dict(os.environ, **(env or {}), JAX_PLATFORMS="cpu",
-                             CIERA_COORDINATOR=coordinator,
-                             CIERA_NUM_PROCESSES=str(num_processes), CIERA_PROCESS_ID=str(pid),
-                             CIERA_LOCAL_DEVICES=str(local_devices))
-            child_env.pop("XLA_FLAGS", None)
-            procs.append(subprocess.Popen([sys.executable, "-m", module, *args], env=child_env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          text=True))
-        outs, codes = [], []
-        for p in procs:
-            try:
-                out, _ = p.communicate(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                out, _ = p.communicate()
-                out += f"\n[timed out after {timeout_s}s]"
-            outs.append(out)
-            codes.append(p.returncode)
+        procs = [subprocess.Popen([sys.executable, "-m", module, *args],
+                                  env=child_env(coordinator, num_processes, pid, local_devices,
+                                                env),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for pid in range(num_processes)]
+        outs, codes = collect(procs, timeout_s)
         if all(c == 0 for c in codes):
             return outs
-        last = "\n".join(f"--- process {i} (exit {c}) ---\n{o[-3000:]}"
-                         for i, (o, c) in enumerate(zip(outs, codes)))
+        last = failure_report(outs, codes)
         if "address already in use" not in last.lower():
             break
     raise RuntimeError(f"local multi-process run of {module} failed:\n{last}")
+
+
+def child_env(coordinator: str, num_processes: int, pid: int, local_devices: int,
+              env: dict | None = None, **extra: str) -> dict:
+    """The environment :func:`init_from_env` reads in child ``pid``."""
+    out = dict(os.environ, **(env or {}), JAX_PLATFORMS="cpu", CIERA_COORDINATOR=coordinator,
+               CIERA_NUM_PROCESSES=str(num_processes), CIERA_PROCESS_ID=str(pid),
+               CIERA_LOCAL_DEVICES=str(local_devices), **extra)
+    out.pop("XLA_FLAGS", None)  # the child sets its own device count
+    return out
+
+
+def collect(procs, timeout_s: float) -> tuple[list[str], list[int]]:
+    """Wait for every child (killing all on a timeout); their outputs and exit codes."""
+    outs, codes = [], []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            out, _ = p.communicate()
+            out += f"\n[timed out after {timeout_s}s]"
+        outs.append(out)
+        codes.append(p.returncode)
+    return outs, codes
+
+
+def failure_report(outs: list[str], codes: list[int]) -> str:
+    return "\n".join(f"--- process {i} (exit {c}) ---\n{o[-3000:]}"
+                     for i, (o, c) in enumerate(zip(outs, codes)))

@@ -26,6 +26,8 @@ import shutil
 import subprocess
 import sys
 
+from ciera_jax.launch import child_env, collect, failure_report
+
 MTU = 9000  # jumbo frames, as on datacenter links
 
 
@@ -145,29 +147,12 @@ def run_in_namespaces(link: LimitedLink, module: str, args: list[str], *, local_
     Raises RuntimeError with the children's output if any exits non-zero."""
     port = random.randint(20000, 60000)  # fresh namespaces: every port is free
     coordinator = f"{link.ips[0]}:{port}"
-    procs = []
-    for pid in range(link.num):
-        child_env = dict(os.environ, **(env or {}), JAX_PLATFORMS="cpu",
-                         CIERA_COORDINATOR=coordinator, CIERA_NUM_PROCESSES=str(link.num),
-                         CIERA_PROCESS_ID=str(pid), CIERA_LOCAL_DEVICES=str(local_devices),
-                         CIERA_GLOO_HOSTNAME=link.ips[pid])
-        child_env.pop("XLA_FLAGS", None)
-        procs.append(subprocess.Popen([*link.exec_prefix(pid), sys.executable, "-m", module,
-                                       *args], env=child_env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    outs, codes = [], []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            out, _ = p.communicate()
-            out += f"\n[timed out after {timeout_s}s]"
-        outs.append(out)
-        codes.append(p.returncode)
+    procs = [subprocess.Popen([*link.exec_prefix(pid), sys.executable, "-m", module, *args],
+                              env=child_env(coordinator, link.num, pid, local_devices, env,
+                                            CIERA_GLOO_HOSTNAME=link.ips[pid]),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for pid in range(link.num)]
+    outs, codes = collect(procs, timeout_s)
     if any(c != 0 for c in codes):
-        last = "\n".join(f"--- process {i} (exit {c}) ---\n{o[-3000:]}"
-                         for i, (o, c) in enumerate(zip(outs, codes)))
-        raise RuntimeError(f"namespace run of {module} failed:\n{last}")
+        raise RuntimeError(f"namespace run of {module} failed:\n{failure_report(outs, codes)}")
     return outs

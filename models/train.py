@@ -464,7 +464,7 @@ def summarize(history: list[dict], tc: TrainConfig, gather: str) -> str:
     first = history[0]["step"]
     phases = [("first step", [r for r in history if r["step"] == first]),
               (f"warm-up (<= {w})", [r for r in history if first < r["step"] <= w]),
-              (f"after warm-up", [r for r in history if r["step"] > max(w, first)]),
+              ("after warm-up", [r for r in history if r["step"] > max(w, first)]),
               ("last 25%", history[len(history) - max(1, len(history) // 4):]),
               ("all", history)]
     lines = [f"summary: config={tc.config} gather={gather} steps {first}..{history[-1]['step']}",
