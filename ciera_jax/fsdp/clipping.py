@@ -1,0 +1,37 @@
+"""Global-norm gradient clipping over sharded gradients: split leaves add their shards' squares
+over the mesh axis, replicated leaves count once."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ciera_jax.fsdp._util import invariant
+from ciera_jax.fsdp.rules import AXIS
+from ciera_jax.fsdp.specs import _is_split, _spec_pairs
+
+
+def global_sq_norm(tree, specs, axis_name: str = AXIS):
+    """Squared global L2 norm of a sharded pytree inside shard_map.
+
+    ``specs`` (a prefix of ``tree``) says which leaves are split over ``axis_name``: those
+    contribute the psum of their shards' squares; replicated leaves are counted once (they
+    are the same on every rank).
+    """
+    sharded, repl = jnp.float32(0), jnp.float32(0)
+    for spec, sub in _spec_pairs(specs, tree):
+        sq = sum((jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(sub)),
+                 jnp.float32(0))
+        if _is_split(spec, axis_name):
+            sharded = sharded + sq
+        else:
+            repl = repl + sq
+    return invariant(sharded, axis_name, lax.psum) + invariant(repl, axis_name)
+
+
+def clip_by_global_norm(grads, specs, max_norm: float, axis_name: str = AXIS):
+    """Scale ``grads`` so their global norm is at most ``max_norm``; returns (grads, norm)."""
+    norm = jnp.sqrt(global_sq_norm(grads, specs, axis_name))
+    scale = jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-12))
+    return jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads), norm
