@@ -29,7 +29,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", nargs="+", default=["tiny", "small"])
     p.add_argument("--steps", type=int, default=None,
-                   help="steps per config (default: tiny 1500, small 600)")
+                   help="steps per config (default: tiny 1500, small 400)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 5%%)")
     p.add_argument("--trace-every", type=int, default=5, help="per-kind rates every N steps")
@@ -42,7 +42,7 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-DEFAULT_STEPS = {"tiny": 1500, "small": 600}
+DEFAULT_STEPS = {"tiny": 1500, "small": 400}
 
 
 def run_config(name: str, args, workdir: Path) -> dict:
