@@ -74,21 +74,19 @@ def compact(exp, changed, count, offset, axis: int, n_ranks: int, tiers: tuple[T
     n_pos = max(t.capacity for t in tiers if not t.bitmap)
     n_exp = tiers[-1].capacity
     flat_mask, flat_exp = changed.reshape(-1), exp.reshape(-1)
-    absent_pos = jnp.full((n_pos,), n_local * n_ranks, jnp.int32)
 
     def for_tier(tier: Tier):
         def run(flat_mask, flat_exp):
-            pos, exps = _run(flat_mask, flat_exp)
-            return _vary_like(pos, flat_mask), _vary_like(exps, flat_mask)
-
-        def _run(flat_mask, flat_exp):
+            # full_like, not full: constants must vary over the mesh axes as the other
+            # branches' outputs do (and stay vmappable, which a pcast is not).
+            absent_pos = lax.full_like(flat_exp, n_local * n_ranks, jnp.int32, (n_pos,))
+            no_exp = lax.full_like(flat_exp, 0, jnp.uint8, (n_exp,))
             if tier.capacity == 0:
-                return absent_pos, jnp.zeros((n_exp,), jnp.uint8)
+                return absent_pos, no_exp
             if tier.bitmap:  # positions travel as bits; list the exponents in order
                 ranks = changes_before(pack_bits(flat_mask)[None])[0, :n_local]
                 slot = jnp.where(flat_mask, ranks, n_exp)
-                return absent_pos, jnp.zeros((n_exp,), jnp.uint8).at[slot].set(
-                    flat_exp, mode="drop")
+                return absent_pos, no_exp.at[slot].set(flat_exp, mode="drop")
             pos = first_positions(flat_mask, tier.capacity)
             exps = flat_exp[jnp.minimum(pos, n_local - 1)]
             full = to_full_positions(pos, exp.shape, axis, offset, n_ranks)
@@ -100,18 +98,6 @@ def compact(exp, changed, count, offset, axis: int, n_ranks: int, tiers: tuple[T
     local_tier = jnp.sum(count > capacities)
     local_tier = jnp.where(local_tier == len(tiers), 0, local_tier)  # plain anyway: no work
     return lax.switch(local_tier, [for_tier(t) for t in tiers], flat_mask, flat_exp)
-
-
-def _vary_like(x, ref):
-    """Give ``x`` the varying mesh axes of ``ref`` (switch branches must agree on them)."""
-    axes = tuple(sorted(_varying(ref) - _varying(x)))
-    return lax.pcast(x, axes, to="varying") if axes else x
-
-
-def _varying(x) -> frozenset:
-    t = jax.typeof(x)
-    mat = getattr(t, "manual_axis_type", None)  # JAX 0.10+; older releases: ``vma``
-    return frozenset(mat.varying) if mat is not None else frozenset(getattr(t, "vma", ()))
 
 
 def pack_bits(mask_N):
