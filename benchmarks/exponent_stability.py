@@ -29,7 +29,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", nargs="+", default=["tiny", "small"])
     p.add_argument("--steps", type=int, default=None,
-                   help="steps per config (default: tiny 1500, small 400)")
+                   help="steps per config (default: tiny 1000, small 300)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 5%%)")
     p.add_argument("--trace-every", type=int, default=5, help="per-kind rates every N steps")
@@ -42,7 +42,7 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-DEFAULT_STEPS = {"tiny": 1500, "small": 400}
+DEFAULT_STEPS = {"tiny": 1000, "small": 300}
 
 
 def run_config(name: str, args, workdir: Path) -> dict:
@@ -50,8 +50,9 @@ def run_config(name: str, args, workdir: Path) -> dict:
 
     steps = args.steps or DEFAULT_STEPS.get(name, 1000)
     warmup = args.warmup if args.warmup is not None else max(10, steps // 20)
+    # plan "all": every gathered tensor goes through CIERA, so every kind's changes are counted
     tc = train_mod.TrainConfig(config=name, gather="ciera", lr=args.lr, warmup_steps=warmup,
-                               schedule_steps=steps)
+                               schedule_steps=steps, plan="all")
     metrics = workdir / f"{name}.jsonl"
     metrics.unlink(missing_ok=True)
     t0 = time.perf_counter()

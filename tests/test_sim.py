@@ -9,10 +9,12 @@ from ciera_jax.sim import default_trace, get_cluster, load_trace, simulate_gathe
 from ciera_jax.sim.step import compare_to_measurements
 
 
-def test_default_trace_is_marked_placeholder():
+def test_default_trace_is_the_measured_one():
     t = default_trace()
-    assert t.placeholder
-    assert 0 < t.rate("expert_up") < 1 / 16 and t.rate("unknown-kind") == t.default
+    assert not t.placeholder
+    kinds = ("attention", "router", "expert_up", "expert_gate", "expert_down", "embed", "head")
+    assert all(0 < t.rate(k) < 1 / 2 for k in kinds)
+    assert t.rate("unknown-kind") == t.default
 
 
 def test_trace_from_metrics_jsonl(tmp_path):

@@ -2,7 +2,8 @@
 
 Accepted inputs:
 - the trace JSON (``{"change_rate_by_kind": {kind: rate}, "default": rate}``; the stability
-  study writes this format, and the shipped ``data/default_trace.json`` is a placeholder in it);
+  study writes this format; the shipped ``data/default_trace.json`` is its measurement on
+  ``small``);
 - ``ciera train --metrics-out`` JSONL, whose lines may carry ``exp_change_by_kind``: the
   steady-state rate per kind is the mean over the last half of the lines that carry it.
 """
