@@ -66,7 +66,8 @@ def all_gather(x: jax.Array, cache: ExponentCache, axis_name, *, axis: int = 0,
     axis=axis, tiled=True)``; carry ``new_cache`` to the next step. ``compress=None`` compresses
     bf16/float32 and gathers other dtypes plainly; ``True`` insists (error for other dtypes);
     ``False`` always gathers plainly. ``stats`` holds scalars: ``sent_bytes``, ``plain_bytes``,
-    ``changed``, ``agreed_changed``, ``tier``, ``capacity``, ``fallback``.
+    ``changed``, ``agreed_changed``, ``tier`` (-1: not compressible), ``capacity``, ``bitmap``,
+    ``fallback``.
     """
     full, new_cache, stats = all_gather_tree(
         {name: x}, {name: cache}, axis_name, axis=axis, impl=impl, compress=compress,
