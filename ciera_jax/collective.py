@@ -28,15 +28,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ciera_jax import codec, patches
-from ciera_jax.cache import ExponentCache
+from ciera_jax import codec, kernels, patches
+from ciera_jax.cache import ExponentCache, is_cache
 # The tier ladder lives with the cost model so the planner and simulator price exactly what
 # is sent.
 from ciera_jax.costmodel import DEFAULT_LADDER, Ladder, Tier
 
 AGREEMENT_BYTES = 4  # one int32 change count per tensor in the step's pmax
 
-IMPLS = ("auto", "xla", "pallas")
+IMPLS = kernels.IMPLS
 
 
 # --------------------------------------------------------------------------- public API
@@ -54,7 +54,7 @@ def plain_all_gather(x: jax.Array, axis_name, *, axis: int = 0) -> jax.Array:
     full = codec.from_bits(
         lax.all_gather(codec.to_bits(lax.stop_gradient(x)), axis_name, axis=axis, tiled=True),
         x.dtype)
-    return _attach_gather_grad(x, full, axis_name, axis)
+    return attach_gather_grad(x, full, axis_name, axis)
 
 
 def all_gather(x: jax.Array, cache: ExponentCache, axis_name, *, axis: int = 0,
@@ -85,7 +85,7 @@ def all_gather_tree(tree, caches, axis_name, *, axis=0, impl: str = "auto",
     """
     leaves, treedef = jax.tree.flatten(tree)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-    cache_leaves = _match_tree(caches, treedef, "caches", is_leaf=_is_cache)
+    cache_leaves = _match_tree(caches, treedef, "caches", is_leaf=is_cache)
     axes = _broadcast_option(axis, treedef, "axis")
     compresses = _broadcast_option(compress, treedef, "compress")
     _check_impl(impl)
@@ -151,8 +151,6 @@ def encode(x: jax.Array, cache: ExponentCache, axis_name, *, axis: int = 0,
            impl: str = "auto", ladder: Ladder = DEFAULT_LADDER,
            name: str = "tensor") -> Encoded:
     """Phase 1: split this rank's shard and list its exponents that differ from the cache."""
-    from ciera_jax import kernels
-
     _check_impl(impl)
     axis = _normalize_axis(x, axis, name)
     n_ranks = _axis_size(axis_name, name)
@@ -216,8 +214,8 @@ def exchange(x: jax.Array, encoded: Encoded, cache: ExponentCache, agreed, axis_
         raise ValueError(f"exchange: shard shape {tuple(x.shape)} differs from the encoded "
                          f"shard {e.shard_shape}; encode and exchange the same tensor")
     tiers = e.tiers
-    capacities = jnp.asarray([t.capacity for t in tiers], jnp.int32)
-    tier = jnp.sum(agreed > capacities).astype(jnp.int32)  # len(tiers): plain
+    capacities = [t.capacity for t in tiers] + [x.size]  # the last: plain, everything
+    tier = jnp.sum(agreed > jnp.asarray(capacities[:-1], jnp.int32)).astype(jnp.int32)
     branches = [functools.partial(_compressed_branch, tier=t, axis_name=axis_name, dtype=dtype,
                                   impl=impl) for t in tiers]
     branches.append(functools.partial(_plain_branch, axis_name=axis_name, dtype=dtype))
@@ -231,7 +229,7 @@ def exchange(x: jax.Array, encoded: Encoded, cache: ExponentCache, agreed, axis_
         changed=e.count,
         agreed_changed=jnp.minimum(agreed, n_local).astype(jnp.int32),
         tier=tier,
-        capacity=jnp.asarray([t.capacity for t in tiers] + [n_local], jnp.int32)[tier],
+        capacity=jnp.asarray(capacities, jnp.int32)[tier],
         bitmap=jnp.asarray([t.bitmap for t in tiers] + [False])[tier],
         fallback=tier == len(tiers),
     )
@@ -239,14 +237,10 @@ def exchange(x: jax.Array, encoded: Encoded, cache: ExponentCache, agreed, axis_
     # The gathered tensor differs by nothing across ranks, but lax.all_gather types it as
     # varying; match that so callers can mix it with per-rank values as they would a gather.
     full = lax.pcast(full, axis_name, to="varying")
-    return _attach_gather_grad(x, full, axis_name, e.axis), new_cache, stats
+    return attach_gather_grad(x, full, axis_name, e.axis), new_cache, stats
 
 
 # --------------------------------------------------------------------------- validation
-
-
-def _is_cache(x) -> bool:
-    return isinstance(x, ExponentCache)
 
 
 def _match_tree(caches, treedef, what, is_leaf=None):
@@ -292,7 +286,7 @@ def _wants_compression(x, cache, compress, path) -> bool:
                             "compresses bfloat16 and float32; pass compress=None to gather it "
                             "plainly")
         return False
-    if not _is_cache(cache):
+    if not is_cache(cache):
         raise TypeError(f"{path}: expected an ExponentCache, got {type(cache).__name__}; "
                         "create one with ciera_jax.init_cache(full_shape, dtype)")
     return True
@@ -332,8 +326,6 @@ def _plain_branch(e: Encoded, cache_exp, x, *, axis_name, dtype):
 
 def _compressed_branch(e: Encoded, cache_exp, x, *, tier: Tier, axis_name, dtype, impl):
     """Send payload bytes + patches in one uint8 buffer; rebuild from cache + patches."""
-    from ciera_jax import kernels
-
     del x
     K, n_planes = tier.capacity, e.payload.shape[0]
     n_local = math.prod(e.shard_shape)
@@ -385,8 +377,11 @@ def _plain_stats(x) -> dict:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _attach_gather_grad(x, full, axis_name, axis):
-    """Returns ``full`` (computed without gradient); differentiates as an all-gather of x."""
+def attach_gather_grad(x, full, axis_name, axis):
+    """Returns ``full`` (computed without gradient); differentiates as an all-gather of x.
+
+    Every gather here (CIERA, plain bits, int8) computes its result off the gradient path and
+    attaches it with this, so all share the one backward: ``psum_scatter`` of the cotangent."""
     del x
     return full
 
@@ -401,4 +396,4 @@ def _attach_bwd(axis_name, axis, _, ct_full):
     return dx, jnp.zeros_like(ct_full)
 
 
-_attach_gather_grad.defvjp(_attach_fwd, _attach_bwd)
+attach_gather_grad.defvjp(_attach_fwd, _attach_bwd)

@@ -10,11 +10,10 @@ straight through the quantizer.
 
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
 from jax import lax
+
+from ciera_jax.collective import attach_gather_grad
 
 BLOCK = 256
 
@@ -52,10 +51,10 @@ def int8_all_gather(x, axis_name: str, *, axis: int = 0, block: int = BLOCK):
 
     Differentiable w.r.t. ``x``: the backward is ``psum_scatter`` of the cotangent.
     """
-    return _int8_gather(x, axis_name, axis, block)
+    full = _int8_gather(lax.stop_gradient(x), axis_name, axis, block)
+    return attach_gather_grad(x, full, axis_name, axis)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def _int8_gather(x, axis_name, axis, block):
     q, scale = quantize(x, block)
     q_all = lax.all_gather(q, axis_name, axis=0, tiled=False)  # [N, nb, block]
@@ -65,14 +64,3 @@ def _int8_gather(x, axis_name, axis, block):
     shape = list(x.shape)
     shape[axis] *= parts.shape[axis]
     return parts.reshape(shape)
-
-
-def _fwd(x, axis_name, axis, block):
-    return _int8_gather(x, axis_name, axis, block), None
-
-
-def _bwd(axis_name, axis, block, _, ct):
-    return (lax.psum_scatter(ct, axis_name, scatter_dimension=axis, tiled=True),)
-
-
-_int8_gather.defvjp(_fwd, _bwd)

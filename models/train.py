@@ -171,9 +171,6 @@ class Trainer:
             lambda s: NamedSharding(self.mesh, s), self.opt_specs, is_leaf=_is_spec))(params)
         return TrainState(0, params, caches, opt_state)
 
-    def fresh_caches(self, state: TrainState) -> nnx.State:
-        return _put(jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), state.caches), P(), self.mesh)
-
     def batch(self, data: Dataset, seed: int, position: int) -> jax.Array:
         toks = data.batch(seed, position, self.tc.batch_size, self.tc.length)
         return _put(toks, P(AXIS), self.mesh)
