@@ -39,7 +39,7 @@ def _row_groups(decisions, cfg):
 def run(args: argparse.Namespace) -> int:
     from ciera_jax import costmodel as cm
     from ciera_jax.planner import plan_model, summarize
-    from models.configs import get_config
+    from ciera_jax.shapes import get_config
 
     cfg = get_config(args.config)
     if args.gpus < 1:

@@ -60,7 +60,7 @@ def _bytes_per_elem(dtype: str) -> int:
 def plan_tensor(spec_or_shape: Any, dtype: Any, N: int, profile: Union[str, cm.Link],
                 change_rate: float, agreement_share_s: float | None = None,
                 patch_bytes: int = cm.PATCH_BYTES) -> Decision:
-    """Decide one tensor. ``spec_or_shape`` is a :class:`models.configs.TensorSpec` or a shape."""
+    """Decide one tensor. ``spec_or_shape`` is a :class:`ciera_jax.shapes.TensorSpec` or a shape."""
     link = profile if isinstance(profile, cm.Topology) else cm.get_profile(profile)
     name, kind, layer = "", "", None
     if hasattr(spec_or_shape, "shape") and hasattr(spec_or_shape, "kind"):
@@ -108,7 +108,7 @@ def plan_model(cfg: Any, N: int, profile: Union[str, cm.Link], trace: Any = None
     ``{kind: rate}``, a :class:`ciera_jax.sim.trace.Trace`, or None for the shipped default.
     The single per-step agreement collective is shared evenly by all tensors.
     """
-    from models.configs import get_config, tensor_inventory
+    from ciera_jax.shapes import get_config, tensor_inventory
 
     if isinstance(cfg, str):
         cfg = get_config(cfg)

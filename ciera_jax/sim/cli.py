@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     from ciera_jax.sim.cluster import get_cluster
     from ciera_jax.sim.step import sweep
     from ciera_jax.sim.trace import default_trace, load_trace
-    from models.configs import get_config
+    from ciera_jax.shapes import get_config
 
     cfg = get_config(args.model)
     gpus = parse_gpus(args.gpus)

@@ -68,7 +68,7 @@ class StepResult:
 
 
 def _groups(cfg: Any) -> list[tuple[str, list]]:
-    from models.configs import global_tensors, layer_tensors
+    from ciera_jax.shapes import global_tensors, layer_tensors
 
     g = {t.name: t for t in global_tensors(cfg)}
     out = [("embed", [g["embed_VxD"]])]
@@ -192,7 +192,7 @@ def overlap_aware(planned: list[Group], plain: list[Group], agreement_s: float,
 def simulate_step(cfg: Any, gpus: int, cluster: Cluster | str = "h100", method: str = "plain",
                   tokens_per_gpu: int = 4096, trace: Trace | None = None,
                   codec_stream: str = "compute") -> StepResult:
-    from models.configs import get_config
+    from ciera_jax.shapes import get_config
 
     if isinstance(cfg, str):
         cfg = get_config(cfg)
@@ -222,7 +222,7 @@ def sweep(cfg: Any, gpu_counts: list[int], cluster: Cluster | str = "h100",
           tokens_per_gpu: int = 4096, trace: Trace | None = None,
           methods: tuple[str, ...] = cm.METHODS, codec_stream: str = "compute") -> dict:
     """Every method at every GPU count, and CIERA's speedup over each other method."""
-    from models.configs import get_config
+    from ciera_jax.shapes import get_config
 
     if isinstance(cfg, str):
         cfg = get_config(cfg)
