@@ -1,44 +1,44 @@
-"""The `ciera` command: one subcommand per module, imported only when it runs.
+"""The `ciera` command: one subcommand per module, found through package entry points.
 
-A subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``; its docstring's
-first line is its help. Adding a command means adding one line to ``SUBCOMMANDS``.
+A subcommand ``X`` lives in a module ``X_cli.py`` exposing ``add_arguments(parser)`` and
+``run(args) -> int``; its docstring's first line is its help. It stays light to import (heavy
+imports inside ``run``), because building this parser imports every subcommand module. Modules
+register in ``pyproject.toml`` under ``[project.entry-points."ciera.commands"]``, so this
+file names no implementation and the library never imports ``models/``. After adding one,
+reinstall (``pip install -e .``) so the entry point is recorded.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
+import importlib.metadata
 import sys
+from types import ModuleType
 
-SUBCOMMANDS = {
-    "demo": "ciera_jax.demo",
-    "train": "models.train_cli",
-    "plan": "ciera_jax.plan_cli",
-    "calibrate": "ciera_jax.calibrate",
-    "simulate": "ciera_jax.sim.cli",
-}
+GROUP = "ciera.commands"
 
 
-def _available() -> dict[str, object]:
-    mods = {}
-    for name, path in SUBCOMMANDS.items():
-        try:
-            mods[name] = importlib.import_module(path)
-        except ModuleNotFoundError as e:
-            if e.name and path.startswith(e.name):
-                continue  # not built yet
-            raise
-    return mods
+def commands() -> dict[str, ModuleType]:
+    """The installed subcommand modules by name, in name order."""
+    eps = sorted(importlib.metadata.entry_points(group=GROUP), key=lambda ep: ep.name)
+    if not eps:
+        raise SystemExit(f"ciera: no subcommands registered under the {GROUP!r} entry points; "
+                         "reinstall the package (pip install -e .)")
+    return {ep.name: ep.load() for ep in eps}
 
 
-def main(argv: list[str] | None = None) -> int:
-    mods = _available()
+def build_parser(mods: dict[str, ModuleType]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ciera", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, mod in mods.items():
         p = sub.add_parser(name, help=(mod.__doc__ or name).strip().splitlines()[0])
         mod.add_arguments(p)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    mods = commands()
+    args = build_parser(mods).parse_args(argv)
     try:
         return int(mods[args.command].run(args) or 0)
     except (ValueError, KeyError, FileNotFoundError, TypeError) as e:

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 
+import jax
+import numpy as np
+
 _FLAG = "--xla_force_host_platform_device_count"
 
 # Applied on GPU unless the user's XLA_FLAGS already set them (checked by flag name). Both
@@ -46,6 +49,24 @@ def setup_devices(n: int | None) -> None:
         emulate_cpu_devices(n or 8)
     elif platforms != "cpu" and _has_gpu():
         apply_gpu_flags()
+
+
+def make_mesh(n_devices: int | None = None, axis_names: tuple[str, ...] = ("fsdp",)
+              ) -> jax.sharding.Mesh:
+    """A mesh over the first ``n_devices`` devices (all when None), all of them on the first of
+    ``axis_names`` (any further names get size 1). Importing JAX does not start its backends, so
+    :func:`setup_devices` may still run after this module is imported, not after this call."""
+    devs = jax.devices()
+    n = len(devs) if n_devices is None else n_devices
+    if n < 1:
+        raise ValueError(f"asked for a mesh of {n} devices; use a positive device count, or "
+                         "none for all")
+    if n > len(devs):
+        raise ValueError(f"asked for {n} devices but JAX sees {len(devs)} "
+                         f"({devs[0].platform}); on CPU pass --devices before anything starts "
+                         "JAX, or use fewer")
+    shape = (n,) + (1,) * (len(axis_names) - 1)
+    return jax.sharding.Mesh(np.array(devs[:n]).reshape(shape), tuple(axis_names))
 
 
 def _has_accelerator() -> bool:

@@ -5,8 +5,13 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
+import pytest
+
 from ciera_jax import costmodel as cm
+from ciera_jax.calibrate.fit import fit_alpha_beta, fit_rate
 from ciera_jax.cli import main
+from ciera_jax.units import fmt_bytes, parse_size
 
 
 def test_calibrate_cli_writes_a_loadable_profile(tmp_path, capsys):
@@ -38,7 +43,30 @@ def test_calibrate_cli_rejects_more_devices_than_started(tmp_path, capsys):
 
 
 def test_size_parsing():
-    from ciera_jax.calibrate import parse_size
-
     assert parse_size("4K") == 4096 and parse_size("1.5M") == 3 * 2**19
     assert parse_size("2048") == 2048 and parse_size("1G") == 2**30
+
+    with pytest.raises(ValueError, match="K/M/G suffix"):
+        parse_size("4Q")
+    assert fmt_bytes(1536) == "1.5 KB" and fmt_bytes(3 * 2**20) == "3 MB" and fmt_bytes(7) == "7 B"
+
+
+def test_ring_fit_recovers_alpha_and_beta():
+    alpha, beta = 20e-6, 5e9
+    recs = [dict(N=N, n_bytes=b, seconds=(N - 1) * alpha + (N - 1) / N * b / beta)
+            for N in (2, 4, 8) for b in (4096, 2**20, 2**23)]
+    a, b = fit_alpha_beta(recs)
+    assert np.isclose(a, alpha, rtol=1e-6) and np.isclose(b, beta, rtol=1e-6)
+
+
+def test_rate_fit_slope_intercept_and_noise_fallback():
+    rate, fixed = fit_rate([1e6, 8e6], [1e-3 + 1e6 / 2e9, 1e-3 + 8e6 / 2e9])
+    assert np.isclose(rate, 2e9) and np.isclose(fixed, 1e-3)
+    # Noise made the larger size faster: fall back to the largest point's plain rate.
+    rate, fixed = fit_rate([1e6, 8e6], [3e-3, 2e-3])
+    assert np.isclose(rate, 8e6 / 2e-3) and fixed == 0.0
+
+
+def test_calibrate_cli_rejects_zero_devices(tmp_path, capsys):
+    assert main(["calibrate", "--out", str(tmp_path / "p.json"), "--devices", "0"]) == 2
+    assert "--devices 0" in capsys.readouterr().err

@@ -1,0 +1,171 @@
+"""The gather timing kit: weight pairs with controlled exponent churn, jitted gathers of them,
+and interleaved timing. Calibration, the gather benchmarks and the simulator tests share it, so
+every figure they quote is timed the same way."""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ciera_jax
+from ciera_jax import codec
+from ciera_jax.fsdp.rules import AXIS, spec_for
+
+STAT_KEYS = ("sent_bytes", "plain_bytes", "changed", "agreed_changed", "tier", "fallback")
+
+
+def weight_pair(mesh, shape, axis: int, change_rate: float, dtype=None, seed: int = 0):
+    """Two weight-like tensors ``(xa, xb)`` sharded on ``axis``, built on the devices.
+
+    ``xa`` is normal(0, 0.02) in ``dtype`` (bf16 by default); ``xb`` differs from it in every
+    mantissa's lowest bit and, with probability ``change_rate`` per element, in the exponent's
+    lowest bit. Gathering them alternately with a carried cache changes a ``change_rate`` share
+    of exponents every step: CIERA's steady state at that churn.
+    """
+    dtype = jnp.bfloat16 if dtype is None else dtype
+    fmt = codec.word_format(dtype)
+    sharding = NamedSharding(mesh, spec_for(axis, len(shape)))
+
+    @functools.partial(jax.jit, out_shardings=(sharding, sharding))
+    def gen():
+        k1, k2 = jax.random.split(jax.random.key(seed))
+        xa = (0.02 * jax.random.normal(k1, shape, jnp.float32)).astype(dtype)
+        bits = codec.to_bits(xa)
+        one = jnp.asarray(1, bits.dtype)
+        flip = jax.random.uniform(k2, shape) < change_rate
+        exp_bit = jnp.where(flip, one << fmt.mantissa_bits, jnp.zeros_like(one))
+        return xa, codec.from_bits(bits ^ one ^ exp_bit, dtype)
+
+    return gen()
+
+
+def block(x):
+    return jax.block_until_ready(x)
+
+
+def jit_shard_map(fn, mesh, in_specs, out_specs):
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+
+
+def gather_fns(mesh, ndim: int, axis: int) -> dict[str, Callable]:
+    """Jitted gathers of a tensor sharded on ``axis``: ``plain`` (bits), ``plain_bf16``
+    (``lax.all_gather`` of the floats) and ``ciera`` (``(x, cache) -> (full, cache, stats)``).
+    Every one returns the gathered tensor, so nothing is optimized away."""
+    spec = spec_for(axis, ndim)
+
+    def plain(x):
+        return ciera_jax.plain_all_gather(x, AXIS, axis=axis)[None]
+
+    def plain_bf16(x):
+        return lax.all_gather(x, AXIS, axis=axis, tiled=True)[None]
+
+    def ciera(x, cache):
+        full, c, s = ciera_jax.all_gather(x, cache, AXIS, axis=axis)
+        return full[None], c, {k: s[k][None] for k in STAT_KEYS}
+
+    return {
+        "plain": jit_shard_map(plain, mesh, (spec,), P(AXIS)),
+        "plain_bf16": jit_shard_map(plain_bf16, mesh, (spec,), P(AXIS)),
+        "ciera": jit_shard_map(ciera, mesh, (spec, P()), (P(AXIS), P(), P(AXIS))),
+    }
+
+
+def replicated_cache(mesh, shape, dtype):
+    """A fresh (unprimed) cache for a tensor of ``shape``, replicated on ``mesh``."""
+    return jax.jit(lambda: ciera_jax.init_cache(shape, dtype),
+                   out_shardings=NamedSharding(mesh, P()))()
+
+
+class CieraStepper:
+    """Alternates ``xa``/``xb`` through the CIERA gather carrying the cache (primed on build),
+    so every call is a steady-state gather at the pair's churn. ``stats`` of the last call."""
+
+    def __init__(self, fn, xa, xb, cache):
+        self.fn, self.xs, self.flip = fn, (xa, xb), 0
+        _, self.cache, _ = block(fn(xb, cache))  # priming gather (plain fallback)
+        self.last = None
+
+    def __call__(self):
+        out, self.cache, self.last = self.fn(self.xs[self.flip], self.cache)
+        self.flip ^= 1
+        return block(out)
+
+    def stats(self) -> dict:
+        """Rank 0's stats of the last call, as Python numbers (addressable shard in multi-process)."""
+        out = {}
+        for k, v in self.last.items():
+            shard = v.addressable_shards[0]
+            out[k] = np.asarray(shard.data).reshape(-1)[0].item()
+        return out
+
+
+def time_interleaved(calls: dict[str, Callable[[], object]], reps: int = 7,
+                     warmup: int = 2) -> dict[str, list[float]]:
+    """Seconds per call of each callable, round-robin so drift and load hit all alike."""
+    for _ in range(warmup):
+        for f in calls.values():
+            block(f())
+    times = {k: [] for k in calls}
+    for _ in range(reps):
+        for k, f in calls.items():
+            t0 = time.perf_counter()
+            block(f())
+            times[k].append(time.perf_counter() - t0)
+    return times
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
+
+
+def median_call(fn, *args, reps: int, warmup: int = 2) -> float:
+    """Median seconds of ``fn(*args)`` over ``reps`` calls after ``warmup``."""
+    return median(time_interleaved({"f": functools.partial(fn, *args)}, reps, warmup)["f"])
+
+
+def measure_gathers(mesh, shape, axis: int, change_rate: float,
+                    methods: Sequence[str] = ("plain", "ciera"), reps: int = 7,
+                    warmup: int = 2, dtype=None, fns: dict | None = None) -> list[dict]:
+    """Median seconds per gather of a weight pair of ``shape`` for each method, interleaved.
+
+    Returns records for :func:`ciera_jax.sim.step.compare_to_measurements`: ``n_bytes`` (full
+    tensor), ``N``, ``method`` (``plain_bf16`` maps to the model's ``plain``), ``seconds``,
+    ``change_rate`` (measured: agreed changes / shard elements), CIERA's stats.
+    """
+    dtype = jnp.bfloat16 if dtype is None else dtype
+    N = mesh.devices.size
+    fns = fns or gather_fns(mesh, len(shape), axis)
+    xa, xb = weight_pair(mesh, shape, axis, change_rate, dtype)
+    calls: dict[str, Callable] = {}
+    stepper = None
+    for m in methods:
+        if m == "ciera":
+            stepper = CieraStepper(fns["ciera"], xa, xb, replicated_cache(mesh, shape, dtype))
+            calls[m] = stepper
+        else:
+            calls[m] = functools.partial(fns[m], xa)
+    times = time_interleaved(calls, reps=reps, warmup=warmup)
+    n_bytes = math.prod(shape) * np.dtype(dtype).itemsize
+    stats = stepper.stats() if stepper else {}
+    n_local = math.prod(shape) // N
+    recs = []
+    for m, ts in times.items():
+        rec = dict(method=m, n_bytes=n_bytes, N=N, shape=list(shape), axis=axis,
+                   seconds=median(ts), times=ts, target_change_rate=change_rate)
+        if m == "ciera":
+            rec.update(stats=stats, change_rate=stats["agreed_changed"] / n_local,
+                       wire_ratio=stats["sent_bytes"] / stats["plain_bytes"])
+        else:
+            rec.update(change_rate=0.0, wire_ratio=1.0)
+        recs.append(rec)
+    return recs

@@ -1,0 +1,118 @@
+"""Measure every profile value on the current devices, fit them, and say where each came from."""
+
+from __future__ import annotations
+
+import datetime
+import platform
+from collections.abc import Sequence
+
+import jax
+
+from ciera_jax import costmodel as cm
+from ciera_jax.calibrate.defaults import (CPU_CODEC_SIZES, CPU_SIZES, GPU_CODEC_SIZES, GPU_SIZES,
+                                          mesh_sizes_for)
+from ciera_jax.calibrate.fit import fit_alpha_beta, fit_rate
+from ciera_jax.calibrate.measure import (empty_call_s, measure_agreement, measure_ciera_overhead,
+                                         measure_codec, measure_hbm, measure_plain_gathers)
+from ciera_jax.devices import make_mesh
+from ciera_jax.units import fmt_bytes, parse_size
+
+
+def base_profile(platform_name: str, device_kind: str) -> str:
+    """The built-in profile whose unmeasured values (entropy rate) a calibration carries over."""
+    if platform_name == "cpu":
+        return "cpu-emulated"
+    return "h200-nvlink" if "h200" in device_kind.lower() else "h100-nvlink"
+
+
+def calibrate(mesh_sizes: Sequence[int] | None = None, sizes: Sequence | None = None,
+              codec_sizes: Sequence | None = None, reps: int = 7, name: str | None = None,
+              log=print):
+    """Measure every profile value on the current devices; returns ``(Profile, details)``.
+
+    ``sizes`` and ``codec_sizes`` are full-tensor bytes (``"4K"`` or ints; defaults per
+    platform in :mod:`.defaults`); ``mesh_sizes`` the sub-meshes to time gathers on.
+    """
+    devs = jax.devices()
+    plat, kind = devs[0].platform, devs[0].device_kind
+    on_cpu = plat == "cpu"
+    if mesh_sizes is None:
+        mesh_sizes = mesh_sizes_for(len(devs))
+    mesh_sizes = sorted(set(int(n) for n in mesh_sizes))
+    sizes = [parse_size(s) for s in (sizes or (CPU_SIZES if on_cpu else GPU_SIZES))]
+    codec_sizes = [parse_size(s) for s in (codec_sizes or
+                                           (CPU_CODEC_SIZES if on_cpu else GPU_CODEC_SIZES))]
+    N_max = max(mesh_sizes) if mesh_sizes else 1
+    date = datetime.date.today().isoformat()
+    src = f"measured by ciera calibrate on {plat} {kind} {N_max} devices {date}"
+    base = cm.Profile.load(base_profile(plat, kind))
+
+    full_mesh = make_mesh(N_max)
+    empty_s = min(empty_call_s(full_mesh), empty_call_s(full_mesh))
+    log(f"calibrating on {len(devs)} {plat} device(s) ({kind}); meshes {mesh_sizes}; "
+        f"empty call {empty_s * 1e6:.0f} us")
+    sources = {}
+    gather_recs = []
+    if N_max > 1 and sizes:
+        gather_recs = measure_plain_gathers([n for n in mesh_sizes if n > 1], sizes, reps, log)
+        alpha, beta = fit_alpha_beta(gather_recs)
+        sources["alpha_s"] = (f"{src}: least-squares fit of plain bits all-gathers, "
+                              f"N={mesh_sizes}, sizes={[fmt_bytes(s) for s in sizes]} "
+                              "(includes the fixed cost of one call)")
+        sources["beta_Bps"] = sources["alpha_s"]
+    else:
+        alpha, beta = base.alpha_s, base.beta_Bps
+        why = "one device: no gather to time"
+        sources["alpha_s"] = sources["beta_Bps"] = f"not measured ({why}); from {base.name}"
+    codec_rows = measure_codec(full_mesh, codec_sizes, reps, log)
+    kernel_Bps, icpt = fit_rate([r["n_bytes"] for r in codec_rows],
+                                [r["seconds"] for r in codec_rows])
+    kernel_launch_s = max(icpt - empty_s, 1e-6)
+    kernel_src = (f"kernels alone (encode(shard)+decode(full) on every rank at once, slope over "
+                  f"{[fmt_bytes(s) for s in codec_sizes]}): {kernel_Bps / 1e9:.3g} GB/s, launch "
+                  f"{kernel_launch_s * 1e6:.0f} us")
+    if N_max > 1:
+        agreement = measure_agreement(full_mesh, reps * 2, empty_s)
+        sources["agreement_s"] = f"{src}: pmax of an int32 vector (64 counts), less one empty call"
+        e2e_rows = measure_ciera_overhead(full_mesh, codec_sizes, reps, alpha, beta, agreement,
+                                          log)
+        codec_Bps, icpt = fit_rate([r["n_bytes"] for r in e2e_rows],
+                                   [r["extra_s"] for r in e2e_rows])
+        launch_s = max(icpt, 1e-6)
+        sources["codec_Bps"] = (
+            f"{src}: end to end, CIERA gathers at churn 0 of {[fmt_bytes(s) for s in codec_sizes]}"
+            " less their modelled wire time and agreement, slope vs bytes (everything the "
+            f"compressed path adds: encode, patch compaction, decode); {kernel_src}")
+        sources["codec_launch_s"] = f"{src}: intercept of that line"
+    else:
+        agreement, e2e_rows = 0.0, []
+        codec_Bps, launch_s = kernel_Bps, kernel_launch_s
+        sources["agreement_s"] = "one device: no agreement collective"
+        sources["codec_Bps"] = f"{src}: {kernel_src}"
+        sources["codec_launch_s"] = f"{src}: intercept of that line less one empty call"
+    hbm = measure_hbm(full_mesh, max(codec_sizes), reps, empty_s)
+    sources["hbm_Bps"] = f"{src}: w ^ salt over {fmt_bytes(max(codec_sizes))} on every rank"
+    sources["entropy_Bps"] = f"not measured; carried over from built-in profile {base.name}"
+    prof = cm.Profile(name=name or f"calibrated-{plat}-{N_max}", alpha_s=alpha, beta_Bps=beta,
+                      codec_Bps=codec_Bps, agreement_s=agreement, hbm_Bps=hbm,
+                      entropy_Bps=base.entropy_Bps, codec_launch_s=launch_s, sources=sources)
+    details = dict(platform=plat, device_kind=kind, devices=len(devs), mesh_sizes=mesh_sizes,
+                   empty_call_s=empty_s, gathers=[{k: v for k, v in r.items() if k != "times"}
+                                                  for r in gather_recs],
+                   codec=codec_rows, ciera_overhead=e2e_rows, kernel_codec_Bps=kernel_Bps,
+                   host=platform.node(), date=date)
+    return prof, details
+
+
+def profile_table(p: cm.Profile) -> str:
+    """The profile's values with units and what each one prices."""
+    rows = [("alpha_s", f"{p.alpha_s * 1e6:.2f} us", "latency per ring hop"),
+            ("beta_Bps", f"{p.beta_Bps / 1e9:.3f} GB/s", "bytes/s per link (ring bus bw)"),
+            ("codec_Bps", f"{p.codec_Bps / 1e9:.3f} GB/s", "CIERA's extra work, bf16 bytes/s"),
+            ("codec_launch_s", f"{p.codec_launch_s * 1e6:.1f} us", "fixed codec cost per gather"),
+            ("agreement_s", f"{p.agreement_s * 1e6:.1f} us", "one pmax of int32 counts"),
+            ("hbm_Bps", f"{p.hbm_Bps / 1e9:.3f} GB/s", "memory copy rate"),
+            ("entropy_Bps", f"{p.entropy_Bps / 1e9:.3f} GB/s", "not measured (carried over)")]
+    w = max(len(r[1]) for r in rows)
+    lines = [f"profile {p.name}"] + [f"  {k:<15} {v:>{w}}   {d}" for k, v, d in rows]
+    return "\n".join(lines)
