@@ -7,8 +7,14 @@ seconds; the time is the collective's time on the link plus the codec time:
     t_plain  = (N-1)*alpha + (N-1)/N * n*b / beta
     t_ciera  = (N-1)*alpha + (N-1)/N * (n*payload + patches) / beta + n*b / codec_rate
                + codec launch + agreement share
-    t_int8   = (N-1)*alpha + (N-1)/N * n*(1 + 2/256) / beta + (de)quantize at HBM rate
+    t_int8   = (N-1)*alpha + (N-1)/N * n*(1 + 4/256) / beta + (de)quantize at HBM rate
     t_entropy= (N-1)*alpha + (N-1)/N * n*b/1.5 / beta + encode + decode at entropy-codec rate
+    t_word   = (N-1)*alpha + (N-1)/N * n*word_bytes_per_weight / beta + word codec
+
+Wire bytes are what the gathers send (``sent_bytes`` in their stats, tested equal): the exponent
+tiers of ``DEFAULT_LADDER``, int8 codes in whole blocks plus one float32 scale per block (as
+``quantized.py`` sends), word mode's rungs from :mod:`ciera_jax.word_ladder`. Word mode gathers
+once per step (the backward reads the cache); every other method gathers twice.
 
 ``n`` is the element count of the FULL tensor, ``b`` its bytes per element. The link is a
 :class:`Profile` (one flat ring) or a :class:`Topology` (NVLink ring inside a node, then a
@@ -23,13 +29,18 @@ import math
 from pathlib import Path
 from typing import Union
 
+from ciera_jax.word_ladder import WORD_LADDER
+
 PATCH_BYTES = 5  # a sparse patch: int32 position + uint8 exponent
-INT8_BLOCK = 256  # ZeRO++ qwZ-style blockwise absmax int8; one bf16 scale per block
-INT8_SCALE_BYTES = 2
+INT8_BLOCK = 256  # ZeRO++ qwZ-style blockwise absmax int8; one float32 scale per block
+INT8_SCALE_BYTES = 4  # what quantized.py sends (float32)
+# Word-mode codec time relative to exponent mode's: its decode moves ~6.5 B of HBM traffic per
+# element (read ~0.5 B code + 2 B cached word, write 2 B bf16 + 2 B cache) against ~5 B.
+WORD_CODEC_FACTOR = 1.3
 ENTROPY_RATIO = 1.5  # single-pass lossless entropy coding of bf16 (ZipNN / DietGPU class)
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
-METHODS = ("plain", "int8", "entropy", "ciera")
+METHODS = ("plain", "int8", "entropy", "ciera", "word")  # "ciera": exponent mode
 
 
 @dataclasses.dataclass
@@ -43,6 +54,7 @@ class Profile:
     hbm_Bps     achievable device-memory bandwidth (int8 quantize/dequantize run at this rate)
     entropy_Bps encode+decode rate of a single-pass entropy codec, bytes of input per second
     codec_launch_s fixed cost of the codec kernels (encode + decode launches) per gather
+    memory_gb   device memory (GB, 1e9 bytes) the planner may fill; None: unlimited
     """
 
     name: str
@@ -53,6 +65,7 @@ class Profile:
     hbm_Bps: float = 3.0e12
     entropy_Bps: float = 4.0e11
     codec_launch_s: float = 5e-6
+    memory_gb: float | None = None
     sources: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
@@ -86,6 +99,11 @@ def get_profile(p: Union[str, Path, Profile]) -> Profile:
     return p if isinstance(p, Profile) else Profile.load(p)
 
 
+def get_link(p: Union[str, Path, "Link"]) -> "Link":
+    """A Profile or Topology as given, or a profile loaded by name or path."""
+    return p if isinstance(p, (Profile, Topology)) else Profile.load(p)
+
+
 @dataclasses.dataclass(frozen=True)
 class Topology:
     """``gpus_per_node`` GPUs on NVLink (``intra``), nodes joined by ``inter`` (one NIC per GPU)."""
@@ -110,6 +128,10 @@ class Topology:
     @property
     def codec_launch_s(self) -> float:
         return self.intra.codec_launch_s
+
+    @property
+    def memory_gb(self) -> float | None:
+        return self.intra.memory_gb
 
     def agreement(self, N: int) -> float:
         return self.intra.agreement_s if N <= self.gpus_per_node else self.inter.agreement_s
@@ -222,25 +244,37 @@ class GatherCost:
     patch_capacity: int = 0
 
 
+def int8_wire_bytes(n_local: int) -> int:
+    """Bytes one rank sends in an int8 gather: codes padded to whole blocks + a scale each."""
+    return -(-n_local // INT8_BLOCK) * (INT8_BLOCK + INT8_SCALE_BYTES)
+
+
 def gather_cost(method: str, n: int, N: int, bytes_per_elem: int, link: Link,
-                change_rate: float = 0.0, patch_bytes: int = PATCH_BYTES) -> GatherCost:
-    """Wire bytes and codec time of ``method`` for a tensor of ``n`` elements on ``N`` ranks."""
+                change_rate: float = 0.0, patch_bytes: int = PATCH_BYTES, *,
+                word_bpw: float | None = None, word_rung: int | None = None) -> GatherCost:
+    """Wire bytes and codec time of ``method`` for a tensor of ``n`` elements on ``N`` ranks.
+
+    ``ciera`` (exponent mode) takes its tier from ``change_rate``; ``word`` takes either a
+    measured ``word_bpw`` (bytes per weight, a trace's figure for a phase: rung choice and
+    exponent-mode fallback included) or a ``word_rung`` (index into ``WORD_LADDER``: exactly
+    the bytes that rung sends).
+    """
     b = bytes_per_elem
+    n_local = math.ceil(n / max(N, 1))
     if method == "plain":
         return GatherCost("plain", n * b, 0.0)
     if method == "int8":
-        wire_per_elem = 1 + INT8_SCALE_BYTES / INT8_BLOCK
+        wire_per_elem = int8_wire_bytes(n_local) / max(n_local, 1)
         # quantize the local shard (read b, write ~1), dequantize the full tensor (read ~1, write b)
         q = (n / N) * (b + wire_per_elem) / link.hbm_Bps
         dq = n * (wire_per_elem + b) / link.hbm_Bps
-        return GatherCost("int8", n * wire_per_elem, q + dq + link.codec_launch_s)
+        return GatherCost("int8", N * int8_wire_bytes(n_local), q + dq + link.codec_launch_s)
     if method == "entropy":
         enc = (n / N) * b / link.entropy_Bps
         dec = n * b / link.entropy_Bps
         return GatherCost("entropy", n * b / ENTROPY_RATIO, enc + dec + link.codec_launch_s)
     if method == "ciera":
         payload = b - 1  # the exponent byte stays home
-        n_local = math.ceil(n / N)
         tier = DEFAULT_LADDER.tier_for(n_local, expected_change_count(n_local, change_rate))
         if tier is None:
             return GatherCost("ciera", n * b, 0.0, fallback=True)
@@ -249,6 +283,14 @@ def gather_cost(method: str, n: int, N: int, bytes_per_elem: int, link: Link,
         return GatherCost("ciera", n * payload + N * patches,
                           n * b / link.codec_Bps + link.codec_launch_s,
                           patch_capacity=tier.capacity)
+    if method == "word":
+        codec = WORD_CODEC_FACTOR * n * b / link.codec_Bps + link.codec_launch_s
+        if word_rung is not None:
+            return GatherCost("word", N * WORD_LADDER[word_rung].wire_bytes(n_local, b), codec)
+        if word_bpw is None or word_bpw <= 0:
+            raise ValueError("word mode is priced from a rung (word_rung=) or a measured "
+                             f"bytes-per-weight (word_bpw= > 0), got word_bpw={word_bpw!r}")
+        return GatherCost("word", n * word_bpw, codec)
     raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
 
 
@@ -269,9 +311,8 @@ def t_ciera(n: int, N: int, payload_bytes_per_elem: int, change_rate: float, p: 
     return _time(c, N, p) + share
 
 
-def t_int8(n: int, N: int, bytes_per_elem: int, p: Link) -> float:
-    return _time(gather_cost("int8", n, N, bytes_per_elem, p), N, p)
-
-
-def t_entropy(n: int, N: int, bytes_per_elem: int, p: Link) -> float:
-    return _time(gather_cost("entropy", n, N, bytes_per_elem, p), N, p)
+def t_word(n: int, N: int, bytes_per_elem: int, word_bpw: float, p: Link,
+           agreement_share_s: float | None = None) -> float:
+    """Word-mode gather (forward only: the backward reads the cache) + agreement share."""
+    share = agreement_time(N, p) if agreement_share_s is None else agreement_share_s
+    return _time(gather_cost("word", n, N, bytes_per_elem, p, word_bpw=word_bpw), N, p) + share

@@ -6,7 +6,7 @@ import pytest
 
 from ciera_jax import costmodel as cm
 from ciera_jax.planner import plan_model, plan_tensor, plan_tree, summarize
-from models.configs import get_config, tensor_inventory
+from ciera_jax.shapes import get_config, tensor_inventory
 
 
 def ideal(**kw):
@@ -75,7 +75,11 @@ def test_tier_ladder_and_fallback():
 
 def test_baselines_bytes():
     n, N, p = 1 << 24, 8, ideal()
-    assert cm.gather_cost("int8", n, N, 2, p).wire_bytes == pytest.approx(n * (1 + 2 / 256))
+    # int8: one float32 scale per 256-element block, as quantized.py sends
+    assert cm.gather_cost("int8", n, N, 2, p).wire_bytes == pytest.approx(n * (1 + 4 / 256))
+    assert cm.gather_cost("word", n, N, 2, p, word_bpw=0.55).wire_bytes == pytest.approx(0.55 * n)
+    with pytest.raises(ValueError, match="word_bpw"):
+        cm.gather_cost("word", n, N, 2, p)
     assert cm.gather_cost("entropy", n, N, 2, p).wire_bytes == pytest.approx(n * 2 / 1.5)
     assert cm.gather_cost("ciera", n, N, 2, p, 0.0).wire_bytes == n
     with pytest.raises(ValueError):
@@ -131,6 +135,14 @@ def test_plan_tree():
     assert out == {"w": True, "norm": False, "step": False, "fp16": False, "list": [True]}
 
 
+def test_profiles_state_device_memory():
+    assert cm.Profile.load("h100-ib400").memory_gb == 80
+    assert cm.Profile.load("h200-nvlink").memory_gb == 141
+    assert cm.Profile.load("cpu-emulated").memory_gb is None  # unlimited
+    topo = cm.Topology(cm.Profile.load("h200-nvlink"), cm.Profile.load("h200-ib400"))
+    assert topo.memory_gb == 141 and cm.get_link(topo) is topo
+
+
 def test_plan_cli(tmp_path, capsys):
     from ciera_jax.cli import main
 
@@ -138,11 +150,24 @@ def test_plan_cli(tmp_path, capsys):
     assert main(["plan", "--config", "olmoe-1b-7b", "--gpus", "16", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "w_gate_ExDxF" in text and "saving per step" in text
+    assert "cache: word" in text and "unlimited memory" in text and "80 GB per GPU" in text
     assert len(text.splitlines()) < 60  # aggregated, not one row per tensor
     d = json.loads(out.read_text())
-    assert d["summary"]["compressed"] > 0 and len(d["decisions"]) == 195
+    assert len(d["decisions"]) == 130  # the gathered tensors (norms are replicated)
+    assert d["memory"]["total"] <= 80e9 and d["summary"]["cache_bytes"] <= d["cache_budget_bytes"]
+    assert main(["plan", "--config", "olmoe-1b-7b", "--gpus", "16", "--memory-gb", "12",
+                 "--json", str(out)]) == 0
+    tight = json.loads(out.read_text())
+    assert tight["summary"]["cache_bytes"] <= tight["cache_budget_bytes"] < 12e9
+    assert tight["summary"]["gather_speedup"] < tight["summary_unlimited"]["gather_speedup"]
     assert main(["plan", "--config", "olmoe-1b-7b", "--gpus", "16",
                  "--profile", "h200-nvlink", "--change-rate", "0.001"]) == 0
+    capsys.readouterr()
+    # a budget that holds the training state but nothing more: every tensor plain
+    assert main(["plan", "--config", "olmoe-1b-7b", "--gpus", "16", "--memory-gb", "7",
+                 "--json", str(out)]) == 0
+    assert "every tensor plain" in capsys.readouterr().out
+    assert {c["mode"] for c in json.loads(out.read_text())["decisions"]} == {"plain"}
 
 
 def test_plan_cli_errors(capsys):
@@ -150,6 +175,10 @@ def test_plan_cli_errors(capsys):
 
     assert main(["plan", "--config", "no-such-model"]) == 2
     assert main(["plan", "--profile", "no-such-profile"]) == 2
+    assert main(["plan", "--memory-gb", "-3"]) == 2
+    assert main(["plan", "--memory-gb", "lots"]) == 2
+    assert main(["plan", "--memory-gb", "2"]) == 2
     err = capsys.readouterr().err
     assert "unknown config" in err and "unknown profile" in err
-    assert len([l for l in err.splitlines() if l.strip()]) == 2
+    assert ">= 0 GB" in err and "number of GB" in err and "training state alone" in err
+    assert len([l for l in err.splitlines() if l.strip()]) == 5

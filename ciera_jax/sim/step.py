@@ -7,10 +7,19 @@ Work items, per group of weights (``embed``, each decoder layer, ``head`` = fina
 - backward: re-gather, decode, run the backward (2x forward FLOPs), reduce-scatter the
             gradients (always plain bf16: gradient compression is out of scope).
 
+Each gathered tensor has a mode: ``plain``; ``plain-noreshard`` (FSDP that keeps the gathered
+weights from forward to backward, ZeRO-2 style: no backward re-gather, the full bf16 weights
+held); ``int8``; ``entropy``; ``exponent`` (CIERA exponent reuse); ``word`` (CIERA word mode: the
+forward gather sends word deltas, and the cache *is* the full weights, so the backward re-gather
+is gone, like plain-noreshard). The methods compared are mode assignments: every tensor plain /
+plain-noreshard / int8 / entropy; ``ciera`` exponent mode where the planner says it pays; ``word``
+word mode where it pays; or any per-tensor plan (e.g. the budgeted planner's). Every result
+states the extra memory its caches (or held weights) take per GPU (:mod:`ciera_jax.memory`).
+
 Prefetch depth one: the gather of group g+1 may start once the compute of group g starts (one
 extra gathered layer in memory), so it overlaps that compute. Collectives are hierarchical
 (NVLink ring inside a node, IB ring across nodes); the wire bytes and codec time of each method
-come from :mod:`ciera_jax.costmodel`, and CIERA's compress-or-not per tensor from the planner.
+come from :mod:`ciera_jax.costmodel`. Replicated tensors (norms, biases) are not gathered.
 CIERA also pays one agreement collective (pmax of all change counts) at the start of the step.
 
 Compute: 2 FLOPs per active parameter per token forward (routed experts count top_k/n_experts),
@@ -26,14 +35,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Callable, Mapping
 
 from ciera_jax import costmodel as cm
+from ciera_jax import memory
 from ciera_jax.planner import plan_tensor
+from ciera_jax.shapes import get_config, global_tensors, layer_tensors
 from ciera_jax.sim.cluster import Cluster, get_cluster
-from ciera_jax.sim.trace import Trace, default_trace
+from ciera_jax.sim.trace import Trace, WordTrace, default_trace, default_word_trace
 
 BYTES_PER_ELEM = 2  # bf16 weights and gradients
+METHODS = ("plain", "plain-noreshard", "int8", "entropy", "ciera", "word")
+TENSOR_MODES = ("plain", "plain-noreshard", "int8", "entropy", "exponent", "word")
+NO_REGATHER = ("plain-noreshard", "word")  # the backward reads the held weights / the cache
+MEMORY_MODE = {"plain-noreshard": "plain-noreshard", "exponent": "exponent", "word": "word"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,12 +56,17 @@ class Group:
     name: str
     fwd_s: float
     bwd_s: float
-    gather_s: float  # one all-gather of the group with this method (link time)
-    codec_s: float  # decode (+ encode) of one gather, on the compute stream
+    gather_s: float  # the forward all-gather of the group (link time)
+    regather_s: float  # the backward re-gather (0 when every tensor holds its weights)
+    codec_s: float  # decode (+ encode) of the forward gather, on the compute stream
+    recodec_s: float  # the same for the backward re-gather
     rs_s: float  # plain bf16 reduce-scatter of the group's gradients
-    wire_bytes: float
+    wire_bytes: float  # forward gather
+    rewire_bytes: float  # backward re-gather
     plain_bytes: float
     n_compressed: int = 0
+    extra_memory: int = 0  # cache / held-weight bytes per GPU
+    modes: tuple = ()  # (TensorSpec, mode) of each gathered tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,18 +78,19 @@ class StepResult:
     codec_s: float  # codec work per step (all gathers)
     comm_s: float  # busy time of the communication stream
     exposed_comm_s: float  # step time not covered by compute stream work
-    wire_bytes_per_gather_pass: float
+    wire_bytes_per_gather_pass: float  # the forward gathers
     plain_bytes_per_gather_pass: float
     tensors_compressed: int
     codec_stream: str = "compute"
+    wire_bytes_per_step: float = 0.0  # forward gathers + backward re-gathers
+    gather_only_s: float = 0.0  # every weight gather of the step, back to back, codec included
+    extra_memory_bytes: int = 0  # per GPU over plain FSDP: caches or held weights
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
 
 def _groups(cfg: Any) -> list[tuple[str, list]]:
-    from ciera_jax.shapes import global_tensors, layer_tensors
-
     g = {t.name: t for t in global_tensors(cfg)}
     out = [("embed", [g["embed_VxD"]])]
     out += [(f"layer{l}", layer_tensors(cfg, l)) for l in range(cfg.n_layers)]
@@ -86,29 +107,70 @@ def _fwd_flops_per_token(cfg: Any, name: str, tensors: list) -> float:
     return 2.0 * active + attn
 
 
-def build_groups(cfg: Any, N: int, cluster: Cluster, method: str, tokens_per_gpu: int,
-                 trace: Trace) -> list[Group]:
+def method_modes(method: str, N: int, topo: cm.Link, trace: Trace, word_trace: WordTrace,
+                 phase: str, share_s: float) -> Callable:
+    """The mode of each tensor under a method: a function of the TensorSpec."""
+    if method in ("plain", "plain-noreshard", "int8", "entropy"):
+        return lambda t: method
+    if method == "ciera":
+        return lambda t: ("exponent" if plan_tensor(t, "bfloat16", N, topo, trace.rate(t.kind),
+                                                    share_s).compress else "plain")
+    if method == "word":
+        def word(t):
+            tp = cm.t_plain(t.size, N, BYTES_PER_ELEM, topo)
+            tw = cm.t_word(t.size, N, BYTES_PER_ELEM, word_trace.bpw(t.kind, phase), topo,
+                           share_s)
+            return "word" if N > 1 and tw < 2 * tp else "plain"
+        return word
+    raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
+
+
+def _plan_modes(plan: Mapping) -> Callable:
+    bad = sorted({m for m in plan.values() if m not in TENSOR_MODES})
+    if bad:
+        raise ValueError(f"unknown tensor mode(s) {', '.join(bad)} in the plan; choose from: "
+                         f"{', '.join(TENSOR_MODES)}")
+    return lambda t: plan.get(memory.key(t), "plain")
+
+
+def build_groups(cfg: Any, N: int, cluster: Cluster, mode_of: Callable, tokens_per_gpu: int,
+                 trace: Trace, word_trace: WordTrace | None = None,
+                 phase: str = "steady") -> list[Group]:
+    """Per group: compute, and the gathers of its tensors in the modes ``mode_of(t)`` gives."""
     topo = cluster.topology
-    groups = _groups(cfg)
-    n_tensors = sum(len(ts) for _, ts in groups)
-    share = cm.agreement_time(N, topo) / n_tensors
+    word_trace = word_trace or default_word_trace()
     out = []
-    for name, ts in groups:
+    for name, ts in _groups(cfg):
         fwd = _fwd_flops_per_token(cfg, name, ts) * tokens_per_gpu / cluster.flops
-        wire = codec = plain = 0.0
-        n_comp = 0
+        wire = rewire = codec = recodec = plain = 0.0
+        n_comp = extra = 0
+        modes = []
         for t in ts:
+            if not memory.gathered(t):
+                continue
+            m = mode_of(t)
             plain += t.size * BYTES_PER_ELEM
-            m = method
-            if method == "ciera":
-                d = plan_tensor(t, "bfloat16", N, topo, trace.rate(t.kind), share)
-                m = "ciera" if d.compress else "plain"
-                n_comp += d.compress
-            c = cm.gather_cost(m, t.size, N, BYTES_PER_ELEM, topo, trace.rate(t.kind))
+            rate = trace.rate(t.kind)
+            if m == "word":
+                c = cm.gather_cost("word", t.size, N, BYTES_PER_ELEM, topo,
+                                   word_bpw=word_trace.bpw(t.kind, phase))
+            else:
+                gm = {"exponent": "ciera", "plain-noreshard": "plain"}.get(m, m)
+                c = cm.gather_cost(gm, t.size, N, BYTES_PER_ELEM, topo, rate)
+                if c.fallback:
+                    m, c = "plain", cm.gather_cost("plain", t.size, N, BYTES_PER_ELEM, topo)
+            modes.append((t, m))
+            n_comp += m in ("exponent", "word")
+            extra += memory.cache_bytes(t, MEMORY_MODE.get(m, "plain"))
             wire += c.wire_bytes
             codec += c.codec_s
-        out.append(Group(name, fwd, 2 * fwd, cm.gather_time(wire, N, topo), codec,
-                         cm.reduce_scatter_time(plain, N, topo), wire, plain, n_comp))
+            if m not in NO_REGATHER:
+                rewire += c.wire_bytes
+                recodec += c.codec_s
+        out.append(Group(name, fwd, 2 * fwd, cm.gather_time(wire, N, topo),
+                         cm.gather_time(rewire, N, topo) if rewire else 0.0, codec, recodec,
+                         cm.reduce_scatter_time(plain, N, topo), wire, rewire, plain, n_comp,
+                         extra, tuple(modes)))
     return out
 
 
@@ -133,10 +195,10 @@ def schedule(groups: list[Group], agreement_s: float = 0.0) -> tuple[float, floa
     rev = names[::-1]
     for i, n in enumerate(rev):  # backward
         prev = f"Cb:{rev[i - 1]}" if i else f"Cf:{names[-1]}"
-        add(f"AGb:{n}", "comm", G[n].gather_s, [(prev, "start")])
+        add(f"AGb:{n}", "comm", G[n].regather_s, [(prev, "start")])
         if i:
             add(f"RS:{rev[i - 1]}", "comm", G[rev[i - 1]].rs_s, [(f"Cb:{rev[i - 1]}", "end")])
-        add(f"Db:{n}", "compute", G[n].codec_s, [(f"AGb:{n}", "end")])
+        add(f"Db:{n}", "compute", G[n].recodec_s, [(f"AGb:{n}", "end")])
         add(f"Cb:{n}", "compute", G[n].bwd_s, [])
     add(f"RS:{rev[-1]}", "comm", G[rev[-1]].rs_s, [(f"Cb:{rev[-1]}", "end")])
 
@@ -166,7 +228,9 @@ def schedule(groups: list[Group], agreement_s: float = 0.0) -> tuple[float, floa
 def _on_stream(groups: list[Group], codec_stream: str) -> list[Group]:
     if codec_stream == "compute":
         return groups
-    return [dataclasses.replace(g, gather_s=g.gather_s + g.codec_s, codec_s=0.0) for g in groups]
+    return [dataclasses.replace(g, gather_s=g.gather_s + g.codec_s, codec_s=0.0,
+                                regather_s=g.regather_s + g.recodec_s, recodec_s=0.0)
+            for g in groups]
 
 
 def overlap_aware(planned: list[Group], plain: list[Group], agreement_s: float,
@@ -175,7 +239,8 @@ def overlap_aware(planned: list[Group], plain: list[Group], agreement_s: float,
 
     The per-tensor planner prices a gather in isolation; a gather that prefetch already hides
     behind compute gains nothing from compression and still pays its codec. Greedily, group by
-    group, fall back to the plain gather wherever the replayed step is no slower.
+    group, fall back to the plain gather wherever the replayed step is no slower (which also
+    frees that group's cache memory).
     """
     groups = list(planned)
     best = schedule(_on_stream(groups, codec_stream), agreement_s)[0]
@@ -191,52 +256,71 @@ def overlap_aware(planned: list[Group], plain: list[Group], agreement_s: float,
 
 def simulate_step(cfg: Any, gpus: int, cluster: Cluster | str = "h100", method: str = "plain",
                   tokens_per_gpu: int = 4096, trace: Trace | None = None,
-                  codec_stream: str = "compute") -> StepResult:
-    from ciera_jax.shapes import get_config
-
+                  codec_stream: str = "compute", *, word_trace: WordTrace | None = None,
+                  phase: str = "steady", plan: Mapping | None = None,
+                  overlap: bool = True) -> StepResult:
+    """One step of ``method`` (see :data:`METHODS`), or of ``plan`` (``{(layer, name): mode}``,
+    modes from :data:`TENSOR_MODES`, unnamed tensors plain) when given, on ``gpus`` GPUs.
+    ``overlap``: fall back to plain for groups whose compression does not shorten the step."""
     if isinstance(cfg, str):
         cfg = get_config(cfg)
     if isinstance(cluster, str):
         cluster = get_cluster(cluster)
-    if method not in cm.METHODS:
-        raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(cm.METHODS)}")
+    if plan is None and method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
     if gpus < 1:
         raise ValueError(f"gpu count must be positive, got {gpus}")
     if codec_stream not in ("comm", "compute"):
         raise ValueError(f"codec_stream must be 'comm' or 'compute', not {codec_stream!r}")
     trace = trace or default_trace()
-    groups = build_groups(cfg, gpus, cluster, method, tokens_per_gpu, trace)
-    agree = cm.agreement_time(gpus, cluster.topology) if method == "ciera" else 0.0
-    if method == "ciera":
-        plain = build_groups(cfg, gpus, cluster, "plain", tokens_per_gpu, trace)
+    word_trace = word_trace or default_word_trace()
+    topo = cluster.topology
+    n_gathered = sum(memory.gathered(t) for _, ts in _groups(cfg) for t in ts)
+    share = cm.agreement_time(gpus, topo) / max(n_gathered, 1)
+    mode_of = (_plan_modes(plan) if plan is not None
+               else method_modes(method, gpus, topo, trace, word_trace, phase, share))
+    args = (tokens_per_gpu, trace, word_trace, phase)
+    groups = build_groups(cfg, gpus, cluster, mode_of, *args)
+    agree = cm.agreement_time(gpus, topo) if any(g.n_compressed for g in groups) else 0.0
+    if agree and overlap:
+        plain = build_groups(cfg, gpus, cluster, lambda t: "plain", *args)
         groups = overlap_aware(groups, plain, agree, codec_stream)
-    codec = 2 * sum(g.codec_s for g in groups)  # forward gather + backward re-gather
+        if not any(g.n_compressed for g in groups):
+            agree = 0.0
+    codec = sum(g.codec_s + g.recodec_s for g in groups)
     step, busy_compute, busy_comm = schedule(_on_stream(groups, codec_stream), agree)
     compute = sum(g.fwd_s + g.bwd_s for g in groups)
-    return StepResult(method, gpus, step, compute, codec, busy_comm, step - busy_compute,
+    gather_only = agree + sum(g.gather_s + g.regather_s + g.codec_s + g.recodec_s for g in groups)
+    return StepResult("plan" if plan is not None else method, gpus, step, compute, codec,
+                      busy_comm, step - busy_compute,
                       sum(g.wire_bytes for g in groups), sum(g.plain_bytes for g in groups),
-                      sum(g.n_compressed for g in groups), codec_stream)
+                      sum(g.n_compressed for g in groups), codec_stream,
+                      sum(g.wire_bytes + g.rewire_bytes for g in groups), gather_only,
+                      sum(g.extra_memory for g in groups))
 
 
 def sweep(cfg: Any, gpu_counts: list[int], cluster: Cluster | str = "h100",
           tokens_per_gpu: int = 4096, trace: Trace | None = None,
-          methods: tuple[str, ...] = cm.METHODS, codec_stream: str = "compute") -> dict:
-    """Every method at every GPU count, and CIERA's speedup over each other method."""
-    from ciera_jax.shapes import get_config
-
+          methods: tuple[str, ...] = ("plain", "plain-noreshard", "int8", "entropy", "ciera",
+                                      "word"),
+          codec_stream: str = "compute", *, word_trace: WordTrace | None = None,
+          phase: str = "steady") -> dict:
+    """Every method at every GPU count, and each CIERA mode's speedup over each other method."""
     if isinstance(cfg, str):
         cfg = get_config(cfg)
     if isinstance(cluster, str):
         cluster = get_cluster(cluster)
     trace = trace or default_trace()
+    word_trace = word_trace or default_word_trace()
     results = {}
     for N in gpu_counts:
-        r = {m: simulate_step(cfg, N, cluster, m, tokens_per_gpu, trace, codec_stream)
-             for m in methods}
+        r = {m: simulate_step(cfg, N, cluster, m, tokens_per_gpu, trace, codec_stream,
+                              word_trace=word_trace, phase=phase) for m in methods}
         entry = {"methods": {m: v.to_json() for m, v in r.items()}}
-        if "ciera" in r:
-            entry["speedup_ciera_over"] = {m: r[m].step_s / r["ciera"].step_s
-                                          for m in methods if m != "ciera"}
+        for c in ("ciera", "word"):
+            if c in r:
+                entry[f"speedup_{c}_over"] = {m: r[m].step_s / r[c].step_s
+                                              for m in methods if m != c}
         results[str(N)] = entry
     return {
         "model": cfg.name,
@@ -244,28 +328,36 @@ def sweep(cfg: Any, gpu_counts: list[int], cluster: Cluster | str = "h100",
         "tokens_per_gpu": tokens_per_gpu,
         "codec_stream": codec_stream,
         "trace": trace.to_json(),
+        "word_trace": word_trace.to_json(),
+        "phase": phase,
         "assumptions": [
-            "FSDP over all GPUs; one bucketed all-gather per layer (forward and backward "
-            "re-gather) and one plain bf16 reduce-scatter of gradients per layer",
+            "FSDP over all GPUs; one bucketed all-gather per layer forward, a backward "
+            "re-gather except for word mode and plain-noreshard (the weights are held), one "
+            "plain bf16 reduce-scatter of gradients per layer; norms replicated, not gathered",
             "hierarchical collectives: NVLink ring in a node, then ring across nodes",
             f"prefetch depth one; codec work on the {codec_stream} stream; optimizer step "
             "not modelled",
             "compute = 6 x active params x tokens + causal attention, at peak x MFU",
+            f"word mode at the word trace's '{phase}' bytes per weight; exponent mode at the "
+            "exponent trace's change rates",
+            "extra_memory_bytes: per GPU over plain FSDP (caches, or the held bf16 weights)",
         ],
         "results": results,
     }
 
 
 def simulate_gather(n_bytes: float, N: int, profile: cm.Link | str, method: str = "plain",
-                    change_rate: float = 0.0, bytes_per_elem: int = BYTES_PER_ELEM) -> float:
+                    change_rate: float = 0.0, bytes_per_elem: int = BYTES_PER_ELEM,
+                    word_bpw: float | None = None) -> float:
     """Predicted seconds for one all-gather of a tensor of ``n_bytes`` (full size, as stored)
-    on ``N`` ranks; CIERA includes the tier-rounded patches, codec and one agreement. Use it
-    to compare with measured gathers (see :func:`compare_to_measurements`)."""
-    link = profile if isinstance(profile, cm.Topology) else cm.get_profile(profile)
+    on ``N`` ranks; CIERA (``ciera``: exponent mode, ``word``: word mode at ``word_bpw`` bytes
+    per weight) includes patches or escapes, codec and one agreement. Use it to compare with
+    measured gathers (see :func:`compare_to_measurements`)."""
+    link = cm.get_link(profile)
     n = math.ceil(n_bytes / bytes_per_elem)
-    c = cm.gather_cost(method, n, N, bytes_per_elem, link, change_rate)
+    c = cm.gather_cost(method, n, N, bytes_per_elem, link, change_rate, word_bpw=word_bpw)
     t = cm.gather_time(c.wire_bytes, N, link) + c.codec_s
-    return t + (cm.agreement_time(N, link) if method == "ciera" else 0.0)
+    return t + (cm.agreement_time(N, link) if method in ("ciera", "word") else 0.0)
 
 
 def compare_to_measurements(records: list[dict], profile: cm.Link | str) -> list[dict]:

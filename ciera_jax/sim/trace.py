@@ -69,3 +69,50 @@ def load_trace(path: str | Path) -> Trace:
              for k in kinds}
     default = max(rates.values()) if rates else 1e-3
     return Trace(rates, default, f"{p} (mean of last {len(tail)} of {len(rows)} steps)")
+
+
+# ----------------------------------------------------------------------------- word mode
+
+WORD_TRACE = Path(__file__).parent / "data" / "word_trace.json"  # measured, when present
+WORD_DEFAULT = Path(__file__).parent / "data" / "word_default.json"  # from the offline study
+PHASES = ("warmup", "peak", "steady", "late")
+
+
+@dataclasses.dataclass(frozen=True)
+class WordTrace:
+    """Word-mode bytes per weight (rung choice and exponent-mode fallback included), per phase
+    and tensor kind: ``phases[phase] = {"bytes_per_weight": {kind: B}, "overall": B}``."""
+
+    phases: dict
+    source: str = ""  # the file
+    note: str = ""  # where its numbers come from
+
+    def bpw(self, kind: str, phase: str = "steady") -> float:
+        if phase not in self.phases:
+            raise KeyError(f"word trace {self.source} has no phase {phase!r}; it has: "
+                           f"{', '.join(self.phases)}")
+        p = self.phases[phase]
+        return float(p.get("bytes_per_weight", {}).get(kind, p["overall"]))
+
+    def to_json(self) -> dict:
+        return {"source": self.source, "note": self.note, "phases": self.phases}
+
+
+def load_word_trace(path: str | Path) -> WordTrace:
+    """``{"source": ..., "phases": {phase: {"bytes_per_weight": {kind: B}, "overall": B}}}``."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"word trace file not found: {p}")
+    d = json.loads(p.read_text())
+    phases = d.get("phases") if isinstance(d, dict) else None
+    if not isinstance(phases, dict) or not phases or any(
+            not isinstance(v, dict) or "overall" not in v for v in phases.values()):
+        raise ValueError(f"{p}: not a word trace (want {{'phases': {{phase: {{'overall': "
+                         "bytes_per_weight, 'bytes_per_weight': {kind: ...}}}}}}})")
+    return WordTrace(phases, str(p), str(d.get("source", "")))
+
+
+def default_word_trace() -> WordTrace:
+    """The measured trace (``data/word_trace.json``, written by the weight-stability study)
+    when present, else the defaults taken from the offline word-delta study."""
+    return load_word_trace(WORD_TRACE if WORD_TRACE.exists() else WORD_DEFAULT)

@@ -1,4 +1,4 @@
-"""Simulate FSDP step time on a GPU cluster: plain bf16, int8, entropy-coded and CIERA gathers."""
+"""Simulate FSDP step time and extra memory on a GPU cluster: plain, int8, entropy, CIERA modes."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
-from ciera_jax.costmodel import METHODS
+from ciera_jax.sim.step import METHODS
+from ciera_jax.sim.trace import PHASES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -18,6 +19,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mfu", type=float, default=None, help="model FLOPs utilisation (default 0.35)")
     p.add_argument("--trace", default=None,
                    help="exponent-change trace: trace JSON or `ciera train --metrics-out` JSONL")
+    p.add_argument("--word-trace", default=None,
+                   help="word-mode trace JSON (default: sim/data/word_trace.json if present, "
+                        "else the word-delta study's figures)")
+    p.add_argument("--phase", choices=PHASES, default="steady",
+                   help="training phase whose word-mode bytes per weight to use (default steady)")
     p.add_argument("--codec-stream", choices=("compute", "comm"), default="compute",
                    help="where codec work runs (default: compute stream)")
     p.add_argument("--json", default=None, help="write the results here")
@@ -34,19 +40,36 @@ def parse_gpus(text: str) -> list[int]:
     return out
 
 
+LABEL = {"ciera": "exponent", "plain-noreshard": "noreshard"}
+
+
+def label(m: str) -> str:
+    return LABEL.get(m, m)
+
+
 def format_table(result: dict) -> str:
-    methods = [m for m in METHODS if m in next(iter(result["results"].values()))["methods"]]
-    head = (["GPUs"] + [f"{m} ms" for m in methods] + ["ciera exposed ms"]
-            + [f"x {m}" for m in methods if m != "ciera"])
+    """Step time and extra memory per GPU of every method; CIERA's speedups."""
+    first = next(iter(result["results"].values()))
+    methods = [m for m in METHODS if m in first["methods"]]
+    over = [(c, m) for c in ("ciera", "word") if f"speedup_{c}_over" in first
+            for m in ("plain", "plain-noreshard", "int8") if m in first[f"speedup_{c}_over"]]
+    head = (["GPUs"] + [f"{label(m)} ms" for m in methods]
+            + [f"{label(m)} +GB" for m in methods if m not in ("plain", "int8", "entropy")]
+            + [f"{label(c)} x {label(m)}" for c, m in over])
     rows = []
     for N, e in result["results"].items():
         r = e["methods"]
         rows.append([N] + [f"{r[m]['step_s'] * 1e3:.1f}" for m in methods]
-                    + [f"{r['ciera']['exposed_comm_s'] * 1e3:.1f}"]
-                    + [f"{e['speedup_ciera_over'][m]:.2f}" for m in methods if m != "ciera"])
+                    + [f"{r[m]['extra_memory_bytes'] / 1e9:.2f}" for m in methods
+                       if m not in ("plain", "int8", "entropy")]
+                    + [f"{e[f'speedup_{c}_over'][m]:.2f}" for c, m in over])
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     fmt = lambda r: "  ".join(str(x).rjust(w) for x, w in zip(r, widths))  # noqa: E731
-    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
+    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+                     + ["(ms: step time; +GB: extra memory per GPU over plain FSDP; exponent, "
+                        "word: CIERA's modes; noreshard: plain FSDP that keeps the gathered "
+                        "weights for the backward, word mode's equal-memory baseline; "
+                        "x: step-time speedup)"])
 
 
 def plot(result: dict, path: str | Path) -> None:
@@ -57,16 +80,19 @@ def plot(result: dict, path: str | Path) -> None:
 
     Ns = [int(n) for n in result["results"]]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for m in [m for m in METHODS if m != "ciera"]:
-        ys = [result["results"][str(n)]["speedup_ciera_over"].get(m) for n in Ns]
-        ax.plot(Ns, ys, marker="o", label=f"CIERA over {m}")
+    for c in ("ciera", "word"):
+        for m in ("plain", "plain-noreshard", "int8"):
+            ys = [result["results"][str(n)].get(f"speedup_{c}_over", {}).get(m) for n in Ns]
+            if all(y is not None for y in ys):
+                ax.plot(Ns, ys, marker="o", ls="-" if c == "word" else "--",
+                        label=f"{'exponent' if c == 'ciera' else 'word'} mode over {m}")
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("GPUs")
     ax.set_ylabel("step-time speedup")
     ax.set_title(f"{result['model']} on {result['cluster']['name']}, "
                  f"{result['tokens_per_gpu']} tokens/GPU (simulated)")
-    ax.legend()
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -75,7 +101,7 @@ def plot(result: dict, path: str | Path) -> None:
 def run(args: argparse.Namespace) -> int:
     from ciera_jax.sim.cluster import get_cluster
     from ciera_jax.sim.step import sweep
-    from ciera_jax.sim.trace import default_trace, load_trace
+    from ciera_jax.sim.trace import default_trace, default_word_trace, load_trace, load_word_trace
     from ciera_jax.shapes import get_config
 
     cfg = get_config(args.model)
@@ -84,11 +110,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--tokens-per-gpu must be positive")
     cluster = get_cluster(args.cluster, mfu=args.mfu)
     trace = load_trace(args.trace) if args.trace else default_trace()
+    word = load_word_trace(args.word_trace) if args.word_trace else default_word_trace()
+    word.bpw("default", args.phase)  # a trace without the phase: a clear error now
     result = sweep(cfg, gpus, cluster, args.tokens_per_gpu, trace,
-                   codec_stream=args.codec_stream)
+                   codec_stream=args.codec_stream, word_trace=word, phase=args.phase)
     print(f"{cfg.name} on {cluster.name} ({cluster.gpus_per_node} GPUs/node, MFU {cluster.mfu}), "
           f"{args.tokens_per_gpu} tokens/GPU, trace: {Path(trace.source).name}"
-          + (" (placeholder)" if trace.placeholder else ""))
+          + (" (placeholder)" if trace.placeholder else "")
+          + f", word trace: {Path(word.source).name} ({args.phase})")
     print(format_table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
