@@ -24,6 +24,7 @@ import numpy as np
 
 CORPUS_CAP_BYTES = 4 << 20
 VAL_FRACTION = 0.05
+TOKEN_DTYPES = ("uint16", "uint32")
 
 
 def cache_dir() -> Path:
@@ -74,8 +75,10 @@ def load_token_file(path: str | os.PathLike, dtype: str | None = None) -> np.nda
         raise FileNotFoundError(f"data file not found: {p}")
     if dtype is None:
         dtype = "uint32" if p.suffix.lower() in (".u32", ".uint32") else "uint16"
-    if dtype not in ("uint16", "uint32"):
-        raise ValueError(f"token files are uint16 or uint32, got {dtype!r}")
+    if dtype not in TOKEN_DTYPES:
+        raise ValueError(f"token files are {' or '.join(TOKEN_DTYPES)}, got {dtype!r}")
+    if p.stat().st_size == 0:
+        raise ValueError(f"data file {p} is empty; pass a flat binary of {dtype} token ids")
     if p.stat().st_size % np.dtype(dtype).itemsize:
         raise ValueError(f"{p}: size {p.stat().st_size} is not a multiple of {dtype}")
     return np.memmap(p, dtype=dtype, mode="r")

@@ -75,7 +75,12 @@ def test_cli_resume_is_bitwise_and_writes_metrics(runs, tmp_path, capsys):
     assert "summary:" in out and "wire/plain" in out and "params_sha256=" in first
     assert "plan: profile=cpu-emulated ranks=8" in first  # the plan, once, at the start
     assert first.count("plan: profile=") == 1
-    recs = [json.loads(line) for line in metrics.read_text().splitlines()]
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    headers = [r["header"] for r in lines if "header" in r]
+    assert [h["start_step"] for h in headers] == [0, 10]  # one per start, the resume's too
+    assert headers[0]["train_config"]["gather"] == "ciera"
+    assert set(headers[0]["memory_per_device"]) == {"params", "optimizer", "caches (exponent)"}
+    recs = [r for r in lines if "header" not in r]
     assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
     for key in ("step", "loss", "sent_bytes", "plain_bytes", "exp_changed_frac", "fallbacks",
                 "step_time_s", "word_changed_frac"):

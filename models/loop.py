@@ -1,0 +1,178 @@
+"""The training loop: check the inputs, build or restore the state, step, log, save, stop.
+
+Every bad input fails in :func:`check_inputs`, before anything compiles. A preempted run
+(SIGTERM/SIGINT) finishes its step, saves, and returns with ``preempted`` set; the CLI then
+exits with ``preemption.EXIT_PREEMPTED``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import math
+import time
+from pathlib import Path
+from typing import Callable
+
+import ciera_jax
+from models import checkpoint as ckpt
+from models import metrics
+from models.data import load_dataset
+from models.params_hash import params_sha256
+from models.preemption import PreemptionGuard, agree
+from models.state import TrainState, build_trainer, bytes_per_device, make_mesh
+from models.train_config import CACHE_MODES, RunConfig, TrainConfig
+
+
+@dataclasses.dataclass
+class RunResult:
+    sha256: str
+    history: list[dict]
+    summary: str
+    final_step: int
+    preempted: str | None = None  # the signal's name when the run stopped early
+    checkpoint: str | None = None  # where the last save went
+
+
+def check_inputs(tc: TrainConfig, run: RunConfig) -> None:
+    """One clear ValueError per bad input, before any work."""
+    if run.steps < 0:
+        raise ValueError(f"--steps must be >= 0, got {run.steps}")
+    if run.devices is not None and run.devices < 1:
+        raise ValueError(f"--devices must be a positive number of devices, got {run.devices} "
+                         "(leave it out for all devices, or 8 emulated on CPU)")
+    if run.keep_checkpoints < 1:
+        raise ValueError(f"--keep-checkpoints must be >= 1, got {run.keep_checkpoints}")
+    if tc.cache not in CACHE_MODES:
+        raise ValueError(f"unknown cache {tc.cache!r}; choose one of: {', '.join(CACHE_MODES)}")
+    if tc.cache != "exponent" and "mode" not in inspect.signature(ciera_jax.init_cache).parameters:
+        raise ValueError(f"--cache {tc.cache} is not available yet in this version of "
+                         "ciera_jax; use --cache exponent")
+    if run.resume and not run.checkpoint_dir:
+        raise ValueError("--resume needs --checkpoint-dir")
+    if run.checkpoint_dir:
+        ckpt.check_dir(run.checkpoint_dir)
+
+
+def train(tc: TrainConfig, run: RunConfig | None = None, *, mesh=None,
+          log: Callable[[str], None] | None = print, **run_fields) -> RunResult:
+    """Train to ``run.steps`` total steps (continuing from the latest checkpoint with
+    ``run.resume``). ``run_fields`` override fields of ``run`` (``train(tc, steps=20)``)."""
+    run = dataclasses.replace(run or RunConfig(), **run_fields)
+    log = log or (lambda s: None)
+    check_inputs(tc, run)
+    mesh = mesh or make_mesh(run.devices)
+    dataset = load_dataset(run.data, tc.model.vocab_size, tc.length, run.data_dtype)
+    saver = (ckpt.Checkpointer(run.checkpoint_dir, keep=run.keep_checkpoints)
+             if run.checkpoint_dir else None)
+    identity = {**dataclasses.asdict(tc), "seed": run.seed}
+    meta = {"train_config": identity, **identity}
+    if saver and run.resume and (saved := saver.latest_meta()) is not None:
+        for note in ckpt.check_resumable(saved, identity, run.checkpoint_dir):
+            log(f"note: {note}")
+    tr = build_trainer(tc, mesh)
+    state = tr.init_state(run.seed)
+    if run.resume:
+        state = _restore(saver, state, log)
+    if tc.gather == "ciera":
+        log(tr.plan_summary)
+    memory = {"params": bytes_per_device(state.params),
+              "optimizer": bytes_per_device(state.opt_state),
+              f"caches ({tc.cache})": bytes_per_device(state.caches)}
+    log(metrics.memory_line(memory))
+    log("legend: " + metrics.TIER_LEGEND)
+    out = _open_metrics(run, state.step, {**meta, "memory_per_device": memory,
+                                          "start_step": state.step})
+    history: list[dict] = []
+    last_save, preempted = time.monotonic(), None
+    try:
+        with PreemptionGuard(log) as guard:
+            while state.step < run.steps:
+                if state.priming:
+                    log(_first_step_note(tr, state.step + 1))
+                rec, state = _one_step(tr, state, dataset, run)
+                history.append(rec)
+                if out:
+                    out.write(json.dumps(rec) + "\n")
+                    out.flush()
+                if run.log_every and (state.step % run.log_every == 0
+                                      or state.step in (1, run.steps)):
+                    log(metrics.progress_line(rec, run.steps, tc.batch_size * tc.length))
+                if not math.isfinite(rec["loss"]):
+                    raise FloatingPointError(f"loss is {rec['loss']} at step {state.step}")
+                stop, due = agree(guard.signal_name is not None,
+                                  _save_due(run, state.step, last_save))
+                if saver and (due or stop or state.step == run.steps):
+                    saver.save(state.step, state.params, state.opt_state, meta)
+                    last_save = time.monotonic()
+                    if not stop:
+                        log(f"checkpoint: step {state.step} saved to {saver.directory} "
+                            f"(keeping the newest {run.keep_checkpoints})")
+                if stop:
+                    preempted = guard.signal_name or "a signal on another process"
+                    log(f"preempted ({preempted}) after step {state.step} of {run.steps}: "
+                        + (f"checkpoint saved to {saver.directory} at step {state.step}; run "
+                           "again with --resume to continue" if saver else
+                           "nothing saved (no --checkpoint-dir)"))
+                    break
+    finally:
+        if out:
+            out.close()
+        if saver:
+            saver.__exit__()
+    return RunResult(params_sha256(state.params), history, metrics.summarize(history, tc, tc.gather),
+                     state.step, preempted, str(saver.directory) if saver else None)
+
+
+def _one_step(tr, state: TrainState, dataset, run: RunConfig) -> tuple[dict, TrainState]:
+    """Run the step at ``state.step`` (data position == step) and take its result."""
+    batch = tr.batch(dataset, run.seed, state.step)
+    priming = state.priming and tr.tc.gather == "ciera"
+    t0 = time.perf_counter()
+    new_state, m = tr.step(state, batch)
+    dt = time.perf_counter() - t0
+    step = new_state.step
+    traced = run.trace_every > 0 and (step % run.trace_every == 0 or step == 1)
+    return metrics.step_record(step, m, dt, tr.kinds, traced, priming), new_state
+
+
+def _first_step_note(tr, step: int) -> str:
+    what = [] if tr.compiled else ["compiles the train step"]
+    if tr.tc.gather == "ciera":
+        what.append("primes the caches (a plain gather of each compressed tensor; not counted "
+                    "as exponent change)")
+    return f"step {step} " + " and ".join(what or ["starts"])
+
+
+def _save_due(run: RunConfig, step: int, last_save: float) -> bool:
+    if not run.checkpoint_dir:
+        return False
+    if run.checkpoint_every:
+        return step % run.checkpoint_every == 0
+    return time.monotonic() - last_save >= 60 * run.checkpoint_minutes
+
+
+def _restore(saver, state: TrainState, log) -> TrainState:
+    got = saver.restore(state.params, state.opt_state)
+    if got is None:
+        log(f"no checkpoint in {saver.directory}; starting from step 0")
+        return state
+    params, opt_state, saved = got
+    log(f"resumed from {saver.directory} at step {saved['step']} (caches re-prime)")
+    return TrainState(int(saved["step"]), params, state.caches, opt_state)  # ahead re-encodes
+
+
+def _open_metrics(run: RunConfig, step: int, header: dict):
+    """The JSONL file: a header line (the config, the memory per device), then one row per
+    step. On resume, rows past the restored step (logged before a crash) are dropped."""
+    if not run.metrics_out:
+        return None
+    path = Path(run.metrics_out)
+    if run.resume and path.exists():
+        keep = [line for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= step]
+        path.write_text("".join(line + "\n" for line in keep))
+    out = open(path, "a" if run.resume else "w")
+    out.write(json.dumps({"header": header}) + "\n")
+    return out

@@ -1,0 +1,49 @@
+"""Which gathered tensors ``ciera train`` compresses: the cost model's plan, plus a policy.
+
+``cost``: the planner alone (``ciera_jax.planner.plan_tree`` with the profile); ``auto``
+(default): the planner, plus the routed expert weights always (the tensors CIERA exists for: in
+the toy configs they are too small for the saving to beat the codec launch and latency on any
+profile, and the runs are there to exercise the codec); ``all``: every tensor of a codec dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+
+from ciera_jax import planner
+from models.train_config import PLANS
+EXPERT_WEIGHT = re.compile(r"w_(gate|up|down)_Ex\w+")
+
+
+def default_profile(platform: str) -> str:
+    return "cpu-emulated" if platform == "cpu" else "h100-nvlink"
+
+
+def make_plan(tc, tensors: dict, n: int, platform: str) -> tuple[dict, str]:
+    """Compress-or-plain per gathered tensor (``tc``: a TrainConfig, read for ``plan`` and
+    ``profile``; ``tensors``: ``fsdp.gathered_tensors``). Returns ``({key: bool}, one-line
+    summary)``."""
+    if tc.plan not in PLANS:
+        raise ValueError(f"unknown plan {tc.plan!r}; choose one of: {', '.join(PLANS)}")
+    profile = tc.profile or default_profile(platform)
+    tree = {f"{k}#{layer}": jax.ShapeDtypeStruct(t.shape, t.dtype)
+            for k, t in tensors.items() for layer in range(t.stack or 1)}
+    decided = planner.plan_tree(tree, n, profile)
+    by_cost = {k: decided[f"{k}#0"] for k in tensors}
+    forced = {k: tc.plan == "all" or (tc.plan == "auto"
+                                       and bool(EXPERT_WEIGHT.fullmatch(k.rsplit("/", 1)[-1])))
+              for k in tensors}
+    compress = {k: bool(by_cost[k] or forced[k]) for k in tensors}
+    size = {k: math.prod(t.shape) * (t.stack or 1) for k, t in tensors.items()}
+    frac = sum(size[k] for k in tensors if compress[k]) / max(sum(size.values()), 1)
+    n_cost = sum(by_cost.values())
+    n_forced = sum(1 for k in tensors if compress[k] and not by_cost[k])
+    summary = (f"plan: profile={getattr(planner.cm.get_profile(profile), 'name', profile)} "
+               f"ranks={n} --plan {tc.plan}: compress {sum(compress.values())}/{len(tensors)} "
+               f"tensors ({100 * frac:.1f}% of gathered bytes): {n_cost} by the cost model"
+               + (f", {n_forced} forced ({'expert weights' if tc.plan == 'auto' else 'all'})"
+                  if n_forced else ""))
+    return compress, summary

@@ -1,0 +1,174 @@
+"""The training state, and the trainer that owns its shapes, shardings and compiled step.
+
+:func:`build_trainer` is memoized on ``(TrainConfig, mesh)``: runs with the same config in one
+process (tests, benchmarks, a resume after a preemption) share one compiled step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Callable
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ciera_jax
+from ciera_jax import fsdp
+from ciera_jax.fsdp import AXIS, ExponentCacheVar
+from models import configs
+from models.data import Dataset
+from models.model import Transformer
+from models.optimizer import make_optimizer
+from models.plan_policy import make_plan
+from models.step import AHEAD_SPECS, all_words, make_step
+
+
+def make_mesh(n_devices: int | None = None) -> Mesh:
+    """The 1-D ``fsdp`` mesh over the first ``n_devices`` devices (all when None)."""
+    devs = jax.devices()
+    n = len(devs) if n_devices is None else n_devices
+    if n < 1:
+        raise ValueError(f"asked for a mesh of {n} devices; use a positive device count")
+    if n > len(devs):
+        raise ValueError(f"asked for {n} devices but only {len(devs)} are available "
+                         f"({devs[0].platform})")
+    return Mesh(np.array(devs[:n]), (AXIS,))
+
+
+@dataclasses.dataclass
+class TrainState:
+    """``ahead``: what the end of the previous step prepared for this one (``encoded``: the
+    ``ciera_jax.Encoded`` of every compressed tensor, per rank; ``word_changed``: bf16 words of
+    each gathered tensor that differ from the previous gather). Derived, like the caches: never
+    checkpointed; None after init/restore (then :meth:`Trainer.prepare` encodes at the start,
+    and the step's gathers prime the fresh caches)."""
+
+    step: int
+    params: nnx.State
+    caches: nnx.State
+    opt_state: object
+    ahead: dict | None = None
+
+    @property
+    def priming(self) -> bool:
+        """The next step's gathers prime fresh caches (first step, first after a restore)."""
+        return self.ahead is None
+
+
+def bytes_per_device(tree) -> int:
+    """Bytes one device holds of the arrays in ``tree`` (its shard; replicated: all of it)."""
+    return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+               for a in jax.tree.leaves(tree))
+
+
+def is_spec(x) -> bool:
+    return isinstance(x, P)
+
+
+@dataclasses.dataclass
+class Trainer:
+    tc: object  # TrainConfig
+    mesh: Mesh
+    graphdef: object
+    param_specs: object  # prefix tree of PartitionSpecs over params
+    opt_specs: object
+    tx: optax.GradientTransformation
+    kinds: dict[str, str]
+    step_fn: Callable
+    tensors: dict = dataclasses.field(default_factory=dict)  # key -> fsdp.GatheredTensor
+    compress: dict = dataclasses.field(default_factory=dict)  # key -> bool (ciera only)
+    plan_summary: str = ""
+    prepare_fn: Callable | None = None
+    compiled: bool = False  # a step has run (so the next one does not compile)
+
+    @property
+    def n(self) -> int:
+        return self.mesh.shape[AXIS]
+
+    def prepare(self, state: TrainState) -> TrainState:
+        """Fill ``state.ahead`` at the start (first step, after a restore): encode against
+        the current (unprimed) caches, so the first gather primes them."""
+        if state.ahead is not None:
+            return state
+        caches = fsdp.cache_dict(state.caches)
+        if any(np.any(np.asarray(c.primed)) for c in caches.values()):
+            return dataclasses.replace(state, ahead=self.prepare_fn(state.params, state.caches))
+        # Fresh caches (init, restore): every Encoded only has to say "prime me" (demand =
+        # int32 max), and the priming gather sends the shard's own bits, not the payload. So
+        # build it on the host instead of compiling the encoder a second time.
+        shapes = jax.eval_shape(self.prepare_fn, state.params, state.caches)
+        host = {"encoded": {k: ciera_jax.priming_encoded(
+                    e, math.prod(self.tensors[k].shape) // self.n)
+                    for k, e in shapes["encoded"].items()},
+                "word_changed": jax.tree.map(np.asarray, jax.device_get(
+                    all_words(self.tensors)))}
+        return dataclasses.replace(state, ahead=fsdp.put(host, AHEAD_SPECS, self.mesh))
+
+    def step(self, state: TrainState, tokens: jax.Array) -> tuple[TrainState, dict]:
+        """One step from ``state`` (its arrays are donated): the next state and the step's
+        metrics on the host. The caller decides whether the next state is taken."""
+        state = self.prepare(state)
+        params, caches, opt_state, ahead, m = self.step_fn(
+            state.params, state.caches, state.opt_state, state.ahead, tokens)
+        self.compiled = True
+        return TrainState(state.step + 1, params, caches, opt_state, ahead), jax.device_get(m)
+
+    def init_state(self, seed: int) -> TrainState:
+        model = fsdp.attach_caches(Transformer(self.tc.model, nnx.Rngs(seed)))
+        _, params, caches = nnx.split(model, nnx.Param, ExponentCacheVar)
+        params = fsdp.put(params, self.param_specs, self.mesh)
+        caches = fsdp.put(caches, P(), self.mesh)
+        opt_state = jax.jit(self.tx.init, out_shardings=jax.tree.map(
+            lambda s: NamedSharding(self.mesh, s), self.opt_specs, is_leaf=is_spec))(params)
+        return TrainState(0, params, caches, opt_state)
+
+    def batch(self, data: Dataset, seed: int, position: int) -> jax.Array:
+        toks = data.batch(seed, position, self.tc.batch_size, self.tc.length)
+        return fsdp.put(toks, P(AXIS), self.mesh)
+
+
+@functools.lru_cache(maxsize=8)
+def build_trainer(tc, mesh: Mesh) -> Trainer:
+    """Shapes, shardings and the compiled step for ``tc`` (a TrainConfig) on ``mesh``."""
+    cfg = tc.model
+    n = mesh.shape[AXIS]
+    if tc.gather not in fsdp.GATHER_MODES:
+        raise ValueError(f"unknown gather {tc.gather!r}; choose one of: "
+                         f"{', '.join(fsdp.GATHER_MODES)}")
+    abstract = nnx.eval_shape(lambda: fsdp.attach_caches(Transformer(cfg, nnx.Rngs(0))))
+    graphdef, params, caches = nnx.split(abstract, nnx.Param, ExponentCacheVar)
+    # The rule table's specs; raises if the mesh does not divide a split dimension.
+    param_specs = fsdp.state_specs(abstract, params, AXIS, n=n)
+    if tc.batch_size % n:
+        raise ValueError(f"batch size {tc.batch_size} is not divisible by the {n} devices")
+    tx = make_optimizer(tc)
+    opt_abs = jax.eval_shape(tx.init, params)
+    full_specs = jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), param_specs,
+                              params, is_leaf=is_spec)
+    opt_specs = optax.tree_map_params(tx, lambda _, s: s, opt_abs, full_specs,
+                                      transform_non_params=lambda _: P(), is_leaf=is_spec)
+    tensors = fsdp.gathered_tensors(abstract)
+    compress, plan_summary = make_plan(tc, tensors, n, mesh.devices.flat[0].platform)
+    if tc.gather != "ciera":
+        compress = {k: False for k in compress}
+    step_fn, prepare_fn = make_step(tc, mesh, graphdef, param_specs, opt_specs, tx, tensors,
+                                    compress)
+    return Trainer(tc, mesh, graphdef, param_specs, opt_specs, tx, tensor_kinds(cfg, tensors),
+                   step_fn, tensors, compress, plan_summary, prepare_fn)
+
+
+def tensor_kinds(cfg: configs.ModelConfig, tensors: dict) -> dict[str, str]:
+    """Tensor path as the gather stats name it (per layer) -> TensorSpec.kind."""
+    by_name = {t.name: t.kind for t in configs.tensor_inventory(cfg)}
+    out = {}
+    for key, t in tensors.items():
+        kind = by_name.get(key.rsplit("/", 1)[-1], "other")
+        for layer in range(t.stack or 1):
+            out[t.layer_key(layer)] = kind
+    return out

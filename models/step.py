@@ -1,0 +1,122 @@
+"""The sharded train step: one ``jax.jit`` of one ``jax.shard_map`` over the ``fsdp`` axis.
+
+    params (f32 shards)  caches (replicated)  opt state (shards)  ahead (per rank)  tokens
+        |
+        +-- agree: ONE pmax over the demands of every layer of every compressed tensor (their
+        |          ``Encoded`` came in ``ahead``, made at the end of the previous step)
+        +-- forward (``fsdp.Engine``): embed; each layer stack under ``lax.scan``, the body
+        |          gathering layer l+1 (exchange: switch on the agreed tier + decode; or the
+        |          plain / int8 gather) next to the compute of layer l; head. Tensors the plan
+        |          leaves plain use the plain gather. Gathered computes are rematerialized:
+        |          backward re-gathers (exact) and psum_scatters the weight cotangents
+        +-- grads: the loss is divided by the rank count, so these are grads of the global mean;
+        |          replicated params (norms) are psummed by shard_map's autodiff
+        +-- global-norm clipping (psum of sharded squares + replicated counted once), AdamW
+        +-- prepare step t+1: encode the new params (bf16) against the caches the gathers just
+            updated, count the bf16 words that changed -> ``ahead`` (donated back in)
+    -> new params, new caches, new opt state, ahead, metrics (all rank-invariant scalars)
+
+All three gather modes run this same code; ciera and plain give bitwise-identical params. The
+step only proposes the next state and reports metrics; the loop decides to take it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from ciera_jax import fsdp
+from ciera_jax.fsdp import AXIS
+
+# ``ahead``: per rank Encoded (a leading rank axis outside shard_map), replicated counts.
+AHEAD_SPECS = {"encoded": P(AXIS), "word_changed": P()}
+
+
+def ranked(tree):
+    """Per-rank values -> a leading axis of size 1 (sharded over fsdp outside shard_map)."""
+    return jax.tree.map(lambda a: a[None], tree)
+
+
+def unranked(tree):
+    return jax.tree.map(lambda a: a[0], tree)
+
+
+def word_changes(tensors: dict, old: dict, new: dict) -> dict:
+    """bf16 words of each gathered tensor (per layer for stacks) that differ between the
+    gathers of ``old`` and ``new`` params: rank-invariant int32 counts."""
+    out = {}
+    for k, t in tensors.items():
+        a = lax.bitcast_convert_type(old[k].astype(jnp.bfloat16), jnp.uint16)
+        b = lax.bitcast_convert_type(new[k].astype(jnp.bfloat16), jnp.uint16)
+        axes = tuple(range(1 if t.stack else 0, a.ndim))
+        out[k] = lax.psum(jnp.sum(a != b, axis=axes, dtype=jnp.int32), AXIS)
+    return out
+
+
+def all_words(tensors: dict) -> dict:
+    """Word-change counts of a first gather: every word is new."""
+    return {k: (jnp.full((t.stack,), math.prod(t.shape), jnp.int32) if t.stack
+                else jnp.int32(math.prod(t.shape))) for k, t in tensors.items()}
+
+
+def per_layer_stats(tensors: dict, stats: dict) -> dict:
+    """``{tensor key: stats stacked over layers}`` -> ``{layer key: stats of that layer}``."""
+    out = {}
+    for k, st in stats.items():
+        t = tensors[k]
+        for layer in range(t.stack or 1):
+            out[t.layer_key(layer)] = {s: v[layer] for s, v in st.items()} if t.stack else st
+    return out
+
+
+def make_step(tc, mesh, graphdef, param_specs, opt_specs, tx, tensors, compress):
+    """``(step_fn, prepare_fn)``, both compiled. ``step_fn(params, caches, opt_state, ahead,
+    tokens) -> (params, caches, opt_state, ahead, metrics)`` donates its state arguments;
+    ``prepare_fn(params, caches) -> ahead`` encodes at the start (first step, after restore)."""
+    n = mesh.shape[AXIS]
+
+    def loss_fn(params, caches, caches_d, encoded, agreed, tokens):
+        model = fsdp.merge(graphdef, params, caches)
+        engine = fsdp.Engine(tc.gather, tensors, caches=caches_d, encoded=encoded, agreed=agreed)
+        with engine.active():
+            loss, parts = model.loss(tokens, tc.lb_coef, tc.z_coef)
+        # Mean over the global batch: each rank's mean over its equal share, divided by n.
+        return loss / n, (loss, parts, engine.new_caches, engine.stats)
+
+    def prepare(params, caches):
+        encoded = fsdp.encode_tensors(tensors, fsdp.param_dict(params), fsdp.cache_dict(caches),
+                                      compress, AXIS)
+        return {"encoded": ranked(encoded), "word_changed": all_words(tensors)}
+
+    def local_step(params, caches, opt_state, ahead, tokens):
+        encoded = unranked(ahead["encoded"])
+        agreed = fsdp.agree_tensors(tensors, encoded, AXIS)  # the step's one agreement
+        caches_d = fsdp.cache_dict(caches)
+        grads, (loss, parts, new_caches, stats) = jax.grad(loss_fn, has_aux=True)(
+            params, caches, caches_d, encoded, agreed, tokens)
+        caches_d = {**caches_d, **new_caches}
+        grads, gnorm = fsdp.clip_by_global_norm(grads, param_specs, tc.clip_norm, AXIS)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        # Prepare step t+1 while everything it needs is final (off its critical path).
+        old_d, new_d = fsdp.param_dict(params), fsdp.param_dict(new_params)
+        ahead_next = {
+            "encoded": ranked(fsdp.encode_tensors(tensors, new_d, caches_d, compress, AXIS)),
+            "word_changed": word_changes(tensors, old_d, new_d)}
+        for k, st in stats.items():
+            st["words_changed"] = ahead["word_changed"][k]
+        metrics = {"loss": lax.pmean(loss, AXIS), "grad_norm": gnorm,
+                   **{k: lax.pmean(v, AXIS) for k, v in parts.items()},
+                   "gather": per_layer_stats(tensors, stats)}
+        return new_params, fsdp.with_caches(caches, new_caches), opt_state, ahead_next, metrics
+
+    sm = jax.shard_map(local_step, mesh=mesh,
+                       in_specs=(param_specs, P(), opt_specs, AHEAD_SPECS, P(AXIS)),
+                       out_specs=(param_specs, P(), opt_specs, AHEAD_SPECS, P()))
+    prep = jax.shard_map(prepare, mesh=mesh, in_specs=(param_specs, P()), out_specs=AHEAD_SPECS)
+    return jax.jit(sm, donate_argnums=(0, 1, 2, 3)), jax.jit(prep)

@@ -1,0 +1,128 @@
+"""What a run trains (:class:`TrainConfig`) and how it runs (:class:`RunConfig`).
+
+Every field is one ``ciera train`` flag: its default, help and choices live here, in the
+field's metadata, and :func:`add_fields` builds the parser from them, so a flag cannot drift
+from the library call it configures. ``TrainConfig`` decides the compiled step (the trainer is
+memoized on it) and is stored in every checkpoint; ``RunConfig`` is the rest (length, data,
+logging, checkpoints).
+
+Light to import (no planner, no model): building the ``ciera`` parser imports this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+from ciera_jax import fsdp
+from models import configs
+from models.data import TOKEN_DTYPES
+
+# Which tensors compress (models.plan_policy): the cost model plus the expert weights, the cost
+# model alone, every gathered tensor.
+PLANS = ("auto", "cost", "all")
+# Which cache a compressed tensor keeps: exponent (1 B/param) or the whole word (2 B/param);
+# auto: the planner's choice per tensor under the memory budget.
+CACHE_MODES = ("exponent", "word", "auto")
+
+
+def option(default, help: str, **meta):
+    """A dataclass field that is also a flag. ``meta``: ``choices``, ``cli_default`` (the flag's
+    default when it differs from the library's, e.g. None = "derived at run time"),
+    ``default_text`` (how --help shows the default), ``metavar``, ``flag`` (False: not a
+    flag)."""
+    return dataclasses.field(default=default, metadata={"help": help, **meta})
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    config: str = option("tiny", f"model config: {', '.join(configs.CONFIGS)}", metavar="NAME")
+    gather: str = option("ciera", "ciera: lossless, compressed; plain: the lossless baseline "
+                         "(same params bitwise); int8: the lossy baseline (ZeRO++ qwZ style)",
+                         choices=fsdp.GATHER_MODES)
+    batch_size: int = option(16, "global batch, in sequences (divisible by the devices)")
+    seq_len: int | None = option(None, "tokens per sequence", default_text="the config's")
+    lr: float = option(1e-3, "peak learning rate (AdamW)")
+    warmup_steps: int = option(10, "linear warm-up steps")
+    schedule_steps: int = option(200, "horizon of the cosine decay", cli_default=None,
+                                 default_text="--steps, or the checkpoint's on --resume")
+    min_lr_ratio: float = option(0.1, "the cosine decays to lr times this")
+    weight_decay: float = option(0.1, "AdamW weight decay")
+    clip_norm: float = option(1.0, "global gradient-norm clipping threshold")
+    lb_coef: float = option(0.01, "router load-balance loss coefficient")
+    z_coef: float = option(0.001, "router z-loss coefficient")
+    profile: str | None = option(
+        None, "cost-model profile for the compress-or-plain plan: a built-in name "
+        "(cpu-emulated, h100-nvlink, ...) or a JSON file from `ciera calibrate`",
+        default_text="cpu-emulated on CPU, h100-nvlink on GPU", metavar="NAME|FILE")
+    plan: str = option("auto", "auto: the cost model plus the expert weights always; cost: "
+                       "the cost model alone; all: every gathered tensor (ciera only)",
+                       choices=PLANS)
+    cache: str = option("exponent", "what each compressed tensor caches: exponent (1 B/param), "
+                        "word (2 B/param, sends less), auto (the planner per tensor)",
+                        choices=CACHE_MODES)
+
+    @property
+    def model(self) -> configs.ModelConfig:
+        return configs.get_config(self.config)
+
+    @property
+    def length(self) -> int:
+        return self.seq_len or self.model.seq_len
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    steps: int = option(200, "train until this step (counted from 0, also on --resume)")
+    seed: int = option(0, "parameter init and data order")
+    devices: int | None = option(None, "fsdp mesh size",
+                                 default_text="8 emulated CPU devices, or all accelerators")
+    data: str | None = option(None, "flat uint16/uint32 token file", metavar="PATH",
+                              default_text="a byte-level corpus of the Python stdlib")
+    data_dtype: str | None = option(None, "token dtype of --data", choices=TOKEN_DTYPES,
+                                    default_text="uint32 for a .u32 suffix, else uint16")
+    metrics_out: str | None = option(None, "per-step JSONL metrics (a header line first)",
+                                     metavar="PATH")
+    log_every: int = option(10, "print a progress line every N steps (0: never)")
+    trace_every: int = option(10, "per-tensor change rates in the JSONL every N steps")
+    checkpoint_dir: str | None = option(None, "save checkpoints here (orbax; atomic)",
+                                        metavar="DIR")
+    checkpoint_every: int = option(0, "save every N steps (0: every --checkpoint-minutes)")
+    checkpoint_minutes: float = option(10.0, "with --checkpoint-every 0: save when this many "
+                                       "minutes passed since the last save")
+    keep_checkpoints: int = option(3, "keep the newest N checkpoints")
+    resume: bool = option(False, "continue from the latest checkpoint in --checkpoint-dir")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_fields(parser: argparse.ArgumentParser, cls) -> None:
+    """One flag per field of dataclass ``cls``; --help shows each default."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        if meta.get("flag") is False:
+            continue
+        default = meta.get("cli_default", f.default)
+        shown = meta.get("default_text", "none" if default is None else default)
+        help_text = f"{meta['help']} (default: {shown})"
+        if hints[f.name] is bool:
+            parser.add_argument(_flag(f.name), action="store_true", default=default,
+                                help=help_text)
+            continue
+        kind = next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],)
+                    if t is not type(None))
+        metavar = meta.get("metavar", {int: "N", float: "X"}.get(kind, "VALUE"))
+        parser.add_argument(_flag(f.name), type=kind, default=default, help=help_text,
+                            choices=meta.get("choices"),
+                            metavar=None if meta.get("choices") else metavar)
+
+
+def from_args(cls, args: argparse.Namespace, **overrides):
+    """``cls`` from the parsed flags (fields that are not flags keep their defaults)."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+              if hasattr(args, f.name)}
+    return cls(**{**values, **overrides})
