@@ -1,4 +1,4 @@
-"""Time per all-gather of expert weights: plain bits vs plain bf16 vs CIERA, one process.
+"""Time per all-gather of expert weights: plain bits vs plain bf16 vs CIERA, and the checksum.
 
 N devices on one ``fsdp`` mesh (default: 8 emulated CPU devices; on GPU every local device).
 Tensors are OLMoE-1B-7B expert up-projections ``(E, 2048, 1024)`` bf16 gathered on the d_model
@@ -10,35 +10,38 @@ same process, median of repetitions:
 * ``plain bf16``  ``lax.all_gather`` of the floats (shown; on CPU it is slow and quiets sNaNs),
 * ``ciera``       ``ciera_jax.all_gather`` in steady state: the cache is primed once, then
                   carried while two weight versions that differ in ``churn`` of their exponents
-                  alternate, so every timed gather sees that churn.
+                  alternate, so every timed gather sees that churn,
+* ``checksum``    what a self-checking gather adds on every rank (``ciera_jax.checksum``): the
+                  sender's checksum of its own shard plus the receiver's per-rank checksums of
+                  the rebuilt full tensor, as a separate call (``chk/ciera`` is its share of the
+                  CIERA gather's time; the target is <= 10% on CPU),
+* ``ciera checked`` the CIERA gather with both checksums in the same jit (``fused +``: what
+                  checking adds to the gather's time).
 
 Speedups are quoted against plain bits: ``time ciera/plain`` next to ``wire ciera/plain``
-(bytes one rank sends, from the gather's stats, patches and agreement included). Above 1/16 of
-a shard's exponents changing, CIERA falls back to a plain gather (``fb``).
+(bytes one rank sends, from the gather's stats, patches and agreement included). Above the top
+patch tier CIERA falls back to a plain gather (``fb``).
 
     python benchmarks/gather_bench.py [--experts 1 4 8] [--churn 0 0.001 0.01 0.1]
-                                      [--devices 8] [--reps 5] [--out results/gather_bench.json]
+                                      [--devices 8] [--reps 5] [--out PATH]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
 import sys
 import time
+
+from common import parser, write_results  # benchmarks/common.py, beside this script
 
 D_MODEL, D_FF = 2048, 1024  # OLMoE-1B-7B expert matrices
 CPU_EXPERTS = (1, 4, 8)  # 4, 16, 32 MB per tensor
 GPU_EXPERTS = (4, 16, 64)  # 16, 64, 256 MB per tensor
 CHURN = (0.0, 0.001, 0.01, 0.1)
+METHODS = ("plain", "plain_bf16", "ciera", "checksum", "ciera_checked")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n".join(__doc__.splitlines()[1:]))
+    p = parser(__doc__, "gather_bench")
     p.add_argument("--experts", type=int, nargs="+", default=None,
                    help=f"experts per tensor (E in (E, {D_MODEL}, {D_FF}); default CPU "
                         f"{' '.join(map(str, CPU_EXPERTS))}, GPU {' '.join(map(str, GPU_EXPERTS))})")
@@ -52,8 +55,49 @@ def parse_args(argv=None):
                    help="emulated CPU devices (default 8; on GPU all local devices are used)")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--out", default="results/gather_bench.json", help="JSON output")
     return p.parse_args(argv)
+
+
+def checksum_fns(mesh, ndim: int, axis: int) -> dict:
+    """The checksum work a self-checking gather adds, jitted two ways:
+
+    ``checksum``       ``(shard, full_stack) -> per-rank sums`` alone: the sender's checksum of
+                       its shard and the receiver's per-rank checksums of a rebuilt tensor
+                       (``full_stack``: a gather's stacked output), a separate pass;
+    ``ciera_checked``  the CIERA gather with both checksums in the same jit (the sums ride a
+                       tiny extra all-gather here; integrated, they would ride the payload),
+                       ``stats["verify_failed"]`` counting mismatching shards.
+    """
+    # Imported here: JAX must start after main() has set the device count.
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+
+    import ciera_jax
+    from ciera_jax.calibrate.kit import STAT_KEYS
+    from ciera_jax.checksum import checksum, checksum_shards
+    from ciera_jax.fsdp import AXIS, spec_for
+
+    N = mesh.devices.size
+    spec = spec_for(axis, ndim)
+
+    def alone(x, full_stack):
+        sent = checksum(x, lax.axis_index(AXIS) * x.size, axis=axis)
+        return (checksum_shards(full_stack[0], axis, N) ^ sent)[None]
+
+    def checked(x, cache):
+        full, c, s = ciera_jax.all_gather(x, cache, AXIS, axis=axis)
+        sent_R = lax.all_gather(checksum(x, lax.axis_index(AXIS) * x.size, axis=axis), AXIS)
+        stats = {k: s[k][None] for k in STAT_KEYS}
+        stats["verify_failed"] = jnp.sum(checksum_shards(full, axis, N) != sent_R)[None]
+        return full[None], c, stats
+
+    def jit(fn, in_specs, out_specs):
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+
+    return {"checksum": jit(alone, (spec, P(AXIS)), P(AXIS)),
+            "ciera_checked": jit(checked, (spec, P()), (P(AXIS), P(), P(AXIS)))}
 
 
 def main(argv=None) -> int:
@@ -61,14 +105,16 @@ def main(argv=None) -> int:
     from ciera_jax.devices import setup_devices
 
     setup_devices(args.devices)
+    # JAX and the library load after the device count is set.
     import jax
     import jax.numpy as jnp
 
-    from ciera_jax import calibrate as C
+    from ciera_jax.calibrate.kit import gather_fns, measure_gathers, weight_pair
+    from ciera_jax.devices import make_mesh
 
     devs = jax.devices()
     on_cpu = devs[0].platform == "cpu"
-    mesh = C.make_mesh(None if not on_cpu or args.devices is None else args.devices)
+    mesh = make_mesh(args.devices if on_cpu else None)
     N = mesh.devices.size
     if args.shape:
         shapes = [tuple(args.shape)]
@@ -89,48 +135,61 @@ def main(argv=None) -> int:
     rows = []
     t_start = time.perf_counter()
     for shape in shapes:
-        fns = C.gather_fns(mesh, len(shape), axis)  # compiled once per shape, reused per churn
+        # Compiled once per shape, reused per churn.
+        fns = {**gather_fns(mesh, len(shape), axis), **checksum_fns(mesh, len(shape), axis)}
+        check = fns["checksum"]
         for churn in args.churn:
-            recs = C.measure_gathers(mesh, shape, axis, churn, ("plain", "plain_bf16", "ciera"),
-                                     reps=args.reps, warmup=args.warmup, dtype=jnp.bfloat16,
-                                     fns=fns)
-            by = {r["method"]: r for r in recs}
-            st = by["ciera"]["stats"]
-            row = dict(shape=list(shape), axis=axis, N=N, mb=by["plain"]["n_bytes"] / 2**20,
-                       churn=churn, measured_churn=by["ciera"]["change_rate"],
-                       plain_bits_s=by["plain"]["seconds"], plain_bf16_s=by["plain_bf16"]["seconds"],
-                       ciera_s=by["ciera"]["seconds"],
-                       time_ratio=by["ciera"]["seconds"] / by["plain"]["seconds"],
-                       wire_ratio=by["ciera"]["wire_ratio"], tier=st["tier"],
-                       fallback=bool(st["fallback"]),
-                       times={m: r["times"] for m, r in by.items()})
-            rows.append(row)
-            _print_row(row, header=len(rows) == 1)
+            xa, _ = weight_pair(mesh, shape, axis, churn, jnp.bfloat16)  # measure_gathers' xa
+            full_stack = jax.block_until_ready(fns["plain"](xa))
+            fns["checksum"] = lambda x, full=full_stack: check(x, full)
+            recs = measure_gathers(mesh, shape, axis, churn, METHODS, reps=args.reps,
+                                   warmup=args.warmup, dtype=jnp.bfloat16, fns=fns)
+            fns["checksum"] = check
+            del full_stack
+            rows.append(_row(recs, shape, axis, N, churn))
+            _print_row(rows[-1], header=len(rows) == 1)
     elapsed = time.perf_counter() - t_start
-    env = dict(platform=devs[0].platform, device_kind=devs[0].device_kind, devices=N,
-               jax=jax.__version__, host=platform.node(), python=platform.python_version(),
-               reps=args.reps, warmup=args.warmup, seconds=elapsed)
-    out = dict(benchmark="gather_bench", env=env, rows=rows,
-               notes=["time_ratio = ciera / plain bits (speedup = 1/time_ratio)",
-                      "wire_ratio = bytes one rank sends, ciera / plain (patches + agreement "
-                      "included)",
-                      "plain_bf16 is lax.all_gather of bf16: shown, not the baseline"])
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
-        print(f"wrote {args.out} ({elapsed:.0f} s)")
+    write_results(args.out, dict(
+        rows=rows, reps=args.reps, warmup=args.warmup, seconds=elapsed,
+        notes=["time_ratio = ciera / plain bits (speedup = 1/time_ratio)",
+               "wire_ratio = bytes one rank sends, ciera / plain (patches + agreement included)",
+               "plain_bf16 is lax.all_gather of bf16: shown, not the baseline",
+               "checksum_s: own shard + every rank's shard of the rebuilt tensor, one call; "
+               "checksum_vs_ciera = checksum_s / ciera_s",
+               "ciera_checked_s: the gather with both checksums in one jit; checked_vs_ciera = "
+               "ciera_checked_s / ciera_s - 1 (what checking adds to the gather)"]))
     return 0
+
+
+def _row(recs: list[dict], shape, axis: int, N: int, churn: float) -> dict:
+    by = {r["method"]: r for r in recs}
+    st = by["ciera"]["stats"]
+    return dict(shape=list(shape), axis=axis, N=N, mb=by["plain"]["n_bytes"] / 2**20,
+                churn=churn, measured_churn=by["ciera"]["change_rate"],
+                plain_bits_s=by["plain"]["seconds"], plain_bf16_s=by["plain_bf16"]["seconds"],
+                ciera_s=by["ciera"]["seconds"], checksum_s=by["checksum"]["seconds"],
+                ciera_checked_s=by["ciera_checked"]["seconds"],
+                verify_failed=by["ciera_checked"]["stats"]["verify_failed"],
+                time_ratio=by["ciera"]["seconds"] / by["plain"]["seconds"],
+                checksum_vs_ciera=by["checksum"]["seconds"] / by["ciera"]["seconds"],
+                checked_vs_ciera=by["ciera_checked"]["seconds"] / by["ciera"]["seconds"] - 1,
+                wire_ratio=by["ciera"]["wire_ratio"], tier=st["tier"],
+                fallback=bool(st["fallback"]), times={m: r["times"] for m, r in by.items()})
 
 
 def _print_row(r: dict, header: bool) -> None:
     if header:
         print(f"{'shape':>16} {'MB':>5} {'churn':>6} {'meas':>7} {'bits ms':>9} {'bf16 ms':>9} "
-              f"{'ciera ms':>9} {'t ciera/bits':>12} {'wire c/p':>8} {'tier':>4} {'fb':>3}")
+              f"{'ciera ms':>9} {'chk ms':>8} {'t ciera/bits':>12} {'chk/ciera':>9} "
+              f"{'fused +':>8} "
+              f"{'wire c/p':>8} {'tier':>4} {'fb':>3}")
     print(f"{'x'.join(map(str, r['shape'])):>16} {r['mb']:5.0f} {r['churn']:6.2%} "
-          f"{r['measured_churn']:7.3%} {r['plain_bits_s'] * 1e3:9.2f} {r['plain_bf16_s'] * 1e3:9.2f} "
-          f"{r['ciera_s'] * 1e3:9.2f} {r['time_ratio']:12.2f} {r['wire_ratio']:8.3f} "
-          f"{r['tier']:>4} {'y' if r['fallback'] else '-':>3}", flush=True)
+          f"{r['measured_churn']:7.3%} {r['plain_bits_s'] * 1e3:9.2f} "
+          f"{r['plain_bf16_s'] * 1e3:9.2f} {r['ciera_s'] * 1e3:9.2f} "
+          f"{r['checksum_s'] * 1e3:8.2f} {r['time_ratio']:12.2f} {r['checksum_vs_ciera']:9.1%} "
+          f"{r['checked_vs_ciera']:8.1%} "
+          f"{r['wire_ratio']:8.3f} {r['tier']:>4} {'y' if r['fallback'] else '-':>3}",
+          flush=True)
 
 
 if __name__ == "__main__":

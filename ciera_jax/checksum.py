@@ -62,9 +62,8 @@ def checksum(shard: jax.Array, offset=0, *, axis: int = 0, seed: int = 0) -> jax
     """
     axis = _axis(shard, axis, "shard")
     pre, d, post = _split_dims(shard.shape, axis)
-    w_PxDxQ = words32(shard, "shard").reshape(pre, d, post)
-    pos_PxDxQ = _positions(pre, d, post, jnp.asarray(offset, jnp.uint32))
-    return jnp.sum(fmix32(w_PxDxQ ^ _key(pos_PxDxQ, seed)), dtype=jnp.uint32)
+    w_PxRxDxQ = words32(shard, "shard").reshape(pre, 1, d, post)
+    return _sums(w_PxRxDxQ, shard.dtype.itemsize, jnp.asarray(offset, jnp.uint32), seed)[0]
 
 
 def checksum_shards(full: jax.Array, axis: int, n_ranks: int, *, seed: int = 0) -> jax.Array:
@@ -75,25 +74,28 @@ def checksum_shards(full: jax.Array, axis: int, n_ranks: int, *, seed: int = 0) 
         raise ValueError(f"checksum_shards: axis {axis} of full {full.shape} does not split into "
                          f"{n_ranks} ranks; pass the gather axis and the mesh size")
     pre, d, post = _split_dims(full.shape, axis)
-    d_local = d // n_ranks
-    w_PxRxDxQ = words32(full, "full").reshape(pre, n_ranks, d_local, post)
-    n_local = pre * d_local * post
-    rank_R = lax.broadcasted_iota(jnp.uint32, (1, n_ranks, 1, 1), 1)
-    pos = _positions(pre, d_local, post, jnp.uint32(0))[:, None] + rank_R * jnp.uint32(n_local)
-    return jnp.sum(fmix32(w_PxRxDxQ ^ _key(pos, seed)), axis=(0, 2, 3), dtype=jnp.uint32)
+    w_PxRxDxQ = words32(full, "full").reshape(pre, n_ranks, d // n_ranks, post)
+    return _sums(w_PxRxDxQ, full.dtype.itemsize, jnp.uint32(0), seed)
 
 
-def _key(pos: jax.Array, seed: int) -> jax.Array:
-    return pos * jnp.uint32(GOLDEN) + jnp.uint32(seed & 0xFFFFFFFF)
-
-
-def _positions(pre: int, d: int, post: int, offset: jax.Array) -> jax.Array:
-    """uint32[pre, d, post]: flat index in (d, pre, post) order (the axis first), + offset."""
-    shape = (pre, d, post)
-    p = lax.broadcasted_iota(jnp.uint32, shape, 0)
-    j = lax.broadcasted_iota(jnp.uint32, shape, 1)
-    q = lax.broadcasted_iota(jnp.uint32, shape, 2)
-    return offset + j * jnp.uint32(pre * post) + p * jnp.uint32(post) + q
+def _sums(w_PxRxDxQ: jax.Array, itemsize: int, offset: jax.Array, seed: int) -> jax.Array:
+    """Per-rank sums of ``fmix32(term ^ key(position))``, the term being one word, or for 2-byte
+    words a pair ``lo | hi << 16`` of the two halves of the last dimension (Q, else D) that
+    splits evenly, at the position of ``lo``. A pair is a bijection of its two words, so a
+    change in either still changes the sum with certainty, and it halves the hashing."""
+    pre, R, d, post = w_PxRxDxQ.shape
+    n_local = pre * d * post
+    pair_dim = next((dim for dim in (3, 2) if itemsize == 2 and w_PxRxDxQ.shape[dim] % 2 == 0),
+                    None)
+    x = w_PxRxDxQ
+    if pair_dim is not None:
+        lo, hi = jnp.split(w_PxRxDxQ, 2, axis=pair_dim)
+        x = lo | (hi << 16)
+    p, r, j, q = (lax.broadcasted_iota(jnp.uint32, x.shape, dim) for dim in range(4))
+    pos = (offset + r * jnp.uint32(n_local) + j * jnp.uint32(pre * post) + p * jnp.uint32(post)
+           + q)
+    key = pos * jnp.uint32(GOLDEN) + jnp.uint32(seed & 0xFFFFFFFF)
+    return jnp.sum(fmix32(x ^ key), axis=(0, 2, 3), dtype=jnp.uint32)
 
 
 def _split_dims(shape: tuple[int, ...], axis: int) -> tuple[int, int, int]:
@@ -109,14 +111,23 @@ def _axis(x: jax.Array, axis: int, name: str) -> int:
 
 
 def checksum_np(words: np.ndarray, offset: int = 0, *, axis: int = 0, seed: int = 0) -> int:
-    """NumPy reference of :func:`checksum` (for tests and host-side checks)."""
-    w = np.moveaxis(np.asarray(words), axis, 0).reshape(-1)
-    w = w.view(f"uint{w.dtype.itemsize * 8}").astype(np.uint64)
-    pos = np.arange(offset, offset + w.size, dtype=np.uint64)
-    h = (w ^ ((pos * GOLDEN + seed) & 0xFFFFFFFF)) & 0xFFFFFFFF
-    h ^= h >> 16
-    h = (h * FMIX_C1) & 0xFFFFFFFF
-    h ^= h >> 13
-    h = (h * FMIX_C2) & 0xFFFFFFFF
-    h ^= h >> 16
-    return int(h.sum() & 0xFFFFFFFF)
+    """NumPy reference of :func:`checksum`, written from the definition (for tests and
+    host-side checks): terms in ``moveaxis(words, axis, 0)`` order, 2-byte words paired."""
+    a = np.asarray(words)
+    a = a.view(f"uint{a.dtype.itemsize * 8}")
+    pre, d, post = _split_dims(a.shape, axis)
+    a = a.reshape(pre, d, post).astype(np.uint64)
+    pos = np.moveaxis(np.arange(a.size, dtype=np.uint64).reshape(d, pre, post), 0, 1) + offset
+    pair_dim = next((dim for dim in (2, 1) if words.dtype.itemsize == 2 and a.shape[dim] % 2 == 0),
+                    None)
+    if pair_dim is not None:
+        (lo, hi), (pos, _) = np.split(a, 2, axis=pair_dim), np.split(pos, 2, axis=pair_dim)
+        a = lo | (hi << np.uint64(16))
+    m = np.uint64(0xFFFFFFFF)
+    h = (a ^ ((pos * np.uint64(GOLDEN) + np.uint64(seed)) & m)) & m
+    h ^= h >> np.uint64(16)
+    h = (h * np.uint64(FMIX_C1)) & m
+    h ^= h >> np.uint64(13)
+    h = (h * np.uint64(FMIX_C2)) & m
+    h ^= h >> np.uint64(16)
+    return int(h.sum() & m)

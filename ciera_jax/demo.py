@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ciera_jax
-from ciera_jax.fsdp.rules import AXIS
+from ciera_jax.fsdp import AXIS
 
 
 def demo(mesh, shape: tuple[int, ...], steps: int, churn: float, seed: int = 0,

@@ -7,8 +7,6 @@ import json
 from pathlib import Path
 
 from ciera_jax import costmodel as cm
-from ciera_jax import memory
-from ciera_jax.planner import cache_budget, modes_summary, plan_model_modes
 from ciera_jax.shapes import get_config
 from ciera_jax.sim.trace import PHASES, default_word_trace, load_trace, load_word_trace
 
@@ -69,6 +67,11 @@ def _table(head, rows, left=2):
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported here, not at the top: they load JAX and Flax, and building the `ciera` parser
+    # (which imports this module) must not.
+    from ciera_jax import memory
+    from ciera_jax.planner import cache_budget, modes_summary, plan_model_modes
+
     cfg = get_config(args.config)
     if args.gpus < 1:
         raise ValueError("--gpus must be positive")

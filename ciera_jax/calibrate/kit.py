@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import ciera_jax
 from ciera_jax import codec
-from ciera_jax.fsdp.rules import AXIS, spec_for
+from ciera_jax.fsdp import AXIS, spec_for
 
 STAT_KEYS = ("sent_bytes", "plain_bytes", "changed", "agreed_changed", "tier", "fallback")
 
@@ -138,6 +138,9 @@ def measure_gathers(mesh, shape, axis: int, change_rate: float,
                     warmup: int = 2, dtype=None, fns: dict | None = None) -> list[dict]:
     """Median seconds per gather of a weight pair of ``shape`` for each method, interleaved.
 
+    ``fns`` maps each method to a jitted gather (default :func:`gather_fns`); methods named
+    ``ciera...`` take ``(x, cache)`` and carry the cache, the others take ``x``.
+
     Returns records for :func:`ciera_jax.sim.step.compare_to_measurements`: ``n_bytes`` (full
     tensor), ``N``, ``method`` (``plain_bf16`` maps to the model's ``plain``), ``seconds``,
     ``change_rate`` (measured: agreed changes / shard elements), CIERA's stats.
@@ -147,22 +150,20 @@ def measure_gathers(mesh, shape, axis: int, change_rate: float,
     fns = fns or gather_fns(mesh, len(shape), axis)
     xa, xb = weight_pair(mesh, shape, axis, change_rate, dtype)
     calls: dict[str, Callable] = {}
-    stepper = None
     for m in methods:
-        if m == "ciera":
-            stepper = CieraStepper(fns["ciera"], xa, xb, replicated_cache(mesh, shape, dtype))
-            calls[m] = stepper
+        if m.startswith("ciera"):  # carries a cache: (x, cache) -> (full, cache, stats)
+            calls[m] = CieraStepper(fns[m], xa, xb, replicated_cache(mesh, shape, dtype))
         else:
             calls[m] = functools.partial(fns[m], xa)
     times = time_interleaved(calls, reps=reps, warmup=warmup)
     n_bytes = math.prod(shape) * np.dtype(dtype).itemsize
-    stats = stepper.stats() if stepper else {}
     n_local = math.prod(shape) // N
     recs = []
     for m, ts in times.items():
         rec = dict(method=m, n_bytes=n_bytes, N=N, shape=list(shape), axis=axis,
                    seconds=median(ts), times=ts, target_change_rate=change_rate)
-        if m == "ciera":
+        if m.startswith("ciera"):
+            stats = calls[m].stats()
             rec.update(stats=stats, change_rate=stats["agreed_changed"] / n_local,
                        wire_ratio=stats["sent_bytes"] / stats["plain_bytes"])
         else:

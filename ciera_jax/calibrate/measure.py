@@ -19,7 +19,7 @@ from ciera_jax import costmodel as cm
 from ciera_jax.calibrate.kit import (gather_fns, jit_shard_map, measure_gathers, median_call,
                                      weight_pair)
 from ciera_jax.devices import make_mesh
-from ciera_jax.fsdp.rules import AXIS
+from ciera_jax.fsdp import AXIS
 from ciera_jax.units import fmt_bytes
 
 

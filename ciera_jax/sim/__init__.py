@@ -7,11 +7,38 @@ step.py     per-layer compute and collectives, replayed as a two-stream (compute
 (`ciera simulate` lives in ciera_jax/simulate_cli.py)
 """
 
-from ciera_jax.sim.cluster import Cluster, get_cluster
-from ciera_jax.sim.step import StepResult, simulate_gather, simulate_step, sweep
-from ciera_jax.sim.trace import (Trace, WordTrace, default_trace, default_word_trace, load_trace,
-                                 load_word_trace)
+from __future__ import annotations
 
-__all__ = ["Cluster", "get_cluster", "StepResult", "simulate_gather", "simulate_step", "sweep",
-           "Trace", "default_trace", "load_trace", "WordTrace", "default_word_trace",
-           "load_word_trace"]
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ciera_jax.sim.cluster import Cluster, get_cluster
+    from ciera_jax.sim.step import StepResult, simulate_gather, simulate_step, sweep
+    from ciera_jax.sim.trace import (Trace, WordTrace, default_trace, default_word_trace,
+                                     load_trace, load_word_trace)
+
+# Loaded on first use: step.py pulls in the planner (JAX), and `ciera plan`'s parser only needs
+# trace.py's phase names.
+_EXPORTS = {
+    "Cluster": "ciera_jax.sim.cluster", "get_cluster": "ciera_jax.sim.cluster",
+    "StepResult": "ciera_jax.sim.step", "simulate_gather": "ciera_jax.sim.step",
+    "simulate_step": "ciera_jax.sim.step", "sweep": "ciera_jax.sim.step",
+    "Trace": "ciera_jax.sim.trace", "WordTrace": "ciera_jax.sim.trace",
+    "default_trace": "ciera_jax.sim.trace", "default_word_trace": "ciera_jax.sim.trace",
+    "load_trace": "ciera_jax.sim.trace", "load_word_trace": "ciera_jax.sim.trace",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)
