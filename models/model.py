@@ -2,9 +2,9 @@
 
 Parameter names and per-layer shapes are exactly ``models.configs.tensor_inventory`` (names
 carry their shapes: ``w_gate_ExDxF``); the decoder layers are stacked on a leading layer axis
-and run with ``lax.scan``. Parameters are float32; every layer is ``@gathered``: inside
-``shard_map`` over ``fsdp`` it casts its float32 shards to bfloat16 and all-gathers them just
-before use (CIERA, plain or int8, see ``ciera_jax.fsdp``). Matmuls take bf16 operands and
+and run with ``lax.scan``. Parameters are float32; every layer is ``@gathered`` with the rule
+table of :mod:`models.sharding`: inside ``shard_map`` over ``fsdp`` it casts its float32
+shards to bfloat16 and all-gathers them just before use (CIERA, plain or int8, see ``ciera_jax.fsdp``). Matmuls take bf16 operands and
 accumulate in float32; the residual stream, norms, softmaxes and losses are float32.
 
 Activation names carry shapes too: B batch, L sequence, D model, H heads, K kv heads,
@@ -21,6 +21,7 @@ from jax import lax
 from ciera_jax import fsdp
 from ciera_jax.fsdp import gathered
 from models.configs import ModelConfig
+from models.sharding import RULES
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 INIT_STD = 0.02
@@ -62,7 +63,7 @@ class Embed(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.embed_VxD = _param(rngs, (cfg.vocab_size, cfg.d_model))
 
-    @gathered()
+    @gathered(rules=RULES)
     def __call__(self, tokens_BxL):
         return jnp.take(self.embed_VxD[...], tokens_BxL, axis=0).astype(F32)
 
@@ -72,7 +73,7 @@ class Head(nnx.Module):
         self.final_norm = _ones((cfg.d_model,))
         self.head_DxV = _param(rngs, (cfg.d_model, cfg.vocab_size))
 
-    @gathered()
+    @gathered(rules=RULES)
     def __call__(self, x_BxLxD):
         return mm(rms_norm(x_BxLxD, self.final_norm[...]), self.head_DxV[...])
 
@@ -94,7 +95,7 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm, self.k_norm = _ones((D,)), _ones((K,))
 
-    @gathered()
+    @gathered(rules=RULES)
     def __call__(self, x_BxLxD, positions_L):
         cfg = self.cfg
         B, L, _ = x_BxLxD.shape
@@ -134,7 +135,7 @@ class DenseMLP(nnx.Module):
         self.dense_up_DxF = _param(rngs, (D, F))
         self.dense_down_FxD = _param(rngs, (F, D), INIT_STD / (2 * cfg.n_layers) ** 0.5)
 
-    @gathered()
+    @gathered(rules=RULES)
     def __call__(self, x_BxLxD):
         h = rms_norm(x_BxLxD, self.mlp_norm[...])
         out = swiglu(h, self.dense_gate_DxF[...], self.dense_up_DxF[...], self.dense_down_FxD[...])
@@ -166,7 +167,7 @@ class MoE(nnx.Module):
             if cfg.shared_expert_gate:
                 self.shared_router_Dx1 = _param(rngs, (D, 1))
 
-    @gathered()
+    @gathered(rules=RULES)
     def __call__(self, x_BxLxD):
         cfg = self.cfg
         B, L, D = x_BxLxD.shape

@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import ciera_jax
 from ciera_jax import codec
+from ciera_jax.fsdp import spec_for
 
 
 @functools.lru_cache(maxsize=None)
@@ -25,23 +26,15 @@ def mesh_of(shape: tuple[int, ...], names: tuple[str, ...]):
     return jax.make_mesh(shape, names)
 
 
-def shard_spec(ndim: int, axis: int, axis_name: str) -> P:
-    spec = [None] * ndim
-    spec[axis] = axis_name
-    return P(*spec)
-
-
 @functools.lru_cache(maxsize=None)
-def gather_step(mesh_shape, mesh_names, axis_name, axis, ndim, impl="xla", tiers=None):
+def gather_step(mesh_shape, mesh_names, axis_name, axis, ndim, impl="xla"):
     """(x_global, cache) -> (full per rank, ref per rank, new cache, stats per rank)."""
     mesh = mesh_of(mesh_shape, mesh_names)
-    x_spec = shard_spec(ndim, axis, axis_name)
+    x_spec = spec_for(axis, ndim, axis_name)
     all_axes = tuple(mesh_names)
-    kwargs = {} if tiers is None else dict(tiers=tiers)
 
     def body(x, cache):
-        full, new_cache, stats = ciera_jax.all_gather(x, cache, axis_name, axis=axis, impl=impl,
-                                                      **kwargs)
+        full, new_cache, stats = ciera_jax.all_gather(x, cache, axis_name, axis=axis, impl=impl)
         ref = lax.all_gather(codec.to_bits(x), axis_name, axis=axis, tiled=True)
         per_rank = lambda v: v[None]  # noqa: E731
         return (per_rank(full), per_rank(ref), new_cache,
@@ -60,10 +53,9 @@ def gather_step(mesh_shape, mesh_names, axis_name, axis, ndim, impl="xla", tiers
 
 
 def run_steps(xs, *, mesh_shape=(8,), mesh_names=("fsdp",), axis_name="fsdp", axis=0,
-              impl="xla", tiers=None):
+              impl="xla"):
     """Gather each array of ``xs`` in turn with the cache carried; yields (full, ref, stats)."""
-    step = gather_step(tuple(mesh_shape), tuple(mesh_names), axis_name, axis, xs[0].ndim, impl,
-                       tiers)
+    step = gather_step(tuple(mesh_shape), tuple(mesh_names), axis_name, axis, xs[0].ndim, impl)
     cache = ciera_jax.init_cache(xs[0].shape, xs[0].dtype)
     for x in xs:
         full, ref, cache, stats = step(x, cache)

@@ -1,5 +1,5 @@
-"""The @ciera_jax.gathered decorator on a user's own NNX module, rule table, sharded clipping,
-and the int8 baseline gather."""
+"""The @ciera_jax.gathered decorator on a user's own NNX module with ``fsdp_axis`` metadata,
+rule tables, sharded clipping, and the int8 baseline gather."""
 
 import functools
 
@@ -41,10 +41,10 @@ class MLP(nnx.Module):
 def make_step(mesh, graphdef, specs, mode):
     def loss_fn(params, caches, x):
         model = fsdp.merge(graphdef, params, caches)
-        with fsdp.gather_mode(mode) as ctx:
+        with fsdp.gather_mode(mode):
             y = model(x)
         loss = jnp.mean(jnp.square(y)) / lax.axis_size("fsdp")  # global mean over ranks
-        return loss, (y, nnx.state(model, fsdp.ExponentCacheVar), ctx.stats)
+        return loss, (y, nnx.state(model, fsdp.ExponentCacheVar), fsdp.gather_stats(model))
 
     @jax.jit
     @functools.partial(jax.shard_map, mesh=mesh, in_specs=(specs, P(), P("fsdp")),
@@ -114,9 +114,15 @@ def test_missing_caches_is_a_clear_error(mesh):
 
 
 def test_rule_table_and_divisibility():
-    assert fsdp.rule_axis("w_gate_ExDxF") == 1
-    assert fsdp.rule_axis("w_down_ExFxD") == 2
-    assert fsdp.rule_axis("embed_VxD") == 1
+    from models.sharding import RULES
+
+    assert fsdp.rule_axis("w_gate_ExDxF", RULES) == 1
+    assert fsdp.rule_axis("w_down_ExFxD", RULES) == 2
+    assert fsdp.rule_axis("embed_VxD", RULES) == 1
+    assert fsdp.rule_axis("wo_DxD", RULES) == 1
+    assert fsdp.rule_axis("attn_norm", RULES) is None and fsdp.rule_axis("bq_D", RULES) is None
+    # the library's own convention names no weight: the first D of the shape letters
+    assert fsdp.rule_axis("w_down_ExFxD") == 2 and fsdp.rule_axis("wo_DxD") == 0
     assert fsdp.rule_axis("attn_norm") is None and fsdp.rule_axis("bq_D") is None
     with pytest.raises(ValueError, match="does not divide"):
         fsdp.check_divisible("w", (12, 5), 0, 8)

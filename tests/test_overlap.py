@@ -136,21 +136,3 @@ def test_encoded_ahead_is_a_fresh_encode_of_the_new_state():
     assert got and len(got) == len(want)
     for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def test_gpu_xla_flags_respect_the_user(monkeypatch):
-    from ciera_jax import devices
-
-    monkeypatch.setattr(devices, "_has_accelerator", lambda: True)
-    monkeypatch.setattr(devices, "_has_gpu", lambda: True)
-    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
-    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_latency_hiding_scheduler=false")
-    devices.setup_devices(None)
-    flags = __import__("os").environ["XLA_FLAGS"].split()
-    assert "--xla_gpu_enable_latency_hiding_scheduler=false" in flags  # the user's, kept
-    assert "--xla_gpu_enable_latency_hiding_scheduler=true" not in flags
-    assert "--xla_gpu_enable_highest_priority_async_stream=true" in flags
-    monkeypatch.setenv("XLA_FLAGS", "")
-    monkeypatch.setattr(devices, "_has_gpu", lambda: False)  # e.g. TPU: no GPU flags
-    devices.setup_devices(None)
-    assert __import__("os").environ["XLA_FLAGS"] == ""

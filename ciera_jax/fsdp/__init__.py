@@ -1,47 +1,53 @@
-"""FSDP for Flax NNX: one sharding rule table, gather-before-use, exponent caches as module state.
+"""FSDP for Flax NNX: gather-before-use from one decorator, exponent caches as module state.
 
-A sharded layer keeps its parameters as float32 shards (split over the ``fsdp`` mesh axis by
-:data:`RULES`, or by a parameter's ``fsdp_axis`` metadata). Decorating its ``__call__`` with
-:func:`gathered` makes every call, inside ``jax.shard_map``, cast each sharded parameter to the
-compute dtype and all-gather it just before use, through CIERA's exponent-reuse gather (or the
-plain / int8 baselines, chosen with :func:`gather_mode`). The exponent cache of each gathered
-parameter lives on the module as an :class:`ExponentCacheVar`, like batch-norm statistics:
-derived, replicated state carried through the train step, never checkpointed.
-
-Outside ``shard_map`` (axis not bound) a decorated module runs on whatever it holds, cast to the
-compute dtype: the unsharded reference path.
+Decorate a module's ``__call__`` with :func:`gathered`: every parameter under it that is split
+over the ``fsdp`` mesh axis (Flax's ``nnx.with_partitioning`` metadata first, then
+``fsdp_axis`` metadata, then a rule table passed to the decorator) is cast to the compute
+dtype and all-gathered just before use, through CIERA's exponent-reuse gather (or the plain /
+int8 baselines, :func:`gather_mode`). Two programming models: inside the user's
+``jax.shard_map``, or under ``jit`` with ``jax.set_mesh`` and eagerly sharded parameters, where
+the decorator opens its own ``shard_map`` region for the gathers. Exponent caches
+(:class:`ExponentCacheVar`, :func:`attach_caches`) and stats (:class:`GatherStats`) are module
+state, so ``nnx.remat``, ``nnx.scan``, ``nnx.vmap`` and ``jit`` carry them as values.
 
     class MLP(nnx.Module):
         def __init__(self, d, f, rngs):
-            self.w_in = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (d, f)), fsdp_axis=0)
-            self.w_out = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (f, d)), fsdp_axis=1)
+            init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("fsdp", None))
+            self.up = nnx.Linear(d, f, kernel_init=init, rngs=rngs)
+            self.down = nnx.Linear(f, d, kernel_init=..., rngs=rngs)
 
         @ciera_jax.gathered(axis_name="fsdp")
         def __call__(self, x):
-            return jax.nn.gelu(x @ self.w_in[...]) @ self.w_out[...]
+            return self.down(jax.nn.gelu(self.up(x)))
 
-One concern per module: :mod:`.rules` (the sharding policy), :mod:`.specs` (PartitionSpecs,
-placement), :mod:`.context` (gather mode, active engine), :mod:`.caches` (exponent caches as
-module state), :mod:`.decorator` (:func:`gathered`), :mod:`.layer_stack` (layer stacks),
-:mod:`.engine` (the step's gathers, prefetch, re-gather in backward), :mod:`.clipping`.
+One concern per module, imports one way: :mod:`.axes` (where a call gathers), :mod:`.rules`
+(rule tables, specs of one axis), :mod:`.discovery` (which params, which axis),
+:mod:`.stacking`, :mod:`.caches`, :mod:`.stats`, :mod:`.specs` (state PartitionSpecs,
+placement), :mod:`.clipping`, :mod:`.inventory` (a model's gathered tensors), :mod:`.phases`
+(a step's encode and one agreement), :mod:`.context` (the active engine), :mod:`.engine`
+(the one gather path), :mod:`.layer_stack`, :mod:`.decorator`.
 """
 
-from ciera_jax.fsdp._util import invariant
-from ciera_jax.fsdp.caches import (ExponentCacheVar, attach_caches, cache_dict, reset_caches,
-                                   with_caches)
+from ciera_jax.fsdp.axes import AXIS, invariant
+from ciera_jax.fsdp.caches import ExponentCacheVar, attach_caches, cache_dict, with_caches
 from ciera_jax.fsdp.clipping import clip_by_global_norm, global_sq_norm
-from ciera_jax.fsdp.context import GATHER_MODES, PREGATHERED, GatherContext, gather_mode, pregathered
-from ciera_jax.fsdp.decorator import gather_params, gathered
-from ciera_jax.fsdp.engine import (Engine, GatheredTensor, agree_tensors, encode_tensors,
-                                   gathered_tensors, param_dict)
-from ciera_jax.fsdp.layer_stack import scan_layers, stack, stack_size
-from ciera_jax.fsdp.rules import AXIS, RULES, check_divisible, param_axis, rule_axis, spec_for
-from ciera_jax.fsdp.specs import merge, param_specs, put, state_specs
+from ciera_jax.fsdp.context import GATHER_MODES, active_engine
+from ciera_jax.fsdp.decorator import gathered
+from ciera_jax.fsdp.discovery import GatherSpec
+from ciera_jax.fsdp.engine import Engine, gather_mode
+from ciera_jax.fsdp.inventory import GatheredTensor, gathered_tensors, param_dict
+from ciera_jax.fsdp.layer_stack import scan_layers
+from ciera_jax.fsdp.phases import agree_tensors, encode_tensors
+from ciera_jax.fsdp.rules import check_divisible, d_axis, rule_axis, spec_for
+from ciera_jax.fsdp.specs import merge, param_specs, put, split_axes, state_specs
+from ciera_jax.fsdp.stacking import stack, stack_size
+from ciera_jax.fsdp.stats import GatherStats, gather_stats
 
 __all__ = [
-    "AXIS", "RULES", "GATHER_MODES", "ExponentCacheVar", "GatherContext", "gather_mode",
-    "gathered", "attach_caches", "reset_caches", "param_specs", "state_specs", "put", "merge", "rule_axis", "param_axis",
-    "spec_for", "global_sq_norm", "clip_by_global_norm", "gather_params", "invariant",
-    "stack", "stack_size", "scan_layers", "GatheredTensor", "gathered_tensors", "Engine",
-    "encode_tensors", "agree_tensors", "cache_dict", "with_caches", "param_dict", "pregathered",
+    "AXIS", "GATHER_MODES", "Engine", "ExponentCacheVar", "GatherSpec", "GatherStats",
+    "GatheredTensor", "active_engine", "agree_tensors", "attach_caches", "cache_dict",
+    "check_divisible", "clip_by_global_norm", "d_axis", "encode_tensors", "gather_mode",
+    "gather_stats", "gathered", "gathered_tensors", "global_sq_norm", "invariant", "merge",
+    "param_dict", "param_specs", "put", "rule_axis", "scan_layers", "spec_for", "split_axes",
+    "stack", "stack_size", "state_specs", "with_caches",
 ]

@@ -7,9 +7,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ciera_jax.fsdp._util import invariant
-from ciera_jax.fsdp.rules import AXIS
-from ciera_jax.fsdp.specs import _is_split, _spec_pairs
+from ciera_jax.fsdp.axes import AXIS, invariant
+from ciera_jax.fsdp.specs import is_split, spec_pairs
 
 
 def global_sq_norm(tree, specs, axis_name: str = AXIS):
@@ -20,10 +19,10 @@ def global_sq_norm(tree, specs, axis_name: str = AXIS):
     are the same on every rank).
     """
     sharded, repl = jnp.float32(0), jnp.float32(0)
-    for spec, sub in _spec_pairs(specs, tree):
+    for spec, sub in spec_pairs(specs, tree):
         sq = sum((jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(sub)),
                  jnp.float32(0))
-        if _is_split(spec, axis_name):
+        if is_split(spec, axis_name):
             sharded = sharded + sq
         else:
             repl = repl + sq

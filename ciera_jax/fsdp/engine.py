@@ -1,117 +1,39 @@
-"""The gathers of a whole train step: which tensors are gathered, their two-phase CIERA
-encode/agree, and the :class:`Engine` that prefetches layer l+1 during layer l and re-gathers
-in backward instead of keeping gathered weights as residuals."""
+"""The one gather path of decorated modules: an :class:`Engine` gathers a call's sharded
+parameters (CIERA, plain or int8), in the user's ``shard_map`` or in a ``shard_map`` region it
+opens itself under ``jit``, and leaves new caches and stats in module state.
+
+A *default* engine (built per call, or by :func:`gather_mode`) encodes and agrees per call
+(one agreement collective per decorated call) and differentiates through the gather (its
+backward is a ``psum_scatter``). A *prepared* engine (the trainer's: the step's inventory,
+the ``Encoded`` made at the end of the previous step and the step's one agreement) gathers
+layer l+1 while layer l computes and re-gathers in backward instead of keeping gathered weights
+as residuals.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
-from ciera_jax.fsdp._util import _is_gathered, _iter_modules, _key, invariant
-from ciera_jax.fsdp.caches import ExponentCacheVar
-from ciera_jax.fsdp.context import _ENGINE, GATHER_MODES, pregathered
-from ciera_jax.fsdp.layer_stack import _stack_of, stack_size
-from ciera_jax.fsdp.rules import AXIS, RULES, _sharded_params
-
-
-@dataclasses.dataclass(frozen=True)
-class GatheredTensor:
-    """One sharded parameter that is gathered before use.
-
-    ``key``: module path + parameter name (``layers/mlp/w_gate_ExDxF``), the key of its cache,
-    encoded payload, plan decision and stats; ``axis``: the split axis of ONE layer's tensor;
-    ``shape``: one layer's full (gathered) shape; ``stack``: layers stacked on a leading axis
-    (0: a single tensor) and ``stack_path`` the stack's module path.
-    """
-
-    key: str
-    axis: int
-    shape: tuple[int, ...]
-    dtype: object
-    stack: int = 0
-    stack_path: str = ""
-
-    def layer_key(self, layer: int) -> str:
-        """``layers/3/mlp/w_gate_ExDxF`` for layer 3 of a stacked tensor (the key otherwise)."""
-        if not self.stack:
-            return self.key
-        return f"{self.stack_path}/{layer}{self.key[len(self.stack_path):]}"
-
-
-def gathered_tensors(model: nnx.Module) -> dict[str, GatheredTensor]:
-    """Every parameter a decorated module gathers, keyed by path (model order)."""
-    out = {}
-    mods = dict(_iter_modules(model))
-    for path, module in mods.items():
-        info = _is_gathered(module)
-        if info is None:
-            continue
-        n, spath = _stack_of(path, mods)
-        for name, var, axis in _sharded_params(module, info["rules"]):
-            shape = tuple(var.get_value().shape)[1 if n else 0:]
-            key = "/".join(map(str, (*path, name)))
-            out[key] = GatheredTensor(key, axis, shape, info["dtype"] or var.get_value().dtype,
-                                      n, "/".join(map(str, spath)))
-    return out
-
-
-def param_dict(params: nnx.State) -> dict:
-    """``{path key: array}`` of a parameter state."""
-    return {_key(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
-
-
-def encode_tensors(tensors: dict, params: dict, caches: dict, compress: dict,
-                   axis_name: str = AXIS, impl: str = "auto") -> dict:
-    """Phase 1 for every compressed tensor (inside ``shard_map``): ``{key: Encoded}``.
-
-    ``params``: ``{key: local shard}`` (any float dtype; cast to the tensor's compute dtype);
-    ``caches``: ``{key: ExponentCache}``; stacked tensors are encoded layer by layer (vmap),
-    so their Encoded leaves carry the layer axis first.
-    """
-    import ciera_jax
-
-    out = {}
-    for key, t in tensors.items():
-        if not compress.get(key, False):
-            continue
-        shard = params[key].astype(t.dtype)
-
-        def enc(s, c, t=t):
-            return ciera_jax.encode(s, c, axis_name, axis=t.axis, impl=impl, name=t.key)
-
-        # Layer by layer with lax.map (one traced body; vmap would turn the tier switch of
-        # encode into a select of all branches).
-        out[key] = (lax.map(lambda sc: enc(*sc), (shard, caches[key])) if t.stack
-                    else enc(shard, caches[key]))
-    return out
-
-
-def agree_tensors(tensors: dict, encoded: dict, axis_name: str = AXIS) -> dict:
-    """Phase 2 for the whole step: ONE ``ciera_jax.agree`` (one ``pmax``) over the demand of
-    every layer of every encoded tensor. Returns ``{key: agreed}`` (per layer for stacks)."""
-    import ciera_jax
-
-    flat, where = [], []
-    for key, e in encoded.items():
-        n = tensors[key].stack
-        if n:
-            for layer in range(n):
-                flat.append(jax.tree.map(lambda a, layer=layer: a[layer], e))
-                where.append(key)
-        else:
-            flat.append(e)
-            where.append(key)
-    agreed = ciera_jax.agree(flat, axis_name) if flat else []
-    out: dict = {}
-    for key, a in zip(where, agreed):
-        out.setdefault(key, []).append(a)
-    return {k: (jnp.stack(v) if tensors[k].stack else v[0]) for k, v in out.items()}
+import ciera_jax.cache as cache_lib
+import ciera_jax.codec as codec
+import ciera_jax.collective as collective
+import ciera_jax.quantized as quantized
+from ciera_jax.fsdp.axes import (AXIS, MANUAL, REGION, UNSHARDED, axis_size, invariant,
+                                 placement)
+from ciera_jax.fsdp.caches import ExponentCacheVar, cache_attr
+from ciera_jax.fsdp.context import activate, check_mode
+from ciera_jax.fsdp.discovery import GatherSpec, module_path, path_key, sharded_params
+from ciera_jax.fsdp.inventory import GatheredTensor
+from ciera_jax.fsdp.rules import check_divisible, spec_for
+from ciera_jax.fsdp.stacking import stack_size
+from ciera_jax.fsdp.stats import record
 
 
 def _float0_like(tree):
@@ -124,28 +46,21 @@ def _float0_like(tree):
 
 
 class Engine:
-    """The gathers of one FSDP train step (inside ``shard_map``), with prefetch and remat.
+    """The gathers of decorated modules, for one call (default) or one train step (prepared).
 
-    Built from the step's inputs: ``mode`` (ciera / plain / int8), the gathered tensors, their
-    caches, the ``Encoded`` payloads prepared at the end of the previous step (ciera; tensors
-    without one gather plainly) and the step's agreement. While :meth:`active`, every decorated
-    module gathers through it, and :func:`scan_layers` runs a layer stack with the gather of
-    layer l+1 issued next to (not after) the compute of layer l.
-
-    Backward: each gathered compute is a ``custom_vjp`` whose residuals are the shards and the
-    gather inputs, not the gathered weights; its backward re-gathers (the same exact, pure
-    function of the same inputs) and reduce-scatters the weight cotangents (``psum_scatter``).
-
-    After the forward, :attr:`new_caches` and :attr:`stats` hold the gathers' outputs
-    (stats: rank-invariant scalars, per layer for stacks).
+    ``Engine(mode)``: a default engine; every decorated call under :meth:`active` encodes,
+    agrees once and gathers its own parameters, and leaves caches and stats on its module.
+    ``Engine(mode, tensors, caches=, encoded=, agreed=)``: a prepared engine for a train step
+    inside ``shard_map`` (see :mod:`ciera_jax.fsdp.phases`); layer stacks run with prefetch
+    (:meth:`scan`), new caches and stats are also collected in :attr:`new_caches` and
+    :attr:`stats` (``{tensor key: ...}``, values of the trace that ran the forward).
     """
 
-    def __init__(self, mode: str, tensors: dict, *, caches: dict | None = None,
-                 encoded: dict | None = None, agreed: dict | None = None,
-                 axis_name: str = AXIS, impl: str = "auto"):
-        if mode not in GATHER_MODES:
-            raise ValueError(f"unknown gather {mode!r}; choose one of: {', '.join(GATHER_MODES)}")
-        self.mode, self.tensors, self.axis_name, self.impl = mode, tensors, axis_name, impl
+    def __init__(self, mode: str = "ciera", tensors: dict | None = None, *,
+                 caches: dict | None = None, encoded: dict | None = None,
+                 agreed: dict | None = None, axis_name: str = AXIS, impl: str = "auto"):
+        self.mode, self.tensors, self.axis_name, self.impl = check_mode(mode), tensors, \
+            axis_name, impl
         self.caches = dict(caches or {})
         self.encoded = dict(encoded or {}) if mode == "ciera" else {}
         self.agreed = dict(agreed or {})
@@ -154,35 +69,36 @@ class Engine:
             raise ValueError(f"no agreement for {missing}: run agree_tensors once per step")
         self.new_caches: dict = {}
         self.stats: dict = {}
+        self._holding = False
+
+    @property
+    def prepared(self) -> bool:
+        return self.tensors is not None
+
+    def active(self):
+        """Decorated modules called inside gather through this engine."""
+        return activate(self)
 
     @contextlib.contextmanager
-    def active(self):
-        token = _ENGINE.set(self)
+    def holding(self):
+        """Decorated modules called inside already hold gathered values: they only cast."""
+        old, self._holding = self._holding, True
         try:
-            yield self
+            yield
         finally:
-            _ENGINE.reset(token)
+            self._holding = old
 
     # -- one tensor ---------------------------------------------------------------------------
 
-    def _gin(self, key: str):
-        """Gather inputs beside the shard: (Encoded, cache, agreed) or None (plain)."""
-        if key not in self.encoded:
-            return None
-        return (self.encoded[key], self.caches[key], self.agreed[key])
-
-    def _gather(self, t: GatheredTensor, shard, gin):
-        """Gather one layer's shard (no gradient): (full, new cache or None, stats)."""
-        import ciera_jax
-        from ciera_jax import quantized
-
+    def gather_one(self, t: GatheredTensor, shard, gin):
+        """Gather one layer's shard: (full, new cache or None, stats). ``gin``: (Encoded,
+        cache, agreed) for a compressed gather, None for the mode's plain / int8 gather."""
         ax = self.axis_name
-        shard = lax.stop_gradient(shard)
         plain = jnp.int32(shard.size * shard.dtype.itemsize)
         new_cache = None
         if gin is not None:
             e, cache, agreed = gin
-            full, new_cache, st = ciera_jax.exchange(shard, e, cache, agreed, ax, impl=self.impl)
+            full, new_cache, st = collective.exchange(shard, e, cache, agreed, ax, impl=self.impl)
             stats = dict(sent_bytes=st["sent_bytes"], plain_bytes=st["plain_bytes"],
                          changed=invariant(st["changed"], ax, lax.psum), tier=st["tier"],
                          fallback=st["fallback"].astype(jnp.int32))
@@ -191,14 +107,110 @@ class Engine:
                 full = quantized.int8_all_gather(shard, ax, axis=t.axis).astype(shard.dtype)
                 sent = jnp.int32(quantized.wire_bytes(shard.size))
             else:
-                full = ciera_jax.plain_all_gather(shard, ax, axis=t.axis)
+                full = collective.plain_all_gather(shard, ax, axis=t.axis)
                 sent = plain
             stats = dict(sent_bytes=sent, plain_bytes=plain, changed=jnp.int32(0),
                          tier=jnp.int32(-1), fallback=jnp.int32(0))
         stats["elements"] = jnp.int32(full.size)
-        return full, new_cache, stats
+        return full, new_cache, {k: lax.stop_gradient(v) for k, v in stats.items()}
 
-    # -- gathered compute with re-gather in backward --------------------------------------------
+    def _gin(self, key: str):
+        """A prepared engine's gather inputs beside the shard: (Encoded, cache, agreed) or None."""
+        if key not in self.encoded:
+            return None
+        return (self.encoded[key], self.caches[key], self.agreed[key])
+
+    def gather_call(self, tensors: dict, shards: dict, caches: dict):
+        """Gather one call's shards (inside ``shard_map``): ``(fulls, new_caches, stats)``.
+
+        A default ``ciera`` engine encodes every tensor it has a cache for and agrees on all
+        of them with ONE collective; a prepared one uses the step's Encoded and agreement.
+        """
+        if self.prepared:
+            gins = {k: self._gin(t.key) for k, t in tensors.items()}
+        else:
+            enc = {k: collective.encode(lax.stop_gradient(shards[k]), caches[k], self.axis_name,
+                                        axis=t.axis, impl=self.impl, name=t.key)
+                   for k, t in tensors.items() if caches.get(k) is not None}
+            agreed = collective.agree(enc, self.axis_name) if enc else {}
+            gins = {k: (enc[k], caches[k], agreed[k]) if k in enc else None for k in tensors}
+        fulls, new_caches, stats = {}, {}, {}
+        for k, t in tensors.items():
+            fulls[k], c, stats[k] = self.gather_one(t, shards[k], gins[k])
+            if c is not None:
+                new_caches[k] = c
+        return fulls, new_caches, stats
+
+    # -- a decorated call ---------------------------------------------------------------------
+
+    def call(self, module, fn, args, kwargs, spec: GatherSpec):
+        """A decorated module's call: gather its sharded params, run ``fn`` on the full ones."""
+        where = module_path(module)
+        if self._holding:
+            return _run_cast(module, fn, args, kwargs, spec)
+        place = placement(spec.axis_name, where)
+        params = sharded_params(module, spec)
+        if place == UNSHARDED:
+            return _run_cast(module, fn, args, kwargs, spec)
+        if spec.axis_name != self.axis_name:
+            raise ValueError(f"{where}: decorated for axis {spec.axis_name!r} but the active "
+                             f"engine gathers over {self.axis_name!r}; build the engine with "
+                             f"axis_name={spec.axis_name!r}")
+        if not params:
+            raise ValueError(
+                f"{where}: decorated with @gathered(axis_name={spec.axis_name!r}) but none of "
+                f"its parameters is split over {spec.axis_name!r}, so nothing would be "
+                f"gathered; annotate them (nnx.with_partitioning(init, ({spec.axis_name!r}, "
+                f"None)), fsdp_axis= metadata or rules=) or remove the decorator")
+        if stack_size(module):
+            raise ValueError(f"{where}: a layer stack is run with fsdp.scan_layers, not called")
+        n = axis_size(spec.axis_name)
+        tensors, shards, caches = {}, {}, {}
+        for p in params:
+            gkey = f"{where}/{p.key}" if where else p.key
+            value = p.var.get_value()
+            shape = list(value.shape)
+            if place == REGION:
+                check_divisible(gkey, tuple(shape), p.axis, n, spec.axis_name)
+            else:
+                shape[p.axis] *= n
+            dtype = spec.dtype or value.dtype
+            if self.prepared:
+                t = self.tensors.get(gkey)
+                if t is None:
+                    raise ValueError(f"{gkey} is not among the engine's gathered tensors")
+            else:
+                t = GatheredTensor(gkey, p.axis, tuple(shape), dtype)
+            tensors[p.key] = t
+            shards[p.key] = value.astype(dtype)
+            if not self.prepared and self.mode == "ciera" and codec.is_compressible(dtype):
+                caches[p.key] = _cache_of(p, t, where)
+        if place == MANUAL and self.prepared:
+            return self._call_prepared(module, fn, args, kwargs, tensors, shards)
+        if self.prepared:
+            raise ValueError(f"{where}: a prepared (train step) Engine runs inside shard_map; "
+                             "under jit without shard_map use the default engine")
+        if place == MANUAL:
+            fulls, new_caches, stats = self.gather_call(tensors, shards, caches)
+        else:
+            fulls, new_caches, stats = self._region(tensors, shards, caches)
+        for p in params:
+            if p.key in new_caches:
+                getattr(p.owner, cache_attr(p.name)).set_value(new_caches[p.key])
+        record(module, stats)
+        return _run_with(module, [(p.var, fulls[p.key]) for p in params], fn, args, kwargs, self)
+
+    def _region(self, tensors, shards, caches):
+        """:meth:`gather_call` in a ``shard_map`` region of its own (under ``jit`` with the mesh
+        set): shards come in split over the axis, full weights, caches and stats leave
+        replicated; the rest of the model stays under sharding propagation."""
+        ax = self.axis_name
+        in_specs = ({k: spec_for(t.axis, len(t.shape), ax) for k, t in tensors.items()},
+                    {k: P() for k in caches})
+        return jax.shard_map(lambda s, c: self.gather_call(tensors, s, c), in_specs=in_specs,
+                             out_specs=(P(), P(), P()), check_vma=False)(shards, caches)
+
+    # -- prepared: gathered compute with re-gather in backward --------------------------------
 
     def _apply(self, compute, tensors: dict, shards: dict, others, gins: dict, fulls: dict, xargs):
         """``compute(fulls, others, xargs)``, differentiable to shards/others/xargs; ``fulls``
@@ -214,7 +226,8 @@ class Engine:
 
         def bwd(res, ct):
             shards, others, gins, xargs = res
-            re = {k: self._gather(tensors[k], shards[k], gins[k])[0] for k in shards}
+            re = {k: self.gather_one(tensors[k], lax.stop_gradient(shards[k]), gins[k])[0]
+                  for k in shards}
             _, vjp = jax.vjp(compute, re, others, xargs)
             ct_fulls, ct_others, ct_xargs = vjp(ct)
             ct_shards = {k: lax.psum_scatter(ct_fulls[k], ax, scatter_dimension=tensors[k].axis,
@@ -228,26 +241,24 @@ class Engine:
     @staticmethod
     def _split(module):
         graphdef, params, caches, rest = nnx.split(module, nnx.Param, ExponentCacheVar, ...)
-        keys = [_key(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+        keys = [path_key(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
         leaves, treedef = jax.tree.flatten(params)
-        dummy = jax.tree.map(lambda a: np.zeros((), a.dtype), caches)  # unused when pregathered
+        dummy = jax.tree.map(lambda a: np.zeros((), a.dtype), caches)  # unused when holding
         return graphdef, keys, leaves, treedef, dummy, rest
 
-    @staticmethod
-    def _compute(graphdef, keys, treedef, dummy, call):
+    def _compute(self, graphdef, keys, treedef, dummy, call):
         """compute(fulls, others, (rest, args)) -> call(module with those values, *args)."""
 
         def compute(fulls, others, xargs):
             rest, args = xargs
             leaves = [fulls[k] if k in fulls else others[k] for k in keys]
             module = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves), dummy, rest)
-            with pregathered():
+            with self.active(), self.holding():
                 return call(module, *args)
 
         return compute
 
-    def call(self, module, fn, args, kwargs, *, rules=RULES, dtype=jnp.bfloat16):
-        """A decorated module's call: gather its sharded params, run ``fn`` on the full ones."""
+    def _call_prepared(self, module, fn, args, kwargs, tensors, shards):
         if kwargs:
             args = args + tuple(kwargs.values())
             names = tuple(kwargs)
@@ -255,24 +266,17 @@ class Engine:
                                      **dict(zip(names, a[len(a) - len(names):])))
         else:
             call0 = fn
-        prefix = getattr(module, "_ciera_path", type(module).__name__)
         graphdef, keys, leaves, treedef, dummy, rest = self._split(module)
-        split = {name for name, _, _ in _sharded_params(module, rules)}
         values = dict(zip(keys, leaves))
-        tensors, shards, gins, fulls = {}, {}, {}, {}
-        for k in keys:
-            if k not in split:
-                continue
-            gkey = f"{prefix}/{k}" if prefix else k
-            t = self.tensors.get(gkey)
-            if t is None:
-                raise ValueError(f"{gkey} is not among the engine's gathered tensors")
-            tensors[k], shards[k], gins[k] = t, values[k].astype(dtype or values[k].dtype), \
-                self._gin(gkey)
-            fulls[k], new_cache, self.stats[gkey] = self._gather(t, shards[k], gins[k])
+        shards = {k: values[k].astype(tensors[k].dtype) for k in tensors}
+        gins, fulls = {}, {}
+        for k, t in tensors.items():
+            gins[k] = self._gin(t.key)
+            fulls[k], new_cache, self.stats[t.key] = self.gather_one(
+                t, lax.stop_gradient(shards[k]), gins[k])
             if new_cache is not None:
-                self.new_caches[gkey] = new_cache
-        others = {k: v for k, v in values.items() if k not in split}
+                self.new_caches[t.key] = new_cache
+        others = {k: v for k, v in values.items() if k not in tensors}
         compute = self._compute(graphdef, keys, treedef, dummy, call0)
         return self._apply(compute, tensors, shards, others, gins, fulls, (rest, tuple(args)))
 
@@ -281,10 +285,7 @@ class Engine:
         n = stack_size(stack_module)
         graphdef, keys, leaves, treedef, dummy, rest = self._split(stack_module)
         values = dict(zip(keys, leaves))
-        spath = getattr(stack_module, "_ciera_path", None)
-        if spath is None:
-            raise ValueError("layer stack without a path: call fsdp.attach_caches(model) once "
-                             "after building the model")
+        spath = module_path(stack_module)
         tensors = {k: self.tensors[f"{spath}/{k}"] for k in keys
                    if f"{spath}/{k}" in self.tensors}
         shards = {k: values[k].astype(t.dtype) for k, t in tensors.items()}
@@ -295,7 +296,7 @@ class Engine:
         frozen = lax.stop_gradient(shards)
 
         def fetch(i):
-            out = {k: self._gather(t, at(frozen[k], i), at(gins[k], i))
+            out = {k: self.gather_one(t, at(frozen[k], i), at(gins[k], i))
                    for k, t in tensors.items()}
             return ({k: o[0] for k, o in out.items()},
                     {k: o[1] for k, o in out.items() if o[1] is not None},
@@ -334,14 +335,60 @@ class Engine:
             self.stats[t.key] = ss[k]
         return x, ys
 
-    def layer_stats(self) -> dict:
-        """Stats per gathered tensor and layer: ``{'layers/3/mlp/w_gate_ExDxF': {...}}``."""
-        out = {}
-        for key, st in self.stats.items():
-            t = self.tensors[key]
-            if t.stack:
-                for layer in range(t.stack):
-                    out[t.layer_key(layer)] = {k: v[layer] for k, v in st.items()}
-            else:
-                out[key] = st
-        return out
+
+def _cache_of(p, t: GatheredTensor, where: str):
+    """The cache beside parameter ``p``, checked against the tensor it serves."""
+    var = getattr(p.owner, cache_attr(p.name), None)
+    if not isinstance(var, ExponentCacheVar):
+        raise ValueError(f"{t.key}: gather 'ciera' needs an exponent cache for this parameter "
+                         f"and it has none: call ciera_jax.fsdp.attach_caches(model) once "
+                         f"after building the model (or gather with fsdp.gather_mode('plain'))")
+    cache = var.get_value()
+    shape = getattr(cache, "shape", None)
+    if cache_lib.is_cache(cache) and shape is not None and tuple(shape) != t.shape:
+        raise ValueError(f"{t.key}: its cache is for shape {tuple(shape)} but {where} gathers "
+                         f"{t.shape}; for layers stacked with nnx.vmap call "
+                         f"fsdp.attach_caches inside the function that builds one layer, or "
+                         f"build the stack with fsdp.stack")
+    return cache
+
+
+def _run_with(module, values: list, fn, args, kwargs, engine):
+    """``fn(module, ...)`` with each (Variable, value) of ``values`` holding it meanwhile."""
+    saved = [(var, var.get_value()) for var, _ in values]
+    try:
+        for var, v in values:
+            var.set_value(v)
+        with engine.active():  # decorated sub-modules gather their own through it
+            return fn(module, *args, **kwargs)
+    finally:
+        for var, v in saved:
+            var.set_value(v)
+
+
+def _run_cast(module, fn, args, kwargs, spec: GatherSpec):
+    """``fn`` on the values the module holds (already whole), split ones cast to the dtype."""
+    params = sharded_params(module, spec)
+    values = [(p.var, p.var.get_value().astype(spec.dtype) if spec.dtype is not None
+               else p.var.get_value()) for p in params]
+    saved = [(var, var.get_value()) for var, _ in values]
+    try:
+        for var, v in values:
+            var.set_value(v)
+        return fn(module, *args, **kwargs)
+    finally:
+        for var, v in saved:
+            var.set_value(v)
+
+
+@contextlib.contextmanager
+def gather_mode(mode: str = "ciera", *, axis_name: str = AXIS, impl: str = "auto"):
+    """Select the gather of decorated modules: activates a default :class:`Engine`.
+
+    ``ciera``: exponent-reuse gather (lossless, compressed); ``plain``: all-gather of the bits
+    (lossless baseline); ``int8``: blockwise absmax int8 gather (lossy baseline, ZeRO++ qwZ).
+    Stats are module state: read them with :func:`~ciera_jax.fsdp.gather_stats`.
+    """
+    engine = Engine(mode, axis_name=axis_name, impl=impl)
+    with engine.active():
+        yield engine

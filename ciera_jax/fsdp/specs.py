@@ -1,5 +1,6 @@
-"""From the rule table to JAX shardings: PartitionSpecs for a model's states, placing host
-values on a mesh, and re-merging states at the current trace level."""
+"""From the gathered parameters to JAX shardings: PartitionSpecs for a model's states (the
+``shard_map`` programming model), placing host values on a mesh, and re-merging states at the
+current trace level."""
 
 from __future__ import annotations
 
@@ -8,41 +9,56 @@ import functools
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ciera_jax.fsdp._util import _is_gathered, _iter_modules
-from ciera_jax.fsdp.layer_stack import _stack_of
-from ciera_jax.fsdp.rules import AXIS, RULES, check_divisible, param_axis, spec_for
+from ciera_jax.fsdp.axes import AXIS
+from ciera_jax.fsdp.discovery import gather_spec, iter_modules, path_key, sharded_params
+from ciera_jax.fsdp.rules import check_divisible, spec_for
+from ciera_jax.fsdp.stacking import stack_of
+
+
+def split_axes(model: nnx.Module, axis_name: str = AXIS) -> dict[str, int]:
+    """``{parameter path: split axis}`` (counted in the held, possibly stacked, value) of every
+    parameter a module decorated for ``axis_name`` gathers."""
+    out = {}
+    mods = dict(iter_modules(model))
+    for path, module in mods.items():
+        spec = gather_spec(module)
+        if spec is None or spec.axis_name != axis_name:
+            continue
+        lead = 1 if stack_of(path, mods)[0] else 0
+        for p in sharded_params(module, spec, lead=lead):
+            out["/".join(map(str, (*path, p.key)))] = p.axis
+    return out
+
+
+def state_specs(model: nnx.Module, state, axis_name: str = AXIS, n: int | None = None):
+    """PartitionSpecs for ``state`` (e.g. ``nnx.split(model, nnx.Param, ...)[1]``), one per
+    Variable: a prefix tree usable as ``shard_map`` in/out specs. Gathered parameters are split
+    on their axis, everything else (caches, norms) replicated. With ``n`` given, checks that
+    the mesh size divides every split dimension."""
+    axes = split_axes(model, axis_name)
+
+    def one(path, var):
+        key = path_key(path)
+        axis = axes.get(key)
+        value = var.get_value() if isinstance(var, nnx.Variable) else var
+        shape = tuple(getattr(value, "shape", ()))
+        if n is not None:
+            check_divisible(key, shape, axis, n, axis_name)
+        return spec_for(axis, len(shape), axis_name)
+
+    return jax.tree_util.tree_map_with_path(one, state,
+                                            is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def param_specs(model: nnx.Module, axis_name: str = AXIS, n: int | None = None):
-    """PartitionSpecs (pure dict mirroring ``nnx.state(model, nnx.Param)``) from rules/metadata.
-
-    With ``n`` given, checks that the mesh size divides every split dimension.
-    """
-    specs: dict = {}
-    mods = dict(_iter_modules(model))
-    for path, module in mods.items():
-        info = _is_gathered(module)
-        rules = info["rules"] if info else RULES
-        stacked = 1 if _stack_of(path, mods)[0] else 0
-        for name, var in vars(module).items():
-            if not isinstance(var, nnx.Param):
-                continue
-            axis = param_axis(name, var, rules) if info else None
-            if axis is not None:
-                axis += stacked  # stacked layers: the layer axis comes first
-            shape = var.get_value().shape
-            if n is not None:
-                check_divisible("/".join(map(str, (*path, name))), shape, axis, n)
-            d = specs
-            for p in path:
-                d = d.setdefault(p, {})
-            d[name] = spec_for(axis, len(shape), axis_name)
-    return specs
+    """:func:`state_specs` of the model's parameters."""
+    return state_specs(model, nnx.state(model, nnx.Param), axis_name, n)
 
 
-def _spec_pairs(specs, tree):
+def spec_pairs(specs, tree):
     """(spec, subtree) pairs: ``specs`` is a prefix of ``tree`` with PartitionSpec leaves."""
     pairs = []
     jax.tree.map(lambda s, sub: pairs.append((s, sub)), specs, tree,
@@ -50,29 +66,13 @@ def _spec_pairs(specs, tree):
     return pairs
 
 
-def _is_split(spec: P, axis_name: str) -> bool:
+def is_split(spec: P, axis_name: str) -> bool:
     return any(a == axis_name or (isinstance(a, tuple) and axis_name in a) for a in spec)
-
-
-def state_specs(model: nnx.Module, state: nnx.State, axis_name: str = AXIS, n: int | None = None):
-    """PartitionSpecs for ``state`` (e.g. ``nnx.split(model, nnx.Param, ...)[1]``), one per
-    Variable: a prefix tree usable as ``shard_map`` in/out specs. See :func:`param_specs`."""
-    spec_dict = param_specs(model, axis_name, n)
-
-    def one(path, _):
-        d = spec_dict
-        for k in path:
-            d = d[getattr(k, "key", getattr(k, "name", k))]
-        return d
-
-    return jax.tree_util.tree_map_with_path(one, state,
-                                            is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def put(tree, specs, mesh):
     """Host values -> global arrays laid out by ``specs`` (a prefix tree of PartitionSpecs)
     on ``mesh``; works multi-process too (every process passes the same full values)."""
-    from jax.sharding import NamedSharding
 
     def one(s, x):
         x = np.asarray(x)
@@ -85,8 +85,8 @@ def put(tree, specs, mesh):
 def merge(graphdef, *states):
     """``nnx.merge`` with fresh Variables at the current trace level.
 
-    Use it inside the traced loss function: the decorator updates the exponent caches in
-    place, and NNX refuses to mutate Variables created at an outer trace level (e.g. states
+    Use it inside the traced loss function: decorated calls update exponent caches and stats
+    in place, and NNX refuses to mutate Variables created at an outer trace level (e.g. states
     that came in through ``shard_map`` and are passed to ``jax.grad`` as non-differentiated
     arguments).
     """
