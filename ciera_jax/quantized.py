@@ -13,9 +13,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from ciera_jax import costmodel as cm
 from ciera_jax.collective import attach_gather_grad
 
-BLOCK = 256
+BLOCK = cm.INT8_BLOCK
+SCALE_DTYPE = jnp.float32  # priced as cm.INT8_SCALE_BYTES
 
 
 def _nblocks(n: int, block: int = BLOCK) -> int:
@@ -23,13 +25,14 @@ def _nblocks(n: int, block: int = BLOCK) -> int:
 
 
 def wire_bytes(shard_elems: int, block: int = BLOCK) -> int:
-    """Bytes one rank contributes to the gather: int8 codes + one float32 scale per block."""
-    return _nblocks(shard_elems, block) * (block + 4)
+    """Bytes one rank contributes to the gather: int8 codes + one float32 scale per block
+    (the cost model prices exactly this: ``costmodel.int8_wire_bytes``)."""
+    return _nblocks(shard_elems, block) * (block + jnp.dtype(SCALE_DTYPE).itemsize)
 
 
 def quantize(x, block: int = BLOCK):
     """Flattened ``x`` -> (int8 codes [nb, block], float32 scales [nb])."""
-    flat = x.reshape(-1).astype(jnp.float32)
+    flat = x.reshape(-1).astype(SCALE_DTYPE)
     nb = _nblocks(flat.size, block)
     flat = jnp.pad(flat, (0, nb * block - flat.size)).reshape(nb, block)
     amax = jnp.max(jnp.abs(flat), axis=1)
