@@ -1,21 +1,38 @@
-"""Device setup: XLA's GPU flags are added on a GPU unless the user set them."""
+"""devices.py: the one mesh helper and the XLA flag handling."""
+
+from __future__ import annotations
 
 import os
+
+import pytest
 
 from ciera_jax import devices
 
 
-def test_gpu_xla_flags_respect_the_user(monkeypatch):
-    monkeypatch.setattr(devices, "_has_accelerator", lambda: True)
-    monkeypatch.setattr(devices, "_has_gpu", lambda: True)
-    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+def test_make_mesh_puts_devices_on_the_first_axis():
+    mesh = devices.make_mesh(4)
+    assert mesh.axis_names == ("fsdp",) and mesh.devices.shape == (4,)
+    mesh = devices.make_mesh(None, ("fsdp", "tp"))
+    assert dict(mesh.shape) == {"fsdp": 8, "tp": 1}
+
+
+@pytest.mark.parametrize("n, says", [(0, "positive device count"), (-2, "positive"),
+                                     (64, "asked for 64 devices but JAX sees 8")])
+def test_make_mesh_rejects_bad_counts(n, says):
+    with pytest.raises(ValueError, match=says):
+        devices.make_mesh(n)
+
+
+def test_emulated_device_flag_replaces_an_earlier_one(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--foo=1 --xla_force_host_platform_device_count=2")
+    devices.emulate_cpu_devices(4)
+    assert os.environ["XLA_FLAGS"].split() == [
+        "--foo=1", "--xla_force_host_platform_device_count=4"]
+
+
+def test_gpu_flags_keep_what_the_user_set(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_latency_hiding_scheduler=false")
-    devices.setup_devices(None)
-    flags = os.environ["XLA_FLAGS"].split()
-    assert "--xla_gpu_enable_latency_hiding_scheduler=false" in flags  # the user's, kept
-    assert "--xla_gpu_enable_latency_hiding_scheduler=true" not in flags
-    assert "--xla_gpu_enable_highest_priority_async_stream=true" in flags
-    monkeypatch.setenv("XLA_FLAGS", "")
-    monkeypatch.setattr(devices, "_has_gpu", lambda: False)  # e.g. TPU: no GPU flags
-    devices.setup_devices(None)
-    assert os.environ["XLA_FLAGS"] == ""
+    added = devices.apply_gpu_flags()
+    assert added == ["--xla_gpu_enable_highest_priority_async_stream=true"]
+    assert "--xla_gpu_enable_latency_hiding_scheduler=false" in os.environ["XLA_FLAGS"]
+    assert "latency_hiding_scheduler=true" not in os.environ["XLA_FLAGS"]
