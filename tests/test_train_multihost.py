@@ -7,7 +7,11 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from ciera_jax.launch import free_port
+
+pytestmark = pytest.mark.slow  # 2 processes x 2 trainings
 
 
 def _train_two_processes(gather: str, tmp_path) -> str:
