@@ -11,7 +11,8 @@ words on the host, splits them into the 8 FSDP shards along the tensor's FSDP ax
   the top tier), as ``ciera_jax.collective.exchange`` sends it;
 - word mode (``ciera_jax.word_ladder``): ``d = ord(new) - ord(cached)``; escapes per code width
   ``b`` (``|d| > code_limit(b)``) and raw words (``|d| > 127``), MAX over shards, priced by the
-  cheapest rung that holds them (``cheapest_fit``), for each ``b`` alone and over the ladder;
+  cheapest rung that holds them (``cheapest_fit``), over the ladder and over each width's
+  rungs alone (``word_b2``..``word_b4``: that width, else exponent mode or plain);
 - ``chosen``: the cheapest of the word rungs that fit, the exponent tiers that fit and plain;
   ``ladder-first``: the cheapest fitting word rung, exponent mode only above the top rung;
 - the entropy bound: the empirical entropy of ``d`` per tensor, in bits per weight.
@@ -160,7 +161,7 @@ class Priced:
 
     plain: np.ndarray
     exponent: np.ndarray
-    word_b: dict  # code bits -> ladder-first restricted to that width (exponent/plain above)
+    word_b: dict  # code bits -> cheapest of that width's fitting rungs, exponent and plain
     word_only: np.ndarray  # cheapest fitting word rung (inf above the top rung)
     ladder_first: np.ndarray
     chosen: np.ndarray
@@ -182,7 +183,7 @@ def price(counts: np.ndarray, word_bytes: int = 2, ladder=wl.WORD_LADDER) -> Pri
         sub = tuple(r for r in ladder if r.code_bits == b)
         wb = np.array([word_bytes_fit(int(r["n_local"]), e, int(r["raw"]), word_bytes, sub)
                        if sub else math.inf for r, e in zip(rows, esc)])
-        word_b[b] = np.where(np.isfinite(wb), wb, expo)
+        word_b[b] = np.minimum(np.minimum(wb, expo), plain)
     ladder_first = np.where(np.isfinite(word_only), word_only, expo)
     chosen = np.minimum(np.minimum(word_only, expo), plain)
     entropy = n * np.array([r["ent_bits"] for r in rows]) / 8
@@ -237,12 +238,7 @@ def train_and_count(name: str, args) -> dict:
     out_steps, lrs, counts, losses = [], [], [], []
     t0 = time.perf_counter()
     for t in range(1, steps + 1):
-        batch = tr.batch(dataset, args.seed, state.step)
-        state = tr.prepare(state)
-        params, caches, opt_state, ahead, m = tr.step_fn(
-            state.params, state.caches, state.opt_state, state.ahead, batch)
-        state = dataclasses.replace(state, step=state.step + 1, params=params, caches=caches,
-                                    opt_state=opt_state, ahead=ahead)
+        state, m = one_step(tr, state, tr.batch(dataset, args.seed, state.step))
         loss = float(jax.device_get(m["loss"]))
         if not math.isfinite(loss):
             raise FloatingPointError(f"{name}: loss is {loss} at step {t}")
@@ -264,6 +260,17 @@ def train_and_count(name: str, args) -> dict:
             "final_loss": losses[-1] if losses else None, "word_bytes": wbytes.pop(),
             "layer_keys": layer_keys, "kinds": kinds, "sample_steps": out_steps, "lr": lrs,
             "loss": losses, "counts": np.stack(counts)}
+
+
+def one_step(tr, state, batch):
+    """``Trainer.step`` where it exists; before it did, the same from its parts."""
+    if hasattr(tr, "step"):
+        return tr.step(state, batch)
+    state = tr.prepare(state)
+    params, caches, opt_state, ahead, m = tr.step_fn(
+        state.params, state.caches, state.opt_state, state.ahead, batch)
+    return dataclasses.replace(state, step=state.step + 1, params=params, caches=caches,
+                               opt_state=opt_state, ahead=ahead), m
 
 
 def sampled_steps(steps: int, every: int, dense: str) -> set[int]:
@@ -437,7 +444,7 @@ def plot(results: list[dict], path: Path) -> None:
         ax.plot(s["step"], s["exponent"], label="exponent mode", lw=1.2)
         ax.plot(s["step"], s["ladder_first"], label="word mode, ladder first", lw=1, ls="--")
         ax.plot(s["step"], s["chosen"], label="word mode, cheapest of all", lw=1.4)
-        ax.plot(s["step"], [8 * x / 8 for x in s["entropy"]], label="entropy bound of d",
+        ax.plot(s["step"], s["entropy"], label="entropy bound of d",
                 lw=1, color="grey", ls=":")
         ax.axhline(2.0, color="k", lw=0.8, ls="-.", label="plain bf16")
         ax.set_ylim(0, 2.1)
