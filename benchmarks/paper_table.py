@@ -1,46 +1,55 @@
-"""The published CIERA numbers next to this simulator's, with what bounds the speedup.
+"""The published CIERA numbers next to this simulator's: both CIERA modes, the baselines, memory.
 
-    python benchmarks/paper_table.py [--json out.json] [--cluster h100] [--tokens-per-gpu 4096]
+    python benchmarks/paper_table.py [--out results/paper_table.json] [--cluster h100]
+                                     [--tokens-per-gpu 4096] [--phase steady] [--no-zipnn]
 
-Prints a markdown table (paste into the README) and writes JSON. If ``zipnn`` is importable it
-also measures ZipNN's ratio and throughput on a synthetic bf16 weight tensor next to CIERA's
-wire ratio on the same tensor (optional; skipped with a message otherwise).
+For OLMoE-1B-7B at 16 and 128 GPUs, per method: simulated step time and gather-only time (every
+weight gather of one step, back to back, codec included), their speedups over plain bf16, and
+the extra memory per GPU each needs over plain FSDP. Methods: plain bf16 (lossless baseline),
+plain without resharding after the forward (one gather per step, the full bf16 weights held:
+word mode's equal-memory baseline), blockwise int8 (lossy), a single-pass entropy codec (the
+lossless peer, ZipNN/DietGPU class, 1.5x), CIERA exponent mode and CIERA word mode (its forward
+gather sends word deltas; its backward re-gather is gone, the cache holds the weights). Also the
+communication-bound corner (256 tokens/GPU), where the gather-only speedup stands next to the
+published 3.70x / 4.28x. Prints markdown tables (paste into the README) and writes JSON.
+
+If ``zipnn`` is importable it also measures ZipNN's ratio and throughput on a synthetic bf16
+tensor next to CIERA's measured exponent-mode wire ratio on the same tensor (optional).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from ciera_jax.sim import default_trace, get_cluster, load_trace, sweep  # noqa: E402
+from common import parser, write_results  # benchmarks/common.py, beside this script
 
 MODEL = "olmoe-1b-7b"
+GPUS = (16, 128)
 # Published end-to-end speedups of CIERA for OLMoE-1B-7B (step time ratio).
 PUBLISHED = {16: {"plain": 3.70, "int8": 3.68}, 128: {"plain": 4.28, "int8": 4.42}}
+METHODS = ("plain", "plain-noreshard", "int8", "entropy", "ciera", "word")
+LABELS = {"plain": "plain bf16", "plain-noreshard": "plain, no reshard (equal memory)",
+          "int8": "int8 blockwise (lossy)", "entropy": "entropy codec 1.5x (lossless peer)",
+          "ciera": "CIERA exponent mode", "word": "CIERA word mode"}
 
 BOUND = """\
-What bounds the speedup. Exponent reuse sends 1 byte per bf16 weight instead of 2 (plus a few
-patches), so a gather moves at least half the bytes of a plain gather: a gather-only speedup is
-bounded near 2x, and below it once latency, patches and codec time count. A training step also
-reduce-scatters gradients (plain bf16, as large as the gather): per layer three transfers of
-equal size (forward gather, backward re-gather, reduce-scatter), of which CIERA halves two, so
-with communication fully exposed the step-time speedup over a plain bf16 gather is at most
-3/2 = 1.5x (less after latency, patches and codec); prefetch overlap shrinks it further, since
-hidden communication gains nothing from being smaller.
-Against blockwise int8 (1 + 2/256 bytes per weight) CIERA moves about the same bytes, so it
-is about as fast, and its advantage is that it is lossless. End-to-end ratios of 3.7-4.4x need
-a baseline slower than a plain gather of the same bytes (unfused or unoverlapped collectives,
-host round-trips, a slow quantize path) or a step whose communication the baseline cannot hide
-but CIERA can; the simulator models neither, so it does not reproduce them."""
+What bounds the speedup. Per layer a plain FSDP step moves three transfers of equal size:
+forward gather, backward re-gather, gradient reduce-scatter (plain bf16 here). Exponent mode
+halves the two gathers at best (1 byte of 2 per weight, plus patches), so with communication
+fully exposed its step-time gain is at most 3/2. Word mode sends ~0.27 of plain in the forward
+gather and no backward re-gather, so its bound is 3/(1 + 0.27) ~ 2.4x, and ~1.5x against the
+equal-memory baseline that also skips the re-gather (one gather + one reduce-scatter). Its
+gather-only speedup (the gathers alone) is larger: 2/0.27 ~ 7x in bytes, less after latency and
+codec time. Prefetch overlap shrinks every step-time gain, since hidden communication gains
+nothing from being smaller. End-to-end ratios of 3.7-4.4x need a baseline slower than a plain
+gather of the same bytes, or a step whose communication the baseline cannot hide but CIERA can;
+the simulator models neither."""
 
 
 def ciera_wire_ratio(w, churn: float, steps: int = 4, devices: int = 8) -> float:
-    """Measured CIERA wire ratio (sent / plain bytes, steady state) gathering ``w`` on
+    """Measured exponent-mode wire ratio (sent / plain bytes, steady state) gathering ``w`` on
     emulated devices while it drifts by ``churn`` exponent changes per step."""
     import jax
     import numpy as np
@@ -92,69 +101,88 @@ def zipnn_side_by_side(churn: float, n: int = 1 << 24) -> dict:
             "zipnn_compress_GBps": len(raw) / (t1 - t0) / 1e9,
             "zipnn_decompress_GBps": len(raw) / (t2 - t1) / 1e9,
             "ciera_ratio": 1 / ciera, "ciera_wire_fraction": ciera,
-            "note": "ratios are original/sent bytes; CIERA's is measured at steady state on 8 "
-                    "emulated devices (the first, priming gather excluded); ZipNN is "
-                    "single-pass with no cache. zipnn_lossless is whether ZipNN's byte API "
-                    "round trip reproduced the input bit for bit"}
+            "note": "ratios are original/sent bytes; CIERA's (exponent mode) is measured at "
+                    "steady state on 8 emulated devices (the first, priming gather excluded); "
+                    "ZipNN is single-pass with no cache"}
+
+
+def method_table(run: dict, corner: dict) -> str:
+    """One markdown table: per GPU count and method, times, speedups, extra memory."""
+    lines = ["| GPUs | method | step ms | x plain | gather-only ms | gather-only x plain | "
+             "comm-bound step x plain | comm-bound gather-only x plain | extra GB/GPU |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for N in GPUS:
+        r = run["results"][str(N)]["methods"]
+        c = corner["results"][str(N)]["methods"]
+        for m in METHODS:
+            lines.append(
+                f"| {N} | {LABELS[m]} | {r[m]['step_s'] * 1e3:.1f} | "
+                f"{r['plain']['step_s'] / r[m]['step_s']:.2f} | "
+                f"{r[m]['gather_only_s'] * 1e3:.1f} | "
+                f"{r['plain']['gather_only_s'] / r[m]['gather_only_s']:.2f} | "
+                f"{c['plain']['step_s'] / c[m]['step_s']:.2f} | "
+                f"{c['plain']['gather_only_s'] / c[m]['gather_only_s']:.2f} | "
+                f"{r[m]['extra_memory_bytes'] / 1e9:.2f} |")
+    return "\n".join(lines)
+
+
+def published_table(run: dict, corner: dict) -> str:
+    lines = ["| GPUs | published x lossless | published x lossy | word x plain (step) | "
+             "word x equal-memory (step) | word x int8 (step) | exponent x plain (step) | "
+             "comm-bound gather-only: word x plain | exponent x plain |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for N in GPUS:
+        s = run["results"][str(N)]
+        c = corner["results"][str(N)]["methods"]
+        go = lambda m: c["plain"]["gather_only_s"] / c[m]["gather_only_s"]  # noqa: E731
+        lines.append(f"| {N} | {PUBLISHED[N]['plain']:.2f} | {PUBLISHED[N]['int8']:.2f} | "
+                     f"{s['speedup_word_over']['plain']:.2f} | "
+                     f"{s['speedup_word_over']['plain-noreshard']:.2f} | "
+                     f"{s['speedup_word_over']['int8']:.2f} | "
+                     f"{s['speedup_ciera_over']['plain']:.2f} | {go('word'):.2f} | "
+                     f"{go('ciera'):.2f} |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", default="results/paper_table.json")
-    ap.add_argument("--trace", default=None,
-                    help="exponent-change trace (default: the packaged one)")
-    ap.add_argument("--cluster", default="h100")
-    ap.add_argument("--tokens-per-gpu", type=int, default=4096)
-    ap.add_argument("--no-zipnn", action="store_true")
-    a = ap.parse_args(argv)
+    p = parser(__doc__, "paper_table")
+    p.add_argument("--trace", default=None, help="exponent-change trace (default: shipped)")
+    p.add_argument("--word-trace", default=None, help="word-mode trace (default: shipped)")
+    p.add_argument("--phase", default="steady", help="word trace phase (default steady)")
+    p.add_argument("--cluster", default="h100")
+    p.add_argument("--tokens-per-gpu", type=int, default=4096)
+    p.add_argument("--no-zipnn", action="store_true")
+    a = p.parse_args(argv)
     from ciera_jax.devices import setup_devices
 
     setup_devices(8)
+    from ciera_jax.sim import (default_trace, default_word_trace, get_cluster, load_trace,
+                               load_word_trace, sweep)
+
     cluster = get_cluster(a.cluster)
     trace = load_trace(a.trace) if a.trace else default_trace()
-    Ns = sorted(PUBLISHED)
-    main_run = sweep(MODEL, Ns, cluster, a.tokens_per_gpu, trace)
+    word = load_word_trace(a.word_trace) if a.word_trace else default_word_trace()
+    kw = dict(word_trace=word, phase=a.phase, methods=METHODS)
+    run = sweep(MODEL, list(GPUS), cluster, a.tokens_per_gpu, trace, **kw)
     # communication-bound corner: few tokens per GPU, so compute hides nothing and the codec
     # runs on otherwise idle SMs: the most CIERA can gain in this model
-    corner = sweep(MODEL, Ns, cluster, 256, trace)
-    gather_only = {}
-    for N in Ns:
-        wire_p = main_run["results"][str(N)]["methods"]["plain"]["wire_bytes_per_gather_pass"]
-        wire_c = main_run["results"][str(N)]["methods"]["ciera"]["wire_bytes_per_gather_pass"]
-        gather_only[N] = wire_p / wire_c
-
-    lines = ["| GPUs | published x lossless | published x lossy | simulated x plain bf16 | "
-             "simulated x int8 | simulated x entropy 1.5x | comm-bound corner x plain | "
-             "gather bytes ratio |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for N in Ns:
-        s = main_run["results"][str(N)]["speedup_ciera_over"]
-        c = corner["results"][str(N)]["speedup_ciera_over"]
-        lines.append(f"| {N} | {PUBLISHED[N]['plain']:.2f} | {PUBLISHED[N]['int8']:.2f} | "
-                     f"{s['plain']:.2f} | {s['int8']:.2f} | {s['entropy']:.2f} | "
-                     f"{c['plain']:.2f} | {gather_only[N]:.2f} |")
-    table = "\n".join(lines)
+    corner = sweep(MODEL, list(GPUS), cluster, 256, trace, **kw)
+    methods, published = method_table(run, corner), published_table(run, corner)
     assumptions = (f"Simulated: {MODEL}, {cluster.name} cluster (8 GPUs/node, NVLink "
-                   f"{cluster.intra.beta_Bps / 1e9:g} GB/s, IB {cluster.inter.beta_Bps / 1e9:g} GB/s "
-                   f"per GPU, MFU {cluster.mfu}), {a.tokens_per_gpu} tokens/GPU/step, FSDP over all "
-                   f"GPUs, prefetch depth one, exponent-change trace {Path(trace.source).name}"
-                   f"{' (placeholder)' if trace.placeholder else ' (measured)'}. Comm-bound corner: "
-                   f"256 tokens/GPU (communication-bound: the ceiling of this model).")
-    print(table)
-    print()
-    print(assumptions)
-    print()
-    print(BOUND)
+                   f"{cluster.intra.beta_Bps / 1e9:g} GB/s, IB {cluster.inter.beta_Bps / 1e9:g} "
+                   f"GB/s per GPU, MFU {cluster.mfu}), {a.tokens_per_gpu} tokens/GPU/step, FSDP "
+                   f"over all GPUs, prefetch depth one; exponent mode at the measured change "
+                   f"rates ({trace.source.rsplit('/', 1)[-1]}), word mode at "
+                   f"{word.bpw('default', a.phase):.3f} B/weight ({a.phase}, "
+                   f"{word.source.rsplit('/', 1)[-1]}). Comm-bound corner: 256 tokens/GPU. "
+                   "Extra GB/GPU: memory over plain FSDP (caches, or held bf16 weights).")
+    print(methods, "", published, "", assumptions, "", BOUND, sep="\n")
     z = {"skipped": "--no-zipnn"} if a.no_zipnn else zipnn_side_by_side(trace.rate("expert_up"))
-    print()
-    print("ZipNN side-by-side:", json.dumps(z))
-    out = {"model": MODEL, "published": {str(k): v for k, v in PUBLISHED.items()},
-           "simulated": main_run, "comm_bound_corner": corner,
-           "gather_bytes_ratio": {str(k): v for k, v in gather_only.items()},
-           "markdown": table, "assumptions": assumptions, "bound": BOUND, "zipnn": z}
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(out, indent=2) + "\n")
-    print(f"\nwrote {a.json}")
+    print("\nZipNN side-by-side:", json.dumps(z))
+    write_results(a.out, {"model": MODEL, "published": {str(k): v for k, v in PUBLISHED.items()},
+                          "simulated": run, "comm_bound_corner": corner,
+                          "markdown_methods": methods, "markdown_published": published,
+                          "assumptions": assumptions, "bound": BOUND, "zipnn": z})
     return 0
 
 
