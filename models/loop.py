@@ -7,6 +7,7 @@ exits with ``preemption.EXIT_PREEMPTED``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -16,12 +17,13 @@ from pathlib import Path
 from typing import Callable
 
 import ciera_jax
+from ciera_jax.devices import make_mesh
 from models import checkpoint as ckpt
 from models import metrics
 from models.data import load_dataset
 from models.params_hash import params_sha256
 from models.preemption import PreemptionGuard, agree
-from models.state import TrainState, build_trainer, bytes_per_device, make_mesh
+from models.state import TrainState, build_trainer, bytes_per_device
 from models.train_config import CACHE_MODES, RunConfig, TrainConfig
 
 
@@ -60,14 +62,51 @@ def train(tc: TrainConfig, run: RunConfig | None = None, *, mesh=None,
     """Train to ``run.steps`` total steps (continuing from the latest checkpoint with
     ``run.resume``). ``run_fields`` override fields of ``run`` (``train(tc, steps=20)``)."""
     run = dataclasses.replace(run or RunConfig(), **run_fields)
-    log = log or (lambda s: None)
+    log = log or _silent
     check_inputs(tc, run)
+    with contextlib.ExitStack() as stack:
+        saver = (stack.enter_context(ckpt.Checkpointer(run.checkpoint_dir, run.keep_checkpoints))
+                 if run.checkpoint_dir else None)
+        tr, state, dataset, meta = _start(tc, run, mesh, saver, log)
+        out = stack.enter_context(_metrics_file(run, meta))
+        guard = stack.enter_context(PreemptionGuard(log))
+        history, last_save, stopped = [], time.monotonic(), None
+        while state.step < run.steps and not stopped:
+            if state.priming:
+                log(_first_step_note(tr, state.step + 1))
+            rec, state = _one_step(tr, state, dataset, run)  # the step proposes, we take it
+            history.append(rec)
+            _report(rec, out, run, tc, log)
+            stop, due = agree(guard.signal_name is not None,
+                              _save_due(run, state.step, last_save))
+            if saver and (due or stop or state.step == run.steps):
+                saver.save(state.step, state.params, state.opt_state, meta)
+                last_save = time.monotonic()
+                if not stop:
+                    log(f"checkpoint: step {state.step} saved to {saver.directory} "
+                        f"(keeping the newest {run.keep_checkpoints})")
+            if stop:
+                stopped = guard.signal_name or "a signal on another process"
+                log(f"preempted ({stopped}) after step {state.step} of {run.steps}: "
+                    + (f"checkpoint saved to {saver.directory} at step {state.step}; run again "
+                       "with --resume to continue" if saver else
+                       "nothing saved (no --checkpoint-dir)"))
+    return RunResult(params_sha256(state.params), history,
+                     metrics.summarize(history, tc, tc.gather), state.step, stopped,
+                     str(saver.directory) if saver else None)
+
+
+def _silent(line: str) -> None:
+    pass
+
+
+def _start(tc: TrainConfig, run: RunConfig, mesh, saver, log):
+    """Data, a checkpoint's fit, the trainer, the state (fresh or restored), the start-up
+    lines. Returns ``(trainer, state, dataset, checkpoint meta)``; the meta also heads the
+    JSONL (with the memory per device and the start step)."""
     mesh = mesh or make_mesh(run.devices)
     dataset = load_dataset(run.data, tc.model.vocab_size, tc.length, run.data_dtype)
-    saver = (ckpt.Checkpointer(run.checkpoint_dir, keep=run.keep_checkpoints)
-             if run.checkpoint_dir else None)
     identity = {**dataclasses.asdict(tc), "seed": run.seed}
-    meta = {"train_config": identity, **identity}
     if saver and run.resume and (saved := saver.latest_meta()) is not None:
         for note in ckpt.check_resumable(saved, identity, run.checkpoint_dir):
             log(f"note: {note}")
@@ -82,47 +121,20 @@ def train(tc: TrainConfig, run: RunConfig | None = None, *, mesh=None,
               f"caches ({tc.cache})": bytes_per_device(state.caches)}
     log(metrics.memory_line(memory))
     log("legend: " + metrics.TIER_LEGEND)
-    out = _open_metrics(run, state.step, {**meta, "memory_per_device": memory,
-                                          "start_step": state.step})
-    history: list[dict] = []
-    last_save, preempted = time.monotonic(), None
-    try:
-        with PreemptionGuard(log) as guard:
-            while state.step < run.steps:
-                if state.priming:
-                    log(_first_step_note(tr, state.step + 1))
-                rec, state = _one_step(tr, state, dataset, run)
-                history.append(rec)
-                if out:
-                    out.write(json.dumps(rec) + "\n")
-                    out.flush()
-                if run.log_every and (state.step % run.log_every == 0
-                                      or state.step in (1, run.steps)):
-                    log(metrics.progress_line(rec, run.steps, tc.batch_size * tc.length))
-                if not math.isfinite(rec["loss"]):
-                    raise FloatingPointError(f"loss is {rec['loss']} at step {state.step}")
-                stop, due = agree(guard.signal_name is not None,
-                                  _save_due(run, state.step, last_save))
-                if saver and (due or stop or state.step == run.steps):
-                    saver.save(state.step, state.params, state.opt_state, meta)
-                    last_save = time.monotonic()
-                    if not stop:
-                        log(f"checkpoint: step {state.step} saved to {saver.directory} "
-                            f"(keeping the newest {run.keep_checkpoints})")
-                if stop:
-                    preempted = guard.signal_name or "a signal on another process"
-                    log(f"preempted ({preempted}) after step {state.step} of {run.steps}: "
-                        + (f"checkpoint saved to {saver.directory} at step {state.step}; run "
-                           "again with --resume to continue" if saver else
-                           "nothing saved (no --checkpoint-dir)"))
-                    break
-    finally:
-        if out:
-            out.close()
-        if saver:
-            saver.__exit__()
-    return RunResult(params_sha256(state.params), history, metrics.summarize(history, tc, tc.gather),
-                     state.step, preempted, str(saver.directory) if saver else None)
+    meta = {"train_config": identity, **identity, "memory_per_device": memory,
+            "start_step": state.step}
+    return tr, state, dataset, meta
+
+
+def _report(rec: dict, out, run: RunConfig, tc: TrainConfig, log) -> None:
+    """The step's JSONL row and progress line; a non-finite loss ends the run."""
+    if out:
+        out.write(json.dumps(rec) + "\n")
+        out.flush()
+    if run.log_every and (rec["step"] % run.log_every == 0 or rec["step"] in (1, run.steps)):
+        log(metrics.progress_line(rec, run.steps, tc.batch_size * tc.length))
+    if not math.isfinite(rec["loss"]):
+        raise FloatingPointError(f"loss is {rec['loss']} at step {rec['step']}")
 
 
 def _one_step(tr, state: TrainState, dataset, run: RunConfig) -> tuple[dict, TrainState]:
@@ -163,16 +175,18 @@ def _restore(saver, state: TrainState, log) -> TrainState:
     return TrainState(int(saved["step"]), params, state.caches, opt_state)  # ahead re-encodes
 
 
-def _open_metrics(run: RunConfig, step: int, header: dict):
-    """The JSONL file: a header line (the config, the memory per device), then one row per
-    step. On resume, rows past the restored step (logged before a crash) are dropped."""
+@contextlib.contextmanager
+def _metrics_file(run: RunConfig, header: dict):
+    """The JSONL file (None without --metrics-out): a header line (``header``), then one row
+    per step. On resume, rows past the restored step (logged before a crash) are dropped."""
     if not run.metrics_out:
-        return None
+        yield None
+        return
     path = Path(run.metrics_out)
     if run.resume and path.exists():
         keep = [line for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
+                if line.strip() and json.loads(line).get("step", 0) <= header["start_step"]]
         path.write_text("".join(line + "\n" for line in keep))
-    out = open(path, "a" if run.resume else "w")
-    out.write(json.dumps({"header": header}) + "\n")
-    return out
+    with open(path, "a" if run.resume else "w") as out:
+        out.write(json.dumps({"header": header}) + "\n")
+        yield out

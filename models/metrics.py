@@ -10,13 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ciera_jax.units import fmt_bytes
 
-def fmt_bytes(b: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if b < 1024 or unit == "GB":
-            return f"{b:.1f} {unit}" if unit != "B" else f"{int(b)} B"
-        b /= 1024
-    return f"{b:.1f} GB"
 
 TIER_LEGEND = ("tiers T:n = n tensor-layers gathered at patch tier T: -1 not compressed "
                "(plain by the plan), 0 no exponent changed, 1.. room for more patches, the "

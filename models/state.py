@@ -29,18 +29,6 @@ from models.plan_policy import make_plan
 from models.step import AHEAD_SPECS, all_words, make_step
 
 
-def make_mesh(n_devices: int | None = None) -> Mesh:
-    """The 1-D ``fsdp`` mesh over the first ``n_devices`` devices (all when None)."""
-    devs = jax.devices()
-    n = len(devs) if n_devices is None else n_devices
-    if n < 1:
-        raise ValueError(f"asked for a mesh of {n} devices; use a positive device count")
-    if n > len(devs):
-        raise ValueError(f"asked for {n} devices but only {len(devs)} are available "
-                         f"({devs[0].platform})")
-    return Mesh(np.array(devs[:n]), (AXIS,))
-
-
 @dataclasses.dataclass
 class TrainState:
     """``ahead``: what the end of the previous step prepared for this one (``encoded``: the

@@ -12,7 +12,8 @@ from models.metrics import summarize
 from models.optimizer import make_optimizer, make_schedule
 from models.params_hash import flat_params, params_sha256
 from models.plan_policy import PLANS, make_plan
-from models.state import Trainer, TrainState, build_trainer, make_mesh
+from ciera_jax.devices import make_mesh
+from models.state import Trainer, TrainState, build_trainer
 from models.train_config import RunConfig, TrainConfig
 
 __all__ = ["TrainConfig", "RunConfig", "Trainer", "TrainState", "build_trainer", "make_mesh",

@@ -79,7 +79,7 @@ def run(args) -> int:
 
     from models.loop import train
     from models.preemption import EXIT_PREEMPTED
-    from models.state import make_mesh
+    from ciera_jax.devices import make_mesh
 
     multi = jax.process_count() > 1
     n = run_cfg.devices if run_cfg.devices and not multi else len(jax.devices())

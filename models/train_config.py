@@ -6,16 +6,18 @@ from the library call it configures. ``TrainConfig`` decides the compiled step (
 memoized on it) and is stored in every checkpoint; ``RunConfig`` is the rest (length, data,
 logging, checkpoints).
 
-Light to import (no planner, no model): building the ``ciera`` parser imports this.
+Light to import (no JAX): building the ``ciera`` parser imports this, so the library's tuples
+of choices are looked up when a flag is checked or --help printed (:class:`LazyChoices`).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections.abc
 import dataclasses
+import importlib
 import typing
 
-from ciera_jax import fsdp
 from models import configs
 from models.data import TOKEN_DTYPES
 
@@ -25,6 +27,23 @@ PLANS = ("auto", "cost", "all")
 # Which cache a compressed tensor keeps: exponent (1 B/param) or the whole word (2 B/param);
 # auto: the planner's choice per tensor under the memory budget.
 CACHE_MODES = ("exponent", "word", "auto")
+
+
+class LazyChoices(collections.abc.Sequence):
+    """A tuple of the library's (``module.name``), imported when first read: argparse reads
+    choices only to check a value given on the command line, or to print --help."""
+
+    def __init__(self, module: str, name: str):
+        self.module, self.name = module, name
+
+    def _values(self) -> tuple:
+        return tuple(getattr(importlib.import_module(self.module), self.name))
+
+    def __getitem__(self, i):
+        return self._values()[i]
+
+    def __len__(self) -> int:
+        return len(self._values())
 
 
 def option(default, help: str, **meta):
@@ -40,7 +59,8 @@ class TrainConfig:
     config: str = option("tiny", f"model config: {', '.join(configs.CONFIGS)}", metavar="NAME")
     gather: str = option("ciera", "ciera: lossless, compressed; plain: the lossless baseline "
                          "(same params bitwise); int8: the lossy baseline (ZeRO++ qwZ style)",
-                         choices=fsdp.GATHER_MODES)
+                         choices=LazyChoices("ciera_jax.fsdp.context", "GATHER_MODES"),
+                         metavar="MODE")
     batch_size: int = option(16, "global batch, in sequences (divisible by the devices)")
     seq_len: int | None = option(None, "tokens per sequence", default_text="the config's")
     lr: float = option(1e-3, "peak learning rate (AdamW)")
@@ -115,10 +135,13 @@ def add_fields(parser: argparse.ArgumentParser, cls) -> None:
             continue
         kind = next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],)
                     if t is not type(None))
+        choices = meta.get("choices")
+        if isinstance(choices, LazyChoices):  # argparse shows them at --help time only
+            help_text = f"{meta['help']} (one of: %(choices)s; default: {shown})"
         metavar = meta.get("metavar", {int: "N", float: "X"}.get(kind, "VALUE"))
         parser.add_argument(_flag(f.name), type=kind, default=default, help=help_text,
-                            choices=meta.get("choices"),
-                            metavar=None if meta.get("choices") else metavar)
+                            choices=choices,
+                            metavar=metavar if "metavar" in meta or not choices else None)
 
 
 def from_args(cls, args: argparse.Namespace, **overrides):
