@@ -31,5 +31,6 @@ def _train_two_processes(gather: str, tmp_path) -> str:
     return re.search(r"params_sha256=([0-9a-f]{64})", outs[0]).group(1)
 
 
+@pytest.mark.slow
 def test_multihost_ciera_training_is_bitwise_plain(tmp_path):
     assert _train_two_processes("ciera", tmp_path) == _train_two_processes("plain", tmp_path)
