@@ -6,7 +6,6 @@ import argparse
 import json
 from pathlib import Path
 
-from ciera_jax.sim.step import METHODS
 from ciera_jax.sim.trace import PHASES
 
 
@@ -49,6 +48,8 @@ def label(m: str) -> str:
 
 def format_table(result: dict) -> str:
     """Step time and extra memory per GPU of every method; CIERA's speedups."""
+    from ciera_jax.sim.step import METHODS  # here: the `ciera` parser must not load JAX
+
     first = next(iter(result["results"].values()))
     methods = [m for m in METHODS if m in first["methods"]]
     over = [(c, m) for c in ("ciera", "word") if f"speedup_{c}_over" in first
