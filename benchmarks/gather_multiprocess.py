@@ -15,31 +15,33 @@ differ in ``churn`` of their exponents alternate) timed interleaved in the same 
 
 Per row: median seconds per gather (the slowest process's median), ``time ciera/plain`` next to
 ``wire ciera/plain`` (bytes one rank sends, from CIERA's stats), and the plain gather's achieved
-rate (bytes each rank receives per second).
+rate (bytes each rank receives per second). The self-checking gather's cost is timed as in
+``gather_bench.py``: ``chk/ciera`` (the sender's and receiver's checksums as a separate call, over
+the CIERA gather's time) and ``fused +`` (the gather with both checksums in one jit, over the
+gather alone, less one).
 
     python benchmarks/gather_multiprocess.py [--procs 2 4] [--links loopback 10gbit 1gbit]
-        [--experts 1 4] [--churn 0 0.01] [--reps 5] [--out results/gather_multiprocess.json]
+        [--experts 1 4] [--churn 0 0.01] [--reps 5] [--out PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
+from common import parser, write_results  # benchmarks/common.py, beside this script
+
 HERE = Path(__file__).resolve().parent
 WORKER = "mp_gather_bench_worker"
 D_MODEL, D_FF = 2048, 1024
+METHODS = ("plain", "ciera", "checksum", "ciera_checked")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n".join(__doc__.splitlines()[1:]))
+    p = parser(__doc__, "gather_multiprocess")
     p.add_argument("--procs", type=int, nargs="+", default=[2, 4])
     p.add_argument("--local-devices", type=int, default=1, help="CPU devices per process")
     p.add_argument("--links", nargs="+", default=["loopback", "10gbit", "1gbit"],
@@ -51,7 +53,6 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=float, default=300, help="seconds per launch")
-    p.add_argument("--out", default="results/gather_multiprocess.json")
     return p.parse_args(argv)
 
 
@@ -73,6 +74,8 @@ def aggregate(results: list[dict], link: str, procs: int) -> list[dict]:
     rows = []
     for row in by_key.values():
         row["time_ratio"] = row["ciera_s"] / row["plain_s"]
+        row["checksum_vs_ciera"] = row["checksum_s"] / row["ciera_s"]
+        row["checked_vs_ciera"] = row["ciera_checked_s"] / row["ciera_s"] - 1
         N = row["devices"]
         row["plain_recv_GBps"] = (N - 1) / N * row["mb"] * 2**20 / row["plain_s"] / 1e9
         rows.append(row)
@@ -83,11 +86,12 @@ def print_rows(rows: list[dict], header: bool) -> None:
     if header:
         print(f"{'link':>9} {'procs':>5} {'dev':>3} {'MB':>4} {'churn':>6} {'plain ms':>9} "
               f"{'ciera ms':>9} {'t ciera/plain':>13} {'wire c/p':>8} {'plain GB/s':>10} "
-              f"{'fb':>2}")
+              f"{'chk/ciera':>9} {'fused +':>8} {'fb':>2}")
     for r in rows:
         print(f"{r['link']:>9} {r['procs']:>5} {r['devices']:>3} {r['mb']:4.0f} "
               f"{r['churn']:6.2%} {r['plain_s'] * 1e3:9.2f} {r['ciera_s'] * 1e3:9.2f} "
               f"{r['time_ratio']:13.2f} {r['wire_ratio']:8.3f} {r['plain_recv_GBps']:10.3f} "
+              f"{r['checksum_vs_ciera']:9.1%} {r['checked_vs_ciera']:8.1%} "
               f"{'y' if r['fallback'] else '-':>2}", flush=True)
 
 
@@ -107,7 +111,8 @@ def main(argv=None) -> int:
     from ciera_jax.launch import run_local
 
     spec = json.dumps(dict(shapes=[[e, D_MODEL, D_FF] for e in args.experts], axis=1,
-                           churn=args.churn, reps=args.reps, warmup=args.warmup))
+                           churn=args.churn, reps=args.reps, warmup=args.warmup,
+                           methods=METHODS))
     env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     shaped = [lk for lk in args.links if lk != "loopback"]
     ns_ok, ns_why = (netns.available() if shaped else (False, "no namespace links asked for"))
@@ -146,21 +151,16 @@ def main(argv=None) -> int:
             print_rows(new, header=not rows)
             rows += new
     elapsed = time.perf_counter() - t0
-    out = dict(benchmark="gather_multiprocess",
-               env=dict(host=platform.node(), python=platform.python_version(),
-                        cpus=os.cpu_count(), local_devices=args.local_devices, reps=args.reps,
-                        seconds=elapsed),
-               rows=rows, skipped=skipped, failures=failures,
-               notes=["time_ratio = ciera / plain bits; wire_ratio = bytes one rank sends, "
-                      "ciera / plain",
-                      "shaped links: per-process namespace, veth to a bridge, tc tbf at the "
-                      "rate in both directions (ciera_jax.netns)",
-                      "times are the slowest process's median per method"])
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
-        print(f"wrote {args.out} ({elapsed:.0f} s)")
+    write_results(args.out, dict(
+        local_devices=args.local_devices, reps=args.reps, seconds=elapsed,
+        rows=rows, skipped=skipped, failures=failures,
+        notes=["time_ratio = ciera / plain bits; wire_ratio = bytes one rank sends, "
+               "ciera / plain",
+               "shaped links: per-process namespace, veth to a bridge, tc tbf at the "
+               "rate in both directions (ciera_jax.netns)",
+               "times are the slowest process's median per method",
+               "checksum_vs_ciera = checksum_s / ciera_s; checked_vs_ciera = "
+               "ciera_checked_s / ciera_s - 1 (see gather_bench.py)"]))
     return 1 if failures and not rows else 0
 
 

@@ -2,7 +2,8 @@
 
 Started by the launcher (``ciera_jax.launch.run_local`` or ``ciera_jax.netns.run_in_namespaces``)
 as ``python -m mp_gather_bench_worker SPEC_JSON`` with ``benchmarks/`` on PYTHONPATH. SPEC_JSON:
-``{"shapes": [[E, 2048, 1024], ...], "axis": 1, "churn": [0.0, 0.01], "reps": 5, "warmup": 2}``.
+``{"shapes": [[E, 2048, 1024], ...], "axis": 1, "churn": [0.0, 0.01], "reps": 5, "warmup": 2,
+"methods": ["plain", "ciera", "checksum", "ciera_checked"]}`` (methods as in gather_bench.py).
 Prints one line ``RESULT <json>`` with this process's records.
 """
 
@@ -22,20 +23,21 @@ def main(spec: dict) -> None:
     t0 = time.perf_counter()
     pid = init_from_env()
     import jax
-    import jax.numpy as jnp
 
-    from ciera_jax import calibrate as C
+    from ciera_jax.calibrate.kit import gather_fns
+    from ciera_jax.devices import make_mesh
+    from gather_bench import checksum_fns, measure_all  # benchmarks/, on PYTHONPATH
 
-    mesh = C.make_mesh(None)
+    mesh = make_mesh(None)
     axis = spec["axis"]
+    methods = spec.get("methods", ("plain", "ciera"))
     recs = []
     for shape in spec["shapes"]:
         shape = tuple(shape)
-        fns = C.gather_fns(mesh, len(shape), axis)
+        fns = {**gather_fns(mesh, len(shape), axis), **checksum_fns(mesh, len(shape), axis)}
         for churn in spec["churn"]:
-            for r in C.measure_gathers(mesh, shape, axis, churn, ("plain", "ciera"),
-                                       reps=spec["reps"], warmup=spec["warmup"],
-                                       dtype=jnp.bfloat16, fns=fns):
+            for r in measure_all(mesh, shape, axis, churn, fns, methods, spec["reps"],
+                                 spec["warmup"]):
                 recs.append(r)
                 print(f"process {pid} {shape} churn {churn} {r['method']} "
                       f"{r['seconds'] * 1e3:.2f} ms", flush=True)

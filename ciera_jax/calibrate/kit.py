@@ -101,7 +101,8 @@ class CieraStepper:
         return block(out)
 
     def stats(self) -> dict:
-        """Rank 0's stats of the last call, as Python numbers (addressable shard in multi-process)."""
+        """Rank 0's stats of the last call as Python numbers (in multi-process: the first
+        addressable shard)."""
         out = {}
         for k, v in self.last.items():
             shard = v.addressable_shards[0]
