@@ -66,10 +66,13 @@ def batches(mesh, steps, batch=8, length=9):
 
 
 def bits(tree):
-    return [np.asarray(x).view(np.uint8) for x in jax.tree.leaves(tree)]
+    return [np.atleast_1d(np.asarray(x)).view(np.uint8) for x in jax.tree.leaves(tree)]
 
 
 def same_bits(a, b) -> bool:
+    """Bitwise equal pytrees (the same structure, every leaf the same bytes)."""
+    if jax.tree.structure(a) != jax.tree.structure(b):
+        return False
     return all(np.array_equal(x, y) for x, y in zip(bits(a), bits(b)))
 
 

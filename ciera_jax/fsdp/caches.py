@@ -53,7 +53,7 @@ def attach_caches(model: nnx.Module) -> nnx.Module:
         if spec is None:
             continue
         n, _ = stack_of(path, mods)
-        for p in sharded_params(module, spec, lead=1 if n else 0):
+        for p in sharded_params(module, spec, lead=1 if n else 0, strict=False):
             if hasattr(p.owner, cache_attr(p.name)):
                 continue
             dtype = spec.dtype or p.var.get_value().dtype

@@ -69,6 +69,11 @@ def module_path(module) -> str:
     return getattr(module, PATH_ATTR, type(module).__name__)
 
 
+def module_name(module) -> str:
+    """How error messages name a module: its path, or its class name at the root."""
+    return module_path(module) or type(module).__name__
+
+
 def set_module_path(module, path: str) -> None:
     object.__setattr__(module, PATH_ATTR, path)
 
@@ -118,9 +123,11 @@ def _names(entry) -> tuple:
     return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
 
 
-def split_axis(key: str, var: nnx.Variable, spec: GatherSpec, lead: int,
-               where: str) -> tuple[int | None, int]:
-    """(split axis counted in the held value or None, stacked leading axes) of one param."""
+def split_axis(key: str, var: nnx.Variable, spec: GatherSpec, lead: int, where: str,
+               strict: bool = True) -> tuple[int | None, int]:
+    """(split axis counted in the held value or None, stacked leading axes) of one param.
+    ``strict=False`` (walks over a whole model, where layers stacked by ``nnx.vmap`` may look
+    one dimension bigger) leaves an uncovered weight replicated: the call itself checks."""
     ndim = len(var.get_value().shape)
     fspec = flax_spec(var)
     if fspec is not None:
@@ -145,7 +152,7 @@ def split_axis(key: str, var: nnx.Variable, spec: GatherSpec, lead: int,
     matched, axis = rule_matches(key, spec.rules)
     if matched:
         return (None if axis is None else lead + axis % layer_ndim), lead
-    if layer_ndim < 2 or spec.replicate is True or (
+    if not strict or layer_ndim < 2 or spec.replicate is True or (
             isinstance(spec.replicate, str) and re.fullmatch(spec.replicate, key)):
         return None, lead
     raise ValueError(
@@ -156,13 +163,17 @@ def split_axis(key: str, var: nnx.Variable, spec: GatherSpec, lead: int,
         f"@gathered(replicate={key!r})")
 
 
-def sharded_params(module, spec: GatherSpec, lead: int = 0) -> list[ShardedParam]:
+def sharded_params(module, spec: GatherSpec, lead: int = 0,
+                   strict: bool = True) -> list[ShardedParam]:
     """The parameters under ``module`` that ``spec`` splits, in graph order."""
-    where = module_path(module)
+    where = module_name(module)
     out = []
     for path, owner, name, var in iter_params(module):
         key = "/".join(map(str, path))
-        axis, plead = split_axis(key, var, spec, lead, where)
+        axis, plead = split_axis(key, var, spec, lead, where, strict)
+        if axis is not None and axis < plead:
+            raise ValueError(f"{where}/{key}: split axis {axis} is a stacked layer axis; split "
+                             "a dimension of one layer's tensor")
         if axis is not None:
             out.append(ShardedParam(key, owner, name, var, axis, plead))
     return out

@@ -29,7 +29,8 @@ from ciera_jax.fsdp.axes import (AXIS, MANUAL, REGION, UNSHARDED, axis_size, inv
                                  placement)
 from ciera_jax.fsdp.caches import ExponentCacheVar, cache_attr
 from ciera_jax.fsdp.context import activate, check_mode
-from ciera_jax.fsdp.discovery import GatherSpec, module_path, path_key, sharded_params
+from ciera_jax.fsdp.discovery import (GatherSpec, module_name, module_path, path_key,
+                                      sharded_params)
 from ciera_jax.fsdp.inventory import GatheredTensor
 from ciera_jax.fsdp.rules import check_divisible, spec_for
 from ciera_jax.fsdp.stacking import stack_size
@@ -145,7 +146,7 @@ class Engine:
 
     def call(self, module, fn, args, kwargs, spec: GatherSpec):
         """A decorated module's call: gather its sharded params, run ``fn`` on the full ones."""
-        where = module_path(module)
+        where, prefix = module_name(module), module_path(module)
         if self._holding:
             return _run_cast(module, fn, args, kwargs, spec)
         place = placement(spec.axis_name, where)
@@ -167,11 +168,11 @@ class Engine:
         n = axis_size(spec.axis_name)
         tensors, shards, caches = {}, {}, {}
         for p in params:
-            gkey = f"{where}/{p.key}" if where else p.key
+            gkey = f"{prefix}/{p.key}" if prefix else p.key
             value = p.var.get_value()
             shape = list(value.shape)
             if place == REGION:
-                check_divisible(gkey, tuple(shape), p.axis, n, spec.axis_name)
+                check_divisible(f"{where}/{p.key}", tuple(shape), p.axis, n, spec.axis_name)
             else:
                 shape[p.axis] *= n
             dtype = spec.dtype or value.dtype
@@ -184,7 +185,7 @@ class Engine:
             tensors[p.key] = t
             shards[p.key] = value.astype(dtype)
             if not self.prepared and self.mode == "ciera" and codec.is_compressible(dtype):
-                caches[p.key] = _cache_of(p, t, where)
+                caches[p.key] = _cache_of(p, t, f"{where}/{p.key}")
         if place == MANUAL and self.prepared:
             return self._call_prepared(module, fn, args, kwargs, tensors, shards)
         if self.prepared:
@@ -336,17 +337,17 @@ class Engine:
         return x, ys
 
 
-def _cache_of(p, t: GatheredTensor, where: str):
+def _cache_of(p, t: GatheredTensor, name: str):
     """The cache beside parameter ``p``, checked against the tensor it serves."""
     var = getattr(p.owner, cache_attr(p.name), None)
     if not isinstance(var, ExponentCacheVar):
-        raise ValueError(f"{t.key}: gather 'ciera' needs an exponent cache for this parameter "
+        raise ValueError(f"{name}: gather 'ciera' needs an exponent cache for this parameter "
                          f"and it has none: call ciera_jax.fsdp.attach_caches(model) once "
                          f"after building the model (or gather with fsdp.gather_mode('plain'))")
     cache = var.get_value()
     shape = getattr(cache, "shape", None)
     if cache_lib.is_cache(cache) and shape is not None and tuple(shape) != t.shape:
-        raise ValueError(f"{t.key}: its cache is for shape {tuple(shape)} but {where} gathers "
+        raise ValueError(f"{name}: its cache is for shape {tuple(shape)} but the gather is "
                          f"{t.shape}; for layers stacked with nnx.vmap call "
                          f"fsdp.attach_caches inside the function that builds one layer, or "
                          f"build the stack with fsdp.stack")

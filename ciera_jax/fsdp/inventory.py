@@ -46,7 +46,7 @@ def gathered_tensors(model: nnx.Module) -> dict[str, GatheredTensor]:
         if spec is None:
             continue
         n, spath = stack_of(path, mods)
-        for p in sharded_params(module, spec, lead=1 if n else 0):
+        for p in sharded_params(module, spec, lead=1 if n else 0, strict=False):
             key = "/".join(map(str, (*path, p.key)))
             if key in out:  # under two decorated modules: the outer one gathers it
                 continue

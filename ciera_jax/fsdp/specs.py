@@ -28,7 +28,7 @@ def split_axes(model: nnx.Module, axis_name: str = AXIS) -> dict[str, int]:
         if spec is None or spec.axis_name != axis_name:
             continue
         lead = 1 if stack_of(path, mods)[0] else 0
-        for p in sharded_params(module, spec, lead=lead):
+        for p in sharded_params(module, spec, lead=lead, strict=False):
             out["/".join(map(str, (*path, p.key)))] = p.axis
     return out
 
