@@ -24,14 +24,14 @@ GPUS = (16, 128, 1024)
 CLUSTERS = {"H100-80GB": "h100", "H200-141GB": "h200"}
 
 
-def one(cfg, N: int, cluster, tokens: int, trace, word) -> dict:
+def one(cfg, N: int, cluster, tokens: int, trace, word, remat: bool = True) -> dict:
     """Memory and the best plan that fits for one config, GPU count and cluster."""
     from ciera_jax import memory
     from ciera_jax.planner import cache_budget, modes_summary, plan_model_modes
     from ciera_jax.sim import simulate_step
 
     topo = cluster.topology
-    base = memory.memory_per_gpu(cfg, N, tokens_per_gpu=tokens)
+    base = memory.memory_per_gpu(cfg, N, tokens_per_gpu=tokens, remat=remat)
     full = {m: memory.memory_per_gpu(cfg, N, m, tokens_per_gpu=tokens).cache
             for m in ("exponent", "word")}
     row = {"config": cfg.name, "gpus": N, "gpu": cluster.name, "memory_gb": topo.memory_gb,
@@ -85,6 +85,9 @@ def markdown(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__, "memory_table")
     p.add_argument("--tokens-per-gpu", type=int, default=4096)
+    p.add_argument("--no-remat", action="store_true",
+                   help="activations of every layer kept (default: rematerialized, as the "
+                        "trainer does)")
     a = p.parse_args(argv)
     from ciera_jax.shapes import get_config
     from ciera_jax.sim import default_trace, default_word_trace, get_cluster
@@ -95,17 +98,19 @@ def main(argv: list[str] | None = None) -> int:
         for N in GPUS:
             for gpu, cl in CLUSTERS.items():
                 cluster = get_cluster(cl)
-                r = one(get_config(name), N, cluster, a.tokens_per_gpu, trace, word)
+                r = one(get_config(name), N, cluster, a.tokens_per_gpu, trace, word,
+                        remat=not a.no_remat)
                 rows.append({**r, "gpu": gpu})
     table = markdown(rows)
     none = [f"{r['config']} x {r['gpus']} x {r['gpu']}" for r in rows
             if not r["fits"] or r["no_cache"]]
     print(table)
     print("\nNo cache fits: " + ("; ".join(none) if none else "none"))
-    print(f"\n{a.tokens_per_gpu} tokens/GPU, word mode at {word.bpw('default'):.3f} B/weight "
+    print(f"\n{a.tokens_per_gpu} tokens/GPU, remat {not a.no_remat}, word mode at {word.bpw('default'):.3f} B/weight "
           f"(steady), exponent mode at the measured change rates; speedups: simulated step time")
     write_results(a.out, {"rows": rows, "markdown": table, "no_cache": none,
-                          "tokens_per_gpu": a.tokens_per_gpu, "word_trace": word.to_json(),
+                          "tokens_per_gpu": a.tokens_per_gpu, "remat": not a.no_remat,
+                          "word_trace": word.to_json(),
                           "trace": trace.to_json()})
     return 0
 
