@@ -111,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
     print("(ms/step: the tensor's gathers in one step, isolated: plain and exponent gather "
           "forward + backward, word once; norms are replicated, not gathered)")
     print()
-    print(_table(["memory per GPU", "GB"], [[k, memory.fmt_gb(v)] for k, v in mem.rows()],
+    unit, scale = ("GB", 1e9) if mem.total >= 1e9 else ("MB", 1e6)  # decimal, as profiles
+    print(_table(["memory per GPU", unit], [[k, f"{v / scale:.2f}"] for k, v in mem.rows()],
                  left=1))
     s, u = modes_summary(plan), modes_summary(free)
     print()
