@@ -5,11 +5,13 @@ Every rank sends ``checksum(shard, offset)`` of the words it holds; every receiv
 rank. A cache that drifted on one rank (a flipped bit, a stale restore) then shows up in the
 step it happens.
 
-The sum is ``sum_i fmix32(word_i ^ key(pos_i)) mod 2**32`` with ``key(p) = p * 0x9E3779B9 +
-seed``. ``fmix32`` (murmur3's finalizer) and XOR with a key are bijections on uint32, so a change
-of any single word changes its term and hence the sum, with certainty; several changed words
-cancel with probability about 2**-32. The key mixes in the position, so words moved to the
-wrong place (a shard in the wrong slot, a transposed block) are caught too.
+The sum is ``sum_i fmix32(term_i ^ key(pos_i)) mod 2**32`` with ``key(p) = p * 0x9E3779B9 +
+seed``; a term is one word widened to uint32, or for 2-byte words (bf16) a pair ``lo | hi <<
+16``, which halves the hashing. ``fmix32`` (murmur3's finalizer), XOR with a key and the pairing
+are bijections, so a change of any single word changes its term and hence the sum, with
+certainty; several changed words cancel with probability about 2**-32. The key mixes in the
+position, so words moved to the wrong place (a shard in the wrong slot, a transposed block) are
+caught too.
 
 Positions are global: element ``p`` is the flat index in ``moveaxis(full, axis, 0)``, the
 order in which a rank's shard on ``axis`` is one contiguous run starting at ``rank *
@@ -19,6 +21,9 @@ that rank sent, with no transpose (:func:`checksum_shards`).
 All bit work is a same-width unsigned bitcast, then ``astype(uint32)`` to widen: plain ``jnp``
 ops that run inside ``shard_map`` and ``jax.jit`` and lower in Pallas, which refuses
 width-changing bitcasts.
+
+Shape letters: B the dims before the shard axis (flattened), R ranks, D the shard axis (one
+rank's part), A the dims after it (flattened).
 """
 
 from __future__ import annotations
@@ -62,8 +67,8 @@ def checksum(shard: jax.Array, offset=0, *, axis: int = 0, seed: int = 0) -> jax
     """
     axis = _axis(shard, axis, "shard")
     pre, d, post = _split_dims(shard.shape, axis)
-    w_PxRxDxQ = words32(shard, "shard").reshape(pre, 1, d, post)
-    return _sums(w_PxRxDxQ, shard.dtype.itemsize, jnp.asarray(offset, jnp.uint32), seed)[0]
+    w_BxRxDxA = words32(shard, "shard").reshape(pre, 1, d, post)
+    return _sums(w_BxRxDxA, shard.dtype.itemsize, jnp.asarray(offset, jnp.uint32), seed)[0]
 
 
 def checksum_shards(full: jax.Array, axis: int, n_ranks: int, *, seed: int = 0) -> jax.Array:
@@ -74,26 +79,26 @@ def checksum_shards(full: jax.Array, axis: int, n_ranks: int, *, seed: int = 0) 
         raise ValueError(f"checksum_shards: axis {axis} of full {full.shape} does not split into "
                          f"{n_ranks} ranks; pass the gather axis and the mesh size")
     pre, d, post = _split_dims(full.shape, axis)
-    w_PxRxDxQ = words32(full, "full").reshape(pre, n_ranks, d // n_ranks, post)
-    return _sums(w_PxRxDxQ, full.dtype.itemsize, jnp.uint32(0), seed)
+    w_BxRxDxA = words32(full, "full").reshape(pre, n_ranks, d // n_ranks, post)
+    return _sums(w_BxRxDxA, full.dtype.itemsize, jnp.uint32(0), seed)
 
 
-def _sums(w_PxRxDxQ: jax.Array, itemsize: int, offset: jax.Array, seed: int) -> jax.Array:
+def _sums(w_BxRxDxA: jax.Array, itemsize: int, offset: jax.Array, seed: int) -> jax.Array:
     """Per-rank sums of ``fmix32(term ^ key(position))``, the term being one word, or for 2-byte
-    words a pair ``lo | hi << 16`` of the two halves of the last dimension (Q, else D) that
+    words a pair ``lo | hi << 16`` of the two halves of the last dimension (A, else D) that
     splits evenly, at the position of ``lo``. A pair is a bijection of its two words, so a
     change in either still changes the sum with certainty, and it halves the hashing."""
-    pre, R, d, post = w_PxRxDxQ.shape
+    pre, R, d, post = w_BxRxDxA.shape
     n_local = pre * d * post
-    pair_dim = next((dim for dim in (3, 2) if itemsize == 2 and w_PxRxDxQ.shape[dim] % 2 == 0),
+    pair_dim = next((dim for dim in (3, 2) if itemsize == 2 and w_BxRxDxA.shape[dim] % 2 == 0),
                     None)
-    x = w_PxRxDxQ
+    x = w_BxRxDxA
     if pair_dim is not None:
-        lo, hi = jnp.split(w_PxRxDxQ, 2, axis=pair_dim)
+        lo, hi = jnp.split(w_BxRxDxA, 2, axis=pair_dim)
         x = lo | (hi << 16)
-    p, r, j, q = (lax.broadcasted_iota(jnp.uint32, x.shape, dim) for dim in range(4))
-    pos = (offset + r * jnp.uint32(n_local) + j * jnp.uint32(pre * post) + p * jnp.uint32(post)
-           + q)
+    b, r, i, a = (lax.broadcasted_iota(jnp.uint32, x.shape, dim) for dim in range(4))
+    pos = (offset + r * jnp.uint32(n_local) + i * jnp.uint32(pre * post) + b * jnp.uint32(post)
+           + a)
     key = pos * jnp.uint32(GOLDEN) + jnp.uint32(seed & 0xFFFFFFFF)
     return jnp.sum(fmix32(x ^ key), axis=(0, 2, 3), dtype=jnp.uint32)
 
