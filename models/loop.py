@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import json
 import math
 import time
 from pathlib import Path
 from typing import Callable
 
-import ciera_jax
 from ciera_jax.devices import make_mesh
 from models import checkpoint as ckpt
 from models import metrics
@@ -48,9 +46,9 @@ def check_inputs(tc: TrainConfig, run: RunConfig) -> None:
         raise ValueError(f"--keep-checkpoints must be >= 1, got {run.keep_checkpoints}")
     if tc.cache not in CACHE_MODES:
         raise ValueError(f"unknown cache {tc.cache!r}; choose one of: {', '.join(CACHE_MODES)}")
-    if tc.cache != "exponent" and "mode" not in inspect.signature(ciera_jax.init_cache).parameters:
-        raise ValueError(f"--cache {tc.cache} is not available yet in this version of "
-                         "ciera_jax; use --cache exponent")
+    if tc.cache != "exponent":  # the step's gathers serve exponent caches only, so far
+        raise ValueError(f"--cache {tc.cache} is not available yet in ciera train; use "
+                         "--cache exponent")
     if run.resume and not run.checkpoint_dir:
         raise ValueError("--resume needs --checkpoint-dir")
     if run.checkpoint_dir:
@@ -121,8 +119,8 @@ def _start(tc: TrainConfig, run: RunConfig, mesh, saver, log):
               f"caches ({tc.cache})": bytes_per_device(state.caches)}
     log(metrics.memory_line(memory))
     log("legend: " + metrics.TIER_LEGEND)
-    meta = {"train_config": identity, **identity, "memory_per_device": memory,
-            "start_step": state.step}
+    meta = {"train_config": dataclasses.asdict(tc), "seed": run.seed,
+            "memory_per_device": memory, "start_step": state.step}
     return tr, state, dataset, meta
 
 

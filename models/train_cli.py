@@ -58,9 +58,10 @@ def _schedule_steps(tc: TrainConfig, run: RunConfig) -> int:
     if run.resume and run.checkpoint_dir:
         from models import checkpoint  # imports orbax: only when resuming
 
-        meta = checkpoint.latest_meta(run.checkpoint_dir)
-        if meta and "schedule_steps" in meta:
-            return int(meta["schedule_steps"])
+        meta = checkpoint.latest_meta(run.checkpoint_dir) or {}
+        saved = meta.get("train_config", meta)  # older checkpoints: top-level keys
+        if saved.get("schedule_steps") is not None:
+            return int(saved["schedule_steps"])
     return run.steps
 
 

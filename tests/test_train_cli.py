@@ -96,6 +96,12 @@ def test_steps_and_keep_must_be_sane(capsys):
         ["--checkpoint-dir", "unused", "--keep-checkpoints", "0"], capsys)
 
 
+@pytest.mark.parametrize("mode", ["word", "auto"])
+def test_cache_modes_not_in_the_trainer_yet(mode, capsys):
+    err = _one_line_error(["--cache", mode], capsys)
+    assert f"--cache {mode} is not available yet in ciera train; use --cache exponent" in err
+
+
 @pytest.mark.parametrize("saved,flag", [
     ({"gather": "plain"}, "--gather plain (this run: ciera)"),
     ({"config": "small"}, "--config small (this run: tiny)"),
