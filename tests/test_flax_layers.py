@@ -58,3 +58,24 @@ def test_every_flax_layer_kind_is_gathered():
     np.testing.assert_allclose(float(out["ciera"][0]), float(ref_y), rtol=1e-3)
     for a, b in zip(jax.tree.leaves(out["ciera"][1]), jax.tree.leaves(ref_g)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=5e-2, atol=5e-2)
+
+
+def test_inventory_and_specs_of_a_flax_model():
+    # What the trainer and the planner read: every gathered kernel with its split axis and
+    # full shape, and shard_map specs; the inner decorated block's own, under its path.
+    from flax_nets import LM
+
+    with jax.set_mesh(make_mesh((8,), ("fsdp",))):
+        model = fsdp.attach_caches(LM(nnx.Rngs(0)))
+    tensors = fsdp.gathered_tensors(model)
+    assert {k: (t.axis, t.shape) for k, t in tensors.items()} == {
+        "embed/embedding": (1, (64, 32)), "head/kernel": (0, (32, 64)),
+        "block/up/kernel": (0, (32, 64)), "block/down/kernel": (1, (64, 32))}
+    assert all(t.dtype == jnp.bfloat16 for t in tensors.values())
+    params = nnx.state(model, nnx.Param)
+    specs = fsdp.state_specs(model, params, n=8)
+    assert specs["block"]["down"]["kernel"] == jax.P(None, "fsdp")
+    assert specs["block"]["norm"]["scale"] == jax.P() and specs["head"]["bias"] == jax.P()
+    # the caches sit beside their kernels, keyed like them
+    caches = fsdp.cache_dict(nnx.state(model, fsdp.ExponentCacheVar))
+    assert sorted(caches) == sorted(tensors)

@@ -11,9 +11,12 @@ from flax_nets import (LM, batches, make_mesh, same_bits, train_jit, train_shard
 STEPS = 20
 TRAIN = {"shard_map": train_shard_map, "jit": train_jit}
 MESHES = {"fsdp8": ((8,), ("fsdp",)), "data2xfsdp4": ((2, 4), ("data", "fsdp"))}
+# The data-axis mesh runs in the slow lane (the fast lane covers it through the nnx.scan test).
+MESH_PARAMS = [pytest.param(name, marks=[pytest.mark.slow] if "data" in name else [])
+               for name in MESHES]
 
 
-@pytest.mark.parametrize("mesh_name", list(MESHES))
+@pytest.mark.parametrize("mesh_name", MESH_PARAMS)
 @pytest.mark.parametrize("model", list(TRAIN))
 def test_ciera_equals_plain_int8_differs_and_ciera_sends_less(model, mesh_name):
     mesh = make_mesh(*MESHES[mesh_name])
