@@ -65,9 +65,9 @@ def train(tc: TrainConfig, run: RunConfig | None = None, *, mesh=None,
     with contextlib.ExitStack() as stack:
         saver = (stack.enter_context(ckpt.Checkpointer(run.checkpoint_dir, run.keep_checkpoints))
                  if run.checkpoint_dir else None)
+        guard = stack.enter_context(PreemptionGuard(log))  # a signal from here on: save, stop
         tr, state, dataset, meta = _start(tc, run, mesh, saver, log)
         out = stack.enter_context(_metrics_file(run, meta))
-        guard = stack.enter_context(PreemptionGuard(log))
         history, last_save, stopped = [], time.monotonic(), None
         while state.step < run.steps and not stopped:
             if state.priming:
@@ -77,6 +77,7 @@ def train(tc: TrainConfig, run: RunConfig | None = None, *, mesh=None,
             _report(rec, out, run, tc, log)
             stop, due = agree(guard.signal_name is not None,
                               _save_due(run, state.step, last_save))
+            stop = stop and state.step < run.steps  # a signal in the last step: just finish
             if saver and (due or stop or state.step == run.steps):
                 saver.save(state.step, state.params, state.opt_state, meta)
                 last_save = time.monotonic()
