@@ -45,6 +45,9 @@ def envelope() -> dict:
     devices = jax.devices()
     return {
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                    # 1/5/15-minute load averages at the end: on a shared machine, how much
+                    # else was running while this was timed.
+                    "load_avg": [round(x, 2) for x in os.getloadavg()],
                     "backend": devices[0].platform, "device_kind": devices[0].device_kind,
                     "devices": len(devices)},
         "versions": versions,
