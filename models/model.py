@@ -4,8 +4,9 @@ Parameter names and per-layer shapes are exactly ``models.configs.tensor_invento
 carry their shapes: ``w_gate_ExDxF``); the decoder layers are stacked on a leading layer axis
 and run with ``lax.scan``. Parameters are float32; every layer is ``@gathered`` with the rule
 table of :mod:`models.sharding`: inside ``shard_map`` over ``fsdp`` it casts its float32
-shards to bfloat16 and all-gathers them just before use (CIERA, plain or int8, see ``ciera_jax.fsdp``). Matmuls take bf16 operands and
-accumulate in float32; the residual stream, norms, softmaxes and losses are float32.
+shards to bfloat16 and all-gathers them just before use (CIERA, plain or int8, see
+``ciera_jax.fsdp``). Matmuls take bf16 operands and accumulate in float32; the residual
+stream, norms, softmaxes and losses are float32.
 
 Activation names carry shapes too: B batch, L sequence, D model, H heads, K kv heads,
 Q head dim, E experts, F expert hidden, T tokens (B*L), A assignments (T*top_k).

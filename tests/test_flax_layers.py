@@ -6,10 +6,11 @@ the unsharded module."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
 from ciera_jax import fsdp
-from flax_nets import make_mesh, part, same_bits
+from flax_nets import LM, MLP, make_mesh, part, same_bits
 
 D, H, F, V = 16, 8, 32, 24
 
@@ -63,8 +64,6 @@ def test_every_flax_layer_kind_is_gathered():
 def test_inventory_and_specs_of_a_flax_model():
     # What the trainer and the planner read: every gathered kernel with its split axis and
     # full shape, and shard_map specs; the inner decorated block's own, under its path.
-    from flax_nets import LM
-
     with jax.set_mesh(make_mesh((8,), ("fsdp",))):
         model = fsdp.attach_caches(LM(nnx.Rngs(0)))
     tensors = fsdp.gathered_tensors(model)
@@ -79,3 +78,42 @@ def test_inventory_and_specs_of_a_flax_model():
     # the caches sit beside their kernels, keyed like them
     caches = fsdp.cache_dict(nnx.state(model, fsdp.ExponentCacheVar))
     assert sorted(caches) == sorted(tensors)
+
+
+def test_one_agreement_per_decorated_call():
+    # LM: the outer decorated call (embedding, head) and the block's: two pmax, no more
+    mesh = make_mesh((8,), ("fsdp",))
+    with jax.set_mesh(mesh):
+        model = fsdp.attach_caches(LM(nnx.Rngs(0)))
+        graphdef, state = nnx.split(model)
+        jaxpr = jax.make_jaxpr(lambda s, t: nnx.merge(graphdef, s)(t))(
+            state, jnp.zeros((8, 4), jnp.int32))
+    text = str(jaxpr)
+    assert text.count("pmax") == 2, text.count("pmax")
+    assert text.count("shard_map") == 2  # one region per decorated call, opened by the decorator
+
+
+def test_explicit_mesh_axes_jax_default():
+    # jax.make_mesh's default axis types are Explicit: sharding in types works the same
+    mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
+    x = jax.device_put(jax.random.normal(jax.random.key(0), (8, 16)),
+                       jax.NamedSharding(mesh, jax.P(("data", "fsdp"))))
+    out = {}
+    for mode in ("ciera", "plain"):
+        with jax.set_mesh(mesh):
+            model = fsdp.attach_caches(MLP(16, 32, nnx.Rngs(0)))
+            opt = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+
+            @nnx.jit
+            def step(model, opt, x):
+                with fsdp.gather_mode(mode):
+                    grads = nnx.grad(lambda m: jnp.mean(jnp.square(m(x))))(model)
+                opt.update(model, grads)
+                return fsdp.gather_stats(model)
+
+            stats = [step(model, opt, x) for _ in range(3)]
+        assert model.up.kernel[...].sharding.spec == jax.P("fsdp", None)  # still sharded
+        out[mode] = nnx.state(model, nnx.Param), stats
+    assert same_bits(out["ciera"][0], out["plain"][0])
+    last = out["ciera"][1][-1]
+    assert all(int(s["sent_bytes"]) < int(s["plain_bytes"]) for s in last.values())

@@ -2,7 +2,6 @@
 gathers from one decorator, in both programming models (the user's ``shard_map``; ``nnx.jit``
 with the mesh set and no ``shard_map``), on a pure fsdp mesh and on one with a data axis."""
 
-import numpy as np
 import pytest
 
 from flax_nets import (LM, batches, make_mesh, same_bits, train_jit, train_shard_map,
