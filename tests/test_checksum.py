@@ -17,6 +17,9 @@ from ciera_jax.checksum import checksum, checksum_np, checksum_shards
 from ciera_jax.devices import make_mesh
 
 DTYPES = [BF16, F32]
+# One compiled program per call instead of one per primitive: keeps the tests quick.
+jit_checksum = jax.jit(checksum, static_argnames=("axis", "seed"))
+jit_checksum_shards = jax.jit(checksum_shards, static_argnums=(1, 2))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f32"])
@@ -27,13 +30,13 @@ def test_matches_reference_and_each_rank_shard(dtype, shape, axis):
     rng = np.random.default_rng(axis)
     full = adversarial(rng, shape, dtype)
     n_ranks = 2
-    got = np.asarray(checksum_shards(jnp.asarray(full), axis, n_ranks))
+    got = np.asarray(jit_checksum_shards(jnp.asarray(full), axis, n_ranks))
     assert got.dtype == np.uint32 and got.shape == (n_ranks,)
     for r, shard in enumerate(np.split(full, n_ranks, axis=axis)):
         want = checksum_np(shard, r * shard.size, axis=axis)
-        assert int(checksum(jnp.asarray(shard), r * shard.size, axis=axis)) == want
+        assert int(jit_checksum(jnp.asarray(shard), r * shard.size, axis=axis)) == want
         assert int(got[r]) == want
-    assert int(checksum(jnp.asarray(full), axis=axis)) == checksum_np(full, axis=axis)
+    assert int(jit_checksum(jnp.asarray(full), axis=axis)) == checksum_np(full, axis=axis)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f32"])
@@ -49,7 +52,7 @@ def test_every_single_bit_flip_changes_the_checksum(dtype):
         bits.dtype)  # [E, B, E]
     variants = from_bits(flipped.reshape(-1, shard.size), dtype)
     sums = np.asarray(jax.jit(jax.vmap(lambda w: checksum(w, 640)))(jnp.asarray(variants)))
-    base = int(checksum(jnp.asarray(shard), 640))
+    base = int(jit_checksum(jnp.asarray(shard), 640))
     assert sums.shape == (shard.size * nbits,)
     assert not np.any(sums == base)
 
@@ -67,24 +70,24 @@ def test_random_multi_element_corruptions_are_caught(dtype):
                                endpoint=True)
     sums = np.asarray(jax.jit(jax.vmap(lambda w: checksum(w, 0)))(
         jnp.asarray(from_bits(variants, dtype))))
-    assert not np.any(sums == int(checksum(jnp.asarray(shard), 0)))
+    assert not np.any(sums == int(jit_checksum(jnp.asarray(shard), 0)))
 
 
 def test_moved_words_and_swapped_shards_are_caught():
     rng = np.random.default_rng(3)
     full = adversarial(rng, (8, 16), BF16)
-    ok = np.asarray(checksum_shards(jnp.asarray(full), 0, 4))
+    ok = np.asarray(jit_checksum_shards(jnp.asarray(full), 0, 4))
     swapped = full.copy()
     swapped[[0, 1]] = full[[1, 0]]  # two rows inside rank 0's shard trade places
-    assert np.asarray(checksum_shards(jnp.asarray(swapped), 0, 4))[0] != ok[0]
+    assert np.asarray(jit_checksum_shards(jnp.asarray(swapped), 0, 4))[0] != ok[0]
     ranks = np.concatenate([full[2:4], full[0:2], full[4:]])  # ranks 0 and 1 trade shards
-    got = np.asarray(checksum_shards(jnp.asarray(ranks), 0, 4))
+    got = np.asarray(jit_checksum_shards(jnp.asarray(ranks), 0, 4))
     assert got[0] != ok[0] and got[1] != ok[1] and np.array_equal(got[2:], ok[2:])
 
 
 def test_seed_changes_the_sum():
     x = jnp.arange(32, dtype=jnp.uint32)
-    assert int(checksum(x, seed=1)) != int(checksum(x, seed=0))
+    assert int(jit_checksum(x, seed=1)) != int(jit_checksum(x, seed=0))
 
 
 def test_gather_check_inside_shard_map_finds_the_corrupt_rank():
