@@ -1,16 +1,28 @@
-"""All-gather with cross-iteration exponent reuse (CIERA), bitwise equal to a plain all-gather.
+"""All-gather with cross-iteration reuse (CIERA), bitwise equal to a plain all-gather.
 
-Call inside ``jax.shard_map``. One gather of a primed bf16 tensor sends 1 byte per element
-(sign + mantissa) plus patches for exponents that differ from the cache; the receiver rebuilds
-the exact words from its cached exponents. Phases, per tensor:
+Call inside ``jax.shard_map``. The cache picks the mode (see :mod:`ciera_jax.cache`):
 
-1. encode: split the local shard, compare its exponents with this rank's slice of the cache,
-   compact the changed positions into a patch list.
-2. agree: one ``pmax`` over the change counts of *all* tensors gathered together (a vector),
-   over every manual mesh axis, so the tier choice is the same on every rank.
-3. exchange: ``lax.switch`` on that rank-invariant tier: a compressed gather with static patch
-   capacity K (sparse patches, or a changed-bit map plus exponents when many changed), or
-   (unprimed cache / too many changes) a plain gather of the bits that re-primes the cache.
+- exponent mode (:class:`ExponentCache`): a primed bf16 tensor sends 1 byte per element (sign +
+  mantissa) plus patches for exponents that differ from the cache; the receiver rebuilds the
+  exact words from its cached exponents.
+- word mode (:class:`WordCache`): each element sends a 2-4 bit code of its word's move since the
+  cached word, with escapes in two levels (:mod:`ciera_jax.wordcodec`); when words moved too far
+  for the ladder (:mod:`ciera_jax.word_ladder`), exponent mode from the same cache, whichever
+  fitting option sends fewest bytes.
+
+Phases, per tensor:
+
+1. encode: compare this rank's shard with its slice of the cache: exponent changes and their
+   patch list (exponent mode), or word deltas and their escape counts (word mode).
+2. agree: one ``pmax`` over the demands of *all* tensors gathered together (one vector: a
+   count per exponent-mode tensor, ``wordcodec.N_DEMANDS`` counts per word-mode tensor), over
+   every manual mesh axis, so the choice is the same on every rank.
+3. exchange: ``lax.switch`` on that rank-invariant choice: a compressed gather with static
+   capacities, or (unprimed cache / too many changes) a plain gather of the bits that re-primes
+   the cache.
+
+``stats["mode"]``: 0 plain, 1 exponent, 2 word (``MODE_*``); ``stats["code_bits"]``: the word
+code width, 0 when not word mode.
 
 Gradients: the result is attached to ``x`` through a ``custom_vjp`` whose backward is
 ``lax.psum_scatter``, the transpose of an all-gather, so gradients are bitwise those of
@@ -28,13 +40,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ciera_jax import codec, kernels, patches
-from ciera_jax.cache import ExponentCache, is_cache
+from ciera_jax import codec, kernels, patches, wordcodec
+from ciera_jax.cache import ExponentCache, WordCache, is_cache
 # The tier ladder lives with the cost model so the planner and simulator price exactly what
 # is sent.
 from ciera_jax.costmodel import DEFAULT_LADDER, Ladder, Tier
+from ciera_jax.word_ladder import CODE_BITS, WORD_LADDER, WordRung
 
-AGREEMENT_BYTES = 4  # one int32 change count per tensor in the step's pmax
+AGREEMENT_BYTES = 4  # one int32 demand in the step's pmax (exponent mode: one per tensor)
+
+# ``stats["mode"]``: what one gather sent.
+MODE_PLAIN, MODE_EXPONENT, MODE_WORD = 0, 1, 2
 
 IMPLS = kernels.IMPLS
 
@@ -57,17 +73,19 @@ def plain_all_gather(x: jax.Array, axis_name, *, axis: int = 0) -> jax.Array:
     return attach_gather_grad(x, full, axis_name, axis)
 
 
-def all_gather(x: jax.Array, cache: ExponentCache, axis_name, *, axis: int = 0,
+def all_gather(x: jax.Array, cache: ExponentCache | WordCache, axis_name, *, axis: int = 0,
                impl: str = "auto", compress: bool | None = None,
                ladder: Ladder = DEFAULT_LADDER, name: str = "tensor"):
-    """All-gather ``x`` (this rank's shard) over ``axis_name``, reusing cached exponents.
+    """All-gather ``x`` (this rank's shard) over ``axis_name``, reusing the cache (exponents or
+    words: the cache's kind picks the mode).
 
     Returns ``(full, new_cache, stats)``: ``full`` is bitwise ``lax.all_gather(x, axis_name,
     axis=axis, tiled=True)``; carry ``new_cache`` to the next step. ``compress=None`` compresses
     bf16/float32 and gathers other dtypes plainly; ``True`` insists (error for other dtypes);
     ``False`` always gathers plainly. ``stats`` holds scalars: ``sent_bytes``, ``plain_bytes``,
-    ``changed``, ``agreed_changed``, ``tier`` (-1: not compressible), ``capacity``, ``bitmap``,
-    ``fallback``.
+    ``changed`` (exponents), ``agreed_changed``, ``tier`` (-1: not compressible; the index of
+    the option taken, see :func:`word_options` for word caches), ``capacity``, ``bitmap``,
+    ``fallback``, ``mode`` (0 plain, 1 exponent, 2 word), ``code_bits`` (0 unless word).
     """
     full, new_cache, stats = all_gather_tree(
         {name: x}, {name: cache}, axis_name, axis=axis, impl=impl, compress=compress,
@@ -79,7 +97,8 @@ def all_gather_tree(tree, caches, axis_name, *, axis=0, impl: str = "auto",
                     compress=None, ladder: Ladder = DEFAULT_LADDER):
     """:func:`all_gather` over a pytree with one agreement collective for all leaves.
 
-    ``caches`` mirrors ``tree`` with an :class:`ExponentCache` per leaf. ``axis`` and
+    ``caches`` mirrors ``tree`` with an :class:`ExponentCache` or :class:`WordCache` per leaf
+    (modes may be mixed; still one agreement collective). ``axis`` and
     ``compress`` are either single values or pytrees with the structure of ``tree``.
     Returns ``(full_tree, new_caches, stats_tree)``.
     """
@@ -147,10 +166,14 @@ class Encoded:
         return tuple(shape)
 
 
-def encode(x: jax.Array, cache: ExponentCache, axis_name, *, axis: int = 0,
+def encode(x: jax.Array, cache, axis_name, *, axis: int = 0,
            impl: str = "auto", ladder: Ladder = DEFAULT_LADDER,
-           name: str = "tensor") -> Encoded:
-    """Phase 1: split this rank's shard and list its exponents that differ from the cache."""
+           name: str = "tensor"):
+    """Phase 1: compare this rank's shard with its slice of the cache.
+
+    Exponent cache: split the shard and list its exponents that differ (:class:`Encoded`).
+    Word cache: the word deltas and their demand vector (:class:`WordEncoded`).
+    """
     _check_impl(impl)
     axis = _normalize_axis(x, axis, name)
     n_ranks = _axis_size(axis_name, name)
@@ -159,60 +182,122 @@ def encode(x: jax.Array, cache: ExponentCache, axis_name, *, axis: int = 0,
     x = lax.stop_gradient(x)
     shard_len = x.shape[axis]
     offset = lax.axis_index(axis_name).astype(jnp.int32) * shard_len
+    if isinstance(cache, WordCache):
+        cached = lax.dynamic_slice_in_dim(cache.words, offset, shard_len, axis=axis)
+        d, counts = kernels.word_encode(x, cached, impl=impl)
+        demand = jnp.where(cache.primed, counts, jnp.int32(np.iinfo(np.int32).max))
+        return WordEncoded(d, counts, demand, axis, n_ranks, ladder.tiers(x.size))
     cached = lax.dynamic_slice_in_dim(cache.exp, offset, shard_len, axis=axis)
-    exp, payload, changed = kernels.encode(x, cached, impl=impl)
-    tiers = ladder.tiers(x.size)
+    return _encode_exponent(x, cached, cache.primed, offset, axis, n_ranks,
+                            ladder.tiers(x.size), impl)
+
+
+def _encode_exponent(x, cached_exp, primed, offset, axis: int, n_ranks: int,
+                     tiers: tuple[Tier, ...], impl: str) -> Encoded:
+    exp, payload, changed = kernels.encode(x, cached_exp, impl=impl)
     # An unprimed cache knows no exponent: all of them count as changed.
-    count = jnp.where(cache.primed, jnp.sum(changed, dtype=jnp.int32), changed.size)
+    count = jnp.where(primed, jnp.sum(changed, dtype=jnp.int32), changed.size)
     patch_pos, patch_exp = patches.compact(exp, changed, count, offset, axis, n_ranks, tiers)
     bitmap = any(t.bitmap for t in tiers)
     changed_bits = (patches.pack_bits(changed.reshape(-1)) if bitmap
                     else jnp.zeros((0,), jnp.uint8))
-    demand = jnp.where(cache.primed, count, jnp.int32(np.iinfo(np.int32).max))
+    demand = jnp.where(primed, count, jnp.int32(np.iinfo(np.int32).max))
     return Encoded(payload, patch_pos, patch_exp, changed_bits, count, demand, axis, n_ranks,
                    tiers)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class WordEncoded:
+    """What one rank prepares for one word-mode tensor before the agreement.
+
+    ``delta``: ``ord(new) - ord(cached)`` per element, the same-width signed integer, shard
+    shape; ``counts``: this shard's int32 (``wordcodec.N_DEMANDS``,) vector: escapes at code
+    widths 2, 3, 4, raw words (``|d| > 127``), changed exponents; ``demand``: ``counts``, or
+    int32 max everywhere when the cache is unprimed. The code plane and the escape lists are
+    built in the exchange, for the code width the agreement picks.
+    """
+
+    delta: jax.Array
+    counts: jax.Array
+    demand: jax.Array
+    axis: int = dataclasses.field(metadata=dict(static=True))
+    n_ranks: int = dataclasses.field(metadata=dict(static=True))
+    tiers: tuple[Tier, ...] = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shard_shape(self) -> tuple[int, ...]:
+        return tuple(self.delta.shape)
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        shape = list(self.shard_shape)
+        shape[self.axis] *= self.n_ranks
+        return tuple(shape)
+
+    @property
+    def count(self) -> jax.Array:
+        """Changed exponents in this shard (as :attr:`Encoded.count`)."""
+        return self.counts[..., wordcodec.EXP_CHANGED]
+
+
 def priming_encoded(abstract: Encoded, n_local: int) -> Encoded:
-    """A host-side (numpy) :class:`Encoded` that asks for a priming gather, shaped like
-    ``abstract`` (an ``Encoded`` or its ``jax.eval_shape``, leading stacked axes allowed).
+    """A host-side (numpy) :class:`Encoded` / :class:`WordEncoded` that asks for a priming
+    gather, shaped like ``abstract`` (one of those or its ``jax.eval_shape``, leading stacked
+    axes allowed).
 
     Payload and patches are zeros and every exponent counts as changed, so ``demand`` is int32
     max and the exchange takes the plain branch, which sends the shard's own bits: nothing
     needs encoding, e.g. for a fresh or restored cache.
     """
     zero = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), abstract)
+    demand = np.full(abstract.demand.shape, np.iinfo(np.int32).max, np.int32)
+    if isinstance(abstract, WordEncoded):
+        return dataclasses.replace(
+            zero, counts=np.full(abstract.counts.shape, n_local, np.int32), demand=demand)
     return dataclasses.replace(
-        zero, count=np.full(abstract.count.shape, n_local, np.int32),
-        demand=np.full(abstract.demand.shape, np.iinfo(np.int32).max, np.int32))
+        zero, count=np.full(abstract.count.shape, n_local, np.int32), demand=demand)
 
 
 def agree(encoded, axis_name):
     """Phase 2: one ``pmax`` over every tensor's demand, over all manual mesh axes.
 
-    ``encoded`` is an :class:`Encoded` or a pytree of them; returns the same structure of
-    int32 scalars, identical on every rank, so every rank picks the same tier.
+    ``encoded`` is an :class:`Encoded` / :class:`WordEncoded` or a pytree of them (mixed modes
+    allowed); returns the same structure of int32 demands (a scalar per exponent-mode tensor,
+    a vector per word-mode tensor), identical on every rank, so every rank picks the same
+    option.
     """
-    leaves, treedef = jax.tree.flatten(encoded, is_leaf=lambda e: isinstance(e, Encoded))
+    leaves, treedef = jax.tree.flatten(
+        encoded, is_leaf=lambda e: isinstance(e, (Encoded, WordEncoded)))
     if not leaves:
         return jax.tree.unflatten(treedef, [])
     mesh_axes = tuple(jax.sharding.get_abstract_mesh().manual_axes) or (axis_name,)
-    agreed = lax.pmax(jnp.stack([e.demand for e in leaves]), mesh_axes)
-    return jax.tree.unflatten(treedef, list(agreed))
+    shapes = [e.demand.shape for e in leaves]
+    flat = jnp.concatenate([e.demand.reshape(-1) for e in leaves])
+    agreed = lax.pmax(flat, mesh_axes)
+    ends = np.cumsum([math.prod(sh) for sh in shapes])
+    out = [agreed[end - math.prod(sh):end].reshape(sh) for end, sh in zip(ends, shapes)]
+    return jax.tree.unflatten(treedef, out)
 
 
-def exchange(x: jax.Array, encoded: Encoded, cache: ExponentCache, agreed, axis_name, *,
-             impl: str = "auto"):
-    """Phase 3: gather at the agreed tier and rebuild; returns ``(full, new_cache, stats)``.
+def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "auto"):
+    """Phase 3: gather at the agreed option and rebuild; returns ``(full, new_cache, stats)``.
 
-    ``x`` must be the shard ``encoded`` was made from: the compressed tiers send the payload,
-    the plain fallback sends ``x``'s bits; gradients flow to ``x`` as through an all-gather.
+    ``x`` must be the shard ``encoded`` was made from: the compressed options send what was
+    encoded, the plain fallback sends ``x``'s bits; gradients flow to ``x`` as through an
+    all-gather.
     """
     e = encoded
-    dtype = np.dtype(x.dtype)
     if tuple(x.shape) != e.shard_shape:
         raise ValueError(f"exchange: shard shape {tuple(x.shape)} differs from the encoded "
                          f"shard {e.shard_shape}; encode and exchange the same tensor")
+    if isinstance(cache, WordCache) != isinstance(e, WordEncoded):
+        raise TypeError(f"exchange: a {type(cache).__name__} needs the "
+                        f"{'WordEncoded' if isinstance(cache, WordCache) else 'Encoded'} that "
+                        f"encode() made from it, got {type(e).__name__}")
+    if isinstance(cache, WordCache):
+        return _exchange_word(x, e, cache, agreed, axis_name, impl)
+    dtype = np.dtype(x.dtype)
     tiers = e.tiers
     capacities = [t.capacity for t in tiers] + [x.size]  # the last: plain, everything
     tier = jnp.sum(agreed > jnp.asarray(capacities[:-1], jnp.int32)).astype(jnp.int32)
@@ -232,10 +317,68 @@ def exchange(x: jax.Array, encoded: Encoded, cache: ExponentCache, agreed, axis_
         capacity=jnp.asarray(capacities, jnp.int32)[tier],
         bitmap=jnp.asarray([t.bitmap for t in tiers] + [False])[tier],
         fallback=tier == len(tiers),
+        mode=jnp.where(tier == len(tiers), MODE_PLAIN, MODE_EXPONENT).astype(jnp.int32),
+        code_bits=jnp.int32(0),
     )
     new_cache = dataclasses.replace(cache, exp=new_exp, primed=jnp.ones_like(cache.primed))
     # The gathered tensor differs by nothing across ranks, but lax.all_gather types it as
     # varying; match that so callers can mix it with per-rank values as they would a gather.
+    full = lax.pcast(full, axis_name, to="varying")
+    return attach_gather_grad(x, full, axis_name, e.axis), new_cache, stats
+
+
+def word_options(n_local: int, word_bytes: int, tiers: tuple[Tier, ...],
+                 ladder: tuple[WordRung, ...] = WORD_LADDER):
+    """Everything a word-cache gather of ``n_local`` elements per rank may send, in switch
+    order: distinct word rungs ``(b, c1, c2)``, then the exponent tiers, then plain. Returns
+    ``(rungs, wire)``: the rungs and every option's wire bytes per rank."""
+    rungs = []
+    for r in ladder:
+        key = (r.code_bits, r.level1_capacity(n_local), r.level2_capacity(n_local))
+        if key not in rungs:
+            rungs.append(key)
+    payload = n_local * (word_bytes - 1)
+    wire = ([wordcodec.wire_size(n_local, b, c1, c2, word_bytes) for b, c1, c2 in rungs]
+            + [payload + t.patch_bytes(n_local) for t in tiers] + [n_local * word_bytes])
+    return tuple(rungs), wire
+
+
+def _exchange_word(x, e: WordEncoded, cache: WordCache, agreed, axis_name, impl):
+    """Word cache: the cheapest option (by wire bytes) that holds every rank's demand."""
+    dtype = np.dtype(x.dtype)
+    n_local, word_bytes = x.size, dtype.itemsize
+    rungs, wire = word_options(n_local, word_bytes, e.tiers)
+    agreed = agreed.astype(jnp.int32)
+    fits = ([(agreed[CODE_BITS.index(b)] <= c1) & (agreed[wordcodec.RAW] <= c2)
+             for b, c1, c2 in rungs]
+            + [agreed[wordcodec.EXP_CHANGED] <= t.capacity for t in e.tiers]
+            + [jnp.bool_(True)])
+    cost = jnp.where(jnp.stack(fits), jnp.asarray(wire, jnp.int32),
+                     jnp.int32(np.iinfo(np.int32).max))
+    choice = jnp.argmin(cost).astype(jnp.int32)  # first of the cheapest: rank-invariant
+    branches = [functools.partial(_word_branch, rung=r, axis_name=axis_name, dtype=dtype,
+                                  impl=impl) for r in rungs]
+    branches += [functools.partial(_word_cache_exponent_branch, tier=t, axis_name=axis_name,
+                                   dtype=dtype, impl=impl) for t in e.tiers]
+    branches.append(functools.partial(_word_cache_plain_branch, axis_name=axis_name,
+                                      dtype=dtype))
+    full, new_words = lax.switch(choice, branches, e, cache.words, lax.stop_gradient(x))
+    n_rungs, n_tiers = len(rungs), len(e.tiers)
+    plain = n_rungs + n_tiers
+    table = lambda values, dt=jnp.int32: jnp.asarray(values, dt)[choice]  # noqa: E731
+    stats = dict(
+        sent_bytes=table(wire) + AGREEMENT_BYTES * wordcodec.N_DEMANDS,
+        plain_bytes=jnp.int32(n_local * word_bytes),
+        changed=e.count,
+        agreed_changed=jnp.minimum(agreed[wordcodec.EXP_CHANGED], n_local).astype(jnp.int32),
+        tier=choice,
+        capacity=table([c1 for _, c1, _ in rungs] + [t.capacity for t in e.tiers] + [n_local]),
+        bitmap=table([False] * n_rungs + [t.bitmap for t in e.tiers] + [False], jnp.bool_),
+        fallback=choice == plain,
+        mode=table([MODE_WORD] * n_rungs + [MODE_EXPONENT] * n_tiers + [MODE_PLAIN]),
+        code_bits=table([b for b, _, _ in rungs] + [0] * (n_tiers + 1)),
+    )
+    new_cache = dataclasses.replace(cache, words=new_words, primed=jnp.ones_like(cache.primed))
     full = lax.pcast(full, axis_name, to="varying")
     return attach_gather_grad(x, full, axis_name, e.axis), new_cache, stats
 
@@ -287,21 +430,22 @@ def _wants_compression(x, cache, compress, path) -> bool:
                             "plainly")
         return False
     if not is_cache(cache):
-        raise TypeError(f"{path}: expected an ExponentCache, got {type(cache).__name__}; "
-                        "create one with ciera_jax.init_cache(full_shape, dtype)")
+        raise TypeError(f"{path}: expected an ExponentCache or WordCache, got "
+                        f"{type(cache).__name__}; create one with ciera_jax.init_cache("
+                        "full_shape, dtype, mode='exponent' or 'word')")
     return True
 
 
-def _check_cache(cache: ExponentCache, x, axis: int, n_ranks: int, path: str) -> None:
+def _check_cache(cache, x, axis: int, n_ranks: int, path: str) -> None:
     full = list(x.shape)
     full[axis] *= n_ranks
     if np.dtype(cache.dtype) != np.dtype(x.dtype):
         raise ValueError(f"{path}: the cache was made for {np.dtype(cache.dtype)} but the "
                          f"tensor is {np.dtype(x.dtype)}; rebuild it with init_cache({tuple(full)}"
-                         f", {np.dtype(x.dtype).name})")
-    if tuple(cache.exp.shape) != tuple(full):
+                         f", {np.dtype(x.dtype).name}, mode={cache.mode!r})")
+    if cache.shape != tuple(full):
         raise ValueError(
-            f"{path}: cache shape {tuple(cache.exp.shape)} does not match the gathered shape "
+            f"{path}: cache shape {cache.shape} does not match the gathered shape "
             f"{tuple(full)} (shard {tuple(x.shape)} x {n_ranks} ranks on axis {axis}); the cache "
             f"must hold the full tensor and be replicated over the gather axis: "
             f"init_cache({tuple(full)}, {np.dtype(x.dtype).name}) with a PartitionSpec that "
@@ -355,6 +499,49 @@ def _compressed_branch(e: Encoded, cache_exp, x, *, tier: Tier, axis_name, dtype
                           impl=impl), exp_full
 
 
+def _word_branch(e: WordEncoded, words, x, *, rung, axis_name, dtype, impl):
+    """Send codes + level 1 + level 2 in one uint8 buffer; rebuild from the cached words."""
+    b, c1, c2 = rung
+    n_local = math.prod(e.shard_shape)
+    wire = wordcodec.encode_wire(e.delta.reshape(-1), codec.to_bits(x).reshape(-1), b, c1, c2)
+    wire_NxL = lax.all_gather(wire, axis_name, axis=0, tiled=False, to="invarying")
+    codes_NxN, level1, level2 = wordcodec.split_wire(wire_NxL, n_local, b, c1, c2, words.dtype)
+    dense = kernels.word_decode(words, _to_full_layout(codes_NxN, e), b, impl=impl)
+    # Escapes: positions from the codes (block-wise), moved into the full tensor's layout.
+    pos = wordcodec.escape_positions_rows(codes_NxN, b, c1)
+    offsets = (jnp.arange(e.n_ranks, dtype=jnp.int32) * e.shard_shape[e.axis])[:, None]
+    full_pos = patches.to_full_positions(pos, e.shard_shape, e.axis, offsets, e.n_ranks)
+    flat = words.reshape(-1)
+    cached_at = flat[jnp.minimum(full_pos, flat.shape[0] - 1)]
+    new_at = wordcodec.escape_words(cached_at, level1, level2)
+    out = dense.reshape(-1).at[full_pos.reshape(-1)].set(new_at.reshape(-1), mode="drop")
+    out = out.reshape(words.shape)
+    return codec.from_bits(out, dtype), out
+
+
+def _word_cache_exponent_branch(e: WordEncoded, words, x, *, tier: Tier, axis_name, dtype,
+                                impl):
+    """Exponent mode served from a word cache (its words hold the exponents)."""
+    fmt = codec.word_format(dtype)
+    cache_exp = ((words >> fmt.mantissa_bits) & 0xFF).astype(jnp.uint8)
+    shard_len = e.shard_shape[e.axis]
+    offset = lax.axis_index(axis_name).astype(jnp.int32) * shard_len
+    cached = lax.dynamic_slice_in_dim(cache_exp, offset, shard_len, axis=e.axis)
+    # Compact for this tier only (the agreed tier is static here): no inner tier switch.
+    tiers = (Tier(0), tier) if tier.capacity else (tier,)
+    ee = _encode_exponent(x, cached, jnp.bool_(True), offset, e.axis, e.n_ranks, tiers, impl)
+    full, _ = _compressed_branch(ee, cache_exp, x, tier=tier, axis_name=axis_name,
+                                 dtype=dtype, impl=impl)
+    return full, codec.to_bits(full)
+
+
+def _word_cache_plain_branch(e: WordEncoded, words, x, *, axis_name, dtype):
+    """Gather the bits as they are; they are the new word cache."""
+    del words
+    bits = lax.all_gather(codec.to_bits(x), axis_name, axis=e.axis, tiled=True, to="invarying")
+    return codec.from_bits(bits, dtype), bits
+
+
 def _to_full_layout(a_NxPxn, e: Encoded):
     """Rank-major (N, [P,] n_local) rows -> the full tensor's layout ([P,] *full_shape)."""
     shard = e.shard_shape
@@ -370,7 +557,8 @@ def _plain_stats(x) -> dict:
     n_bytes = jnp.int32(x.size * np.dtype(x.dtype).itemsize)
     return dict(sent_bytes=n_bytes, plain_bytes=n_bytes, changed=jnp.int32(0),
                 agreed_changed=jnp.int32(0), tier=jnp.int32(-1), capacity=jnp.int32(0),
-                bitmap=jnp.bool_(False), fallback=jnp.bool_(False))
+                bitmap=jnp.bool_(False), fallback=jnp.bool_(False),
+                mode=jnp.int32(MODE_PLAIN), code_bits=jnp.int32(0))
 
 
 # --------------------------------------------------------------------------- gradient

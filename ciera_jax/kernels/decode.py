@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from ciera_jax import codec
 from ciera_jax.kernels import _layout
+from ciera_jax.kernels.backend import compiler_params
 from ciera_jax.kernels.encode import BLOCK, NUM_WARPS
 
 
@@ -71,7 +71,7 @@ def decode_pallas(
         grid=(n_pad // block,),
         in_specs=[vec, pl.BlockSpec((P, block), lambda i: (0, i))],
         out_specs=vec,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=compiler_params(num_warps),
         interpret=interpret,
         name=f"ciera_decode_{fmt.dtype.name}",
     )(exp_N, payload)

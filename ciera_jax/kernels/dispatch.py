@@ -13,6 +13,8 @@ import jax.numpy as jnp
 
 from ciera_jax.kernels.decode import decode_pallas, decode_reference
 from ciera_jax.kernels.encode import encode_pallas, encode_reference
+from ciera_jax.kernels.word_decode import word_decode_pallas, word_decode_reference
+from ciera_jax.kernels.word_encode import word_encode_pallas, word_encode_reference
 
 IMPLS = ("auto", "xla", "pallas")
 
@@ -47,3 +49,23 @@ def decode(exp: jnp.ndarray, payload_PxN: jnp.ndarray, dtype, *, impl: str = "au
     if impl == "xla":
         return decode_reference(exp, payload_PxN, dtype)
     return decode_pallas(exp, payload_PxN, dtype, interpret=interpret)
+
+
+def word_encode(x: jnp.ndarray, cached_bits: jnp.ndarray, *, impl: str = "auto"):
+    """Word mode: ``x`` and this rank's cached words -> ``(d, demand)`` (see
+    :func:`ciera_jax.kernels.word_encode_reference`)."""
+    impl, interpret = resolve_impl(impl)
+    if cached_bits.shape != x.shape:
+        raise ValueError(f"cached words shape {cached_bits.shape} != x shape {x.shape}")
+    if impl == "xla":
+        return word_encode_reference(x, cached_bits)
+    return word_encode_pallas(x, cached_bits, interpret=interpret)
+
+
+def word_decode(cached_bits: jnp.ndarray, codes: jnp.ndarray, code_bits: int, *,
+                impl: str = "auto"):
+    """Word mode's dense rebuild ``ord⁻¹(ord(cached) + code - limit)``, any shape."""
+    impl, interpret = resolve_impl(impl)
+    if impl == "xla":
+        return word_decode_reference(cached_bits, codes, code_bits)
+    return word_decode_pallas(cached_bits, codes, code_bits, interpret=interpret)

@@ -25,10 +25,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from ciera_jax import codec
 from ciera_jax.kernels import _layout
+from ciera_jax.kernels.backend import compiler_params
 
 BLOCK = 4096  # elements per program: 8 KB of bf16 in, >= 12 KB out; power of two for Triton
 NUM_WARPS = 4  # 128 threads x 32 elements: 16-byte vector loads/stores of the byte planes
@@ -91,7 +91,7 @@ def encode_pallas(
         grid=(n_pad // block,),
         in_specs=[vec, vec],
         out_specs=(vec, pl.BlockSpec((P, block), lambda i: (0, i)), vec),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=compiler_params(num_warps),
         interpret=interpret,
         name=f"ciera_encode_{fmt.dtype.name}",
     )(x_N, cache_N)

@@ -1,0 +1,446 @@
+"""Word mode's gather is bitwise a plain all-gather on every branch, and picks the cheapest fit.
+
+Steps carry the word cache; every rank's result is compared with ``lax.all_gather`` of the bits
+and with the input, and the new cache with the gathered bits.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ciera_jax
+from bitdata import BF16, F32, WORD, adversarial, bits_of, from_bits, special_words, weights
+from ciera_jax import codec
+from ciera_jax.collective import MODE_EXPONENT, MODE_PLAIN, MODE_WORD, word_options
+from ciera_jax.costmodel import DEFAULT_LADDER
+
+
+@functools.lru_cache(maxsize=None)
+def _mesh(shape, names):
+    return jax.make_mesh(shape, names)
+
+
+@functools.lru_cache(maxsize=None)
+def _step(mesh_shape=(8,), names=("fsdp",), axis_name="fsdp", axis=0, ndim=2, impl="xla"):
+    """(x, word cache) -> (full per rank, uint gather per rank, new cache, stats per rank)."""
+    mesh = _mesh(mesh_shape, names)
+    spec = [None] * ndim
+    spec[axis] = axis_name
+    x_spec = P(*spec)
+
+    def body(x, cache):
+        full, new_cache, stats = ciera_jax.all_gather(x, cache, axis_name, axis=axis, impl=impl)
+        ref = lax.all_gather(codec.to_bits(x), axis_name, axis=axis, tiled=True)
+        return full[None], ref[None], new_cache, jax.tree.map(lambda v: v[None], stats)
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(x_spec, P()),
+                               out_specs=(P(names), P(names), P(), P(names))))
+
+    def run(x, cache):
+        return fn(jax.device_put(jnp.asarray(x), NamedSharding(mesh, x_spec)),
+                  jax.device_put(cache, NamedSharding(mesh, P())))
+
+    return run
+
+
+def run_exact(xs, **kw):
+    """Gather each tensor in turn through one carried word cache; check every bit; stats."""
+    step = _step(axis=kw.pop("axis", 0), ndim=xs[0].ndim, **kw)
+    cache = ciera_jax.init_cache(xs[0].shape, xs[0].dtype, mode="word")
+    out = []
+    for t, x in enumerate(xs):
+        full, ref, cache, stats = step(x, cache)
+        full, ref = np.asarray(full), np.asarray(ref)
+        want = bits_of(x)
+        for rank in range(full.shape[0]):
+            np.testing.assert_array_equal(bits_of(full[rank]), ref[rank],
+                                          err_msg=f"step {t} rank {rank}: differs from gather")
+            np.testing.assert_array_equal(bits_of(full[rank]), want,
+                                          err_msg=f"step {t} rank {rank}: differs from input")
+        np.testing.assert_array_equal(np.asarray(cache.words), want, err_msg=f"step {t} cache")
+        np.testing.assert_array_equal(bits_of(np.asarray(ciera_jax.cached_full(cache))), want)
+        assert bool(cache.primed)
+        out.append(jax.tree.map(np.asarray, stats))
+    return out
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def ord_np(bits):
+    top = np.array(1 << (bits.dtype.itemsize * 8 - 1), bits.dtype)
+    return np.where(bits & top, bits ^ (top - np.array(1, bits.dtype)), bits)
+
+
+def moved(x, d):
+    """``x`` with every word moved by ``d`` (int64) ulps in ord space, modulo the width."""
+    bits = bits_of(x)
+    wide = ord_np(bits).astype(np.int64) + d
+    return from_bits(ord_np((wide % (1 << (8 * bits.dtype.itemsize))).astype(bits.dtype)),
+                     x.dtype)
+
+
+def word_deltas(rng, shape, scale=1.0):
+    """A steady-state-like move per word (word_delta study: |d|<=1 ~80%, <=7 ~95%,
+    |d|>127 ~0.3%), widened by ``scale``."""
+    u = rng.random(shape)
+    small = rng.integers(-1, 2, shape)
+    mid = rng.integers(-7, 8, shape)
+    far = rng.integers(-127, 128, shape)
+    raw = rng.integers(-(1 << 20), 1 << 20, shape)
+    d = np.where(u < 0.8, small, np.where(u < 0.95, mid, np.where(u < 0.997, far, raw)))
+    return np.round(d * scale).astype(np.int64)
+
+
+def trajectory(rng, x0, scales):
+    xs = [x0]
+    for s in scales:
+        xs.append(moved(xs[-1], word_deltas(rng, x0.shape, s)))
+    return xs
+
+
+SHAPE = (8 * 64, 64)  # 4096 elements per rank
+
+
+# ----------------------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
+def test_twenty_steps_carried_cache_bitwise(dtype):
+    """Realistic moves, a peak-LR step, an adversarial jump and back: 20 gathers, all exact."""
+    rng = np.random.default_rng(0)
+    scales = [1.0] * 6 + [8.0, 0.5, 0.2, 0.2] + [1.0] * 9
+    xs = trajectory(rng, weights(rng, SHAPE, dtype), scales)
+    xs[12] = adversarial(rng, SHAPE, dtype)  # every word jumps: plain, then word mode again
+    stats = run_exact(xs)
+    modes = [int(s["mode"][0]) for s in stats]
+    assert modes[0] == MODE_PLAIN, "a fresh cache primes with a plain gather"
+    assert modes[12] == MODE_PLAIN and modes[13] == MODE_PLAIN
+    # step 7 moves 8x wider (peak LR): too many 4-bit escapes for the ladder, exponent mode
+    assert modes[7] == MODE_EXPONENT, modes
+    assert all(m == MODE_WORD for i, m in enumerate(modes) if i not in (0, 7, 12, 13)), modes
+    for s in stats:  # rank-invariant choice
+        for k in ("mode", "tier", "code_bits", "capacity", "sent_bytes"):
+            assert (s[k] == s[k][0]).all(), k
+    ratio = [s["sent_bytes"][0] / s["plain_bytes"][0] for s in stats]
+    assert max(ratio[i] for i in range(1, 7)) < 0.45, ratio
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
+def test_special_words_every_move(dtype):
+    """NaN payloads (signalling too), ±inf, ±0, subnormals, max finite: moved to each other,
+    by sign flips and by small moves across zero, all exact (word or raw escapes)."""
+    rng = np.random.default_rng(1)
+    sp = special_words(dtype)
+    n = SHAPE[0] * SHAPE[1]
+    base = from_bits(np.resize(sp, n).reshape(SHAPE), dtype)
+    shuffled = from_bits(rng.permutation(np.resize(sp, n)).reshape(SHAPE), dtype)
+    top = np.array(1 << (8 * np.dtype(WORD[dtype]).itemsize - 1), WORD[dtype])
+    flipped = from_bits(bits_of(shuffled) ^ top, dtype)
+    xs = [base, moved(base, rng.integers(-2, 3, SHAPE)), shuffled, flipped,
+          moved(flipped, rng.integers(-1, 2, SHAPE)), base]
+    run_exact(xs)
+
+
+def test_every_element_escaping_and_sign_flips_fall_back():
+    rng = np.random.default_rng(2)
+    x0 = weights(rng, SHAPE, BF16)
+    x1 = moved(x0, np.full(SHAPE, 100))  # every element escapes at level 1
+    x2 = from_bits(bits_of(x1) ^ np.uint16(0x8000), BF16)  # every sign flips: raw everywhere
+    stats = run_exact([x0, x0, x1, x2, x2])
+    modes = [int(s["mode"][0]) for s in stats]
+    assert modes[1] == MODE_WORD and modes[2] != MODE_WORD, modes
+    assert modes[3] == MODE_EXPONENT, "sign flips keep exponents: exponent mode serves"
+    assert modes[4] == MODE_WORD and int(stats[4]["code_bits"][0]) == 2
+
+
+# ----------------------------------------------------------------------------- choice
+
+N_LOCAL = SHAPE[0] * SHAPE[1] // 8
+RUNGS, WIRE = word_options(N_LOCAL, 2, DEFAULT_LADDER.tiers(N_LOCAL))
+
+
+def _on_rank(rank, d_rank):
+    """Moves that are zero everywhere except rank ``rank``'s shard (rows of the gather axis)."""
+    d = np.zeros(SHAPE, np.int64)
+    rows = SHAPE[0] // 8
+    d[rank * rows:(rank + 1) * rows] = d_rank.reshape(rows, SHAPE[1])
+    return d
+
+
+def _escapes(count, size, raw=0, far=2):
+    """``count`` elements moved by ``far`` (of which ``raw`` by 1000), at random places."""
+    d = np.zeros(N_LOCAL, np.int64)
+    pos = np.random.default_rng(count + raw).choice(N_LOCAL, count, replace=False)
+    d[pos] = far
+    d[pos[:raw]] = 1000
+    return d
+
+
+def _choice(d_rank, base=None):
+    """Stats of the gather that moves rank 3's shard by ``d_rank`` after a primed step."""
+    # Mantissa 0 everywhere: moves of < 128 ulps never change an exponent.
+    x0 = base if base is not None else from_bits(np.full(SHAPE, 0x3F80, np.uint16), BF16)
+    s = run_exact([x0, x0, moved(x0, _on_rank(3, d_rank))])[2]
+    return {k: int(v[0]) for k, v in s.items()}
+
+
+def _rung(b, c1, c2):
+    return RUNGS.index((b, c1, c2))
+
+
+@pytest.mark.parametrize("case", ["b2_at", "b2_over", "raw_at", "raw_over", "top_at",
+                                  "top_over", "exp_over"])
+def test_capacity_boundaries_pick_the_next_option(case):
+    b2 = next(r for r in RUNGS if r[0] == 2)
+    top = RUNGS[-1]
+    if case == "b2_at":  # exactly the 2-bit rung's level-1 capacity: it still fits
+        s, want = _choice(_escapes(b2[1], N_LOCAL)), (MODE_WORD, 2, b2[1])
+    elif case == "b2_over":  # one more: the cheapest 3-bit rung (|d| = 2 fits 3 bits)
+        s = _choice(_escapes(b2[1] + 1, N_LOCAL))
+        want = (MODE_WORD, 3, min((r for r in RUNGS if r[0] == 3),
+                                  key=lambda r: WIRE[RUNGS.index(r)])[1])
+    elif case == "raw_at":
+        s, want = _choice(_escapes(b2[2], N_LOCAL, raw=b2[2])), (MODE_WORD, 2, b2[1])
+    elif case == "raw_over":  # one raw word over the 2-bit rung: a rung with more level 2
+        s = _choice(_escapes(b2[2] + 1, N_LOCAL, raw=b2[2] + 1))
+        fit = [i for i, r in enumerate(RUNGS) if r[2] >= b2[2] + 1]
+        best = RUNGS[min(fit, key=lambda i: WIRE[i])]
+        want = (MODE_WORD, best[0], best[1])
+    elif case == "top_at":  # the top rung's level-1 capacity of 4-bit escapes
+        s, want = _choice(_escapes(top[1], N_LOCAL, far=8)), (MODE_WORD, 4, top[1])
+    elif case == "top_over":  # above every rung: exponent mode, no exponent changed
+        s, want = _choice(_escapes(top[1] + 1, N_LOCAL, far=8)), (MODE_EXPONENT, 0, 0)
+    else:  # every exponent changes (256 ulps = 2 binades): plain
+        s, want = _choice(np.full(N_LOCAL, 256)), (MODE_PLAIN, 0, N_LOCAL)
+    assert (s["mode"], s["code_bits"], s["capacity"]) == want, s
+    assert s["sent_bytes"] == WIRE[s["tier"]] + 20
+    assert s["fallback"] == (s["mode"] == MODE_PLAIN)
+
+
+def test_wire_bytes_are_exact_per_branch():
+    """sent_bytes is the uint8 buffer each branch gathers (read from the compiled HLO)."""
+    mesh = _mesh((8,), ("fsdp",))
+    cache = ciera_jax.init_cache(SHAPE, BF16, mode="word")
+
+    def body(x, c):
+        return ciera_jax.all_gather(x, c, "fsdp")[1]
+
+    x = jax.device_put(jnp.zeros(SHAPE, BF16), NamedSharding(mesh, P("fsdp")))
+    hlo = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("fsdp"), P()),
+                                out_specs=P())).lower(x, cache).compile().as_text()
+    gathered = {int(m) for m in re.findall(r"u8\[8,(\d+)\]\S* all-gather(?:-start)?\(", hlo)}
+    n_rungs = len(RUNGS)
+    assert set(WIRE[:n_rungs]) <= gathered, (WIRE[:n_rungs], gathered)
+    assert N_LOCAL in gathered, "exponent tier 0 sends one payload byte per element"
+    assert re.search(r"u16\[[\d,]*\]\S* all-gather", hlo), "plain gathers the bits"
+    assert not re.search(r"bf16\[[\d,]*\]\S* all-gather", hlo)
+
+
+# ----------------------------------------------------------------------------- meshes
+
+
+def test_two_dimensional_mesh_gathers_over_the_outer_axis():
+    rng = np.random.default_rng(3)
+    xs = trajectory(rng, weights(rng, (16, 40), BF16), [1.0, 4.0, 0.0])
+    run_exact(xs, mesh_shape=(2, 4), names=("data", "fsdp"), axis_name="data")
+
+
+def test_agreement_spans_both_mesh_axes():
+    """Two data rows gather different tensors over fsdp; the quiet row follows the busy one."""
+    mesh = _mesh((2, 4), ("data", "fsdp"))
+    shape = (2, 64, 32)  # row r of "data" holds x[r], sharded over fsdp on axis 1
+
+    def body(x, c):
+        c = jax.tree.map(lambda a: a[0], c)
+        full, new_c, st = ciera_jax.all_gather(x[0], c, "fsdp")
+        return full[None, None], jax.tree.map(lambda v: v[None, None], st), \
+            jax.tree.map(lambda a: a[None], new_c)
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data", "fsdp"), P("data")),
+                               out_specs=(P("data", "fsdp"), P("data", "fsdp"), P("data"))))
+    rng = np.random.default_rng(4)
+    x0 = weights(rng, shape, BF16)
+    d = np.zeros(shape, np.int64)
+    d[1] = 5  # row 1: every element needs 4 bits; row 0 does not move at all
+    x1 = moved(x0, d)
+    caches = jax.vmap(lambda _: ciera_jax.init_cache(shape[1:], BF16, mode="word"))(
+        jnp.arange(2))
+    put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
+    for x in (x0, x1):
+        full, stats, caches = fn(put(jnp.asarray(x), P("data", "fsdp")), put(caches, P("data")))
+        full = np.asarray(full)
+        for r in range(2):
+            for f in range(4):
+                np.testing.assert_array_equal(bits_of(full[r, f]), bits_of(x[r]))
+    for k in ("mode", "tier", "code_bits"):
+        v = np.asarray(stats[k])
+        assert (v == v[0, 0]).all(), (k, v)
+    # Row 0 alone would send 2-bit codes; row 1's moves of 5 need 4 bits, for both rows.
+    assert (np.asarray(stats["code_bits"]) == 4).all()
+
+
+# ----------------------------------------------------------------------------- hypothesis
+
+
+CASES = [((64,), 0), ((16, 24), 1), ((2, 3, 16), 2)]
+
+
+@settings(max_examples=10, deadline=None)
+@given(case=st.sampled_from(CASES), seed=st.integers(0, 2**16),
+       scales=st.lists(st.sampled_from([0.0, 0.3, 1.0, 6.0, 300.0]), min_size=1, max_size=3),
+       dtype=st.sampled_from([BF16, F32]), adversarial_start=st.booleans())
+def test_property_bitwise(case, seed, scales, dtype, adversarial_start):
+    shape, axis = case
+    rng = np.random.default_rng(seed)
+    x0 = adversarial(rng, shape, dtype) if adversarial_start else weights(rng, shape, dtype)
+    run_exact(trajectory(rng, x0, scales), axis=axis)
+
+
+# ----------------------------------------------------------------------------- API
+
+
+def test_mixed_tree_one_agreement_and_exact():
+    mesh = _mesh((8,), ("fsdp",))
+    rng = np.random.default_rng(5)
+    tree = {"w": weights(rng, (64, 16), BF16), "e": weights(rng, (8, 8, 16), BF16),
+            "f": weights(rng, (32,), F32), "ids": np.arange(16, dtype=np.int32)}
+    modes = {"w": "word", "e": "exponent", "f": "word", "ids": "word"}
+    caches = ciera_jax.init_cache_tree(tree, mode=modes)
+    assert caches["w"].mode == "word" and caches["e"].mode == "exponent"
+
+    def body(t, c):
+        full, new_c, stats = ciera_jax.all_gather_tree(t, c, "fsdp")
+        return jax.tree.map(lambda v: v[None], full), new_c, \
+            jax.tree.map(lambda v: v[None], stats)
+
+    spec = {k: P("fsdp") for k in tree}
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(spec, P()),
+                       out_specs=({k: P("fsdp") for k in tree}, P(),
+                                  {k: P("fsdp") for k in tree}))
+    put = lambda: {k: jax.device_put(jnp.asarray(v), NamedSharding(mesh, spec[k]))  # noqa
+                   for k, v in tree.items()}
+    jaxpr = str(jax.make_jaxpr(fn)(put(), caches))
+    assert len(re.findall(r"\bpmax\b", jaxpr)) == 1, "one agreement collective per call"
+    jitted = jax.jit(fn)
+    for step in range(3):
+        full, caches, stats = jitted(put(), caches)
+        for k, v in tree.items():
+            for rank in range(8):
+                np.testing.assert_array_equal(bits_of(np.asarray(full[k])[rank]), bits_of(v))
+        tree = {k: (moved(v, word_deltas(rng, v.shape)) if v.dtype != np.int32 else v)
+                for k, v in tree.items()}
+    assert int(np.asarray(stats["w"]["mode"])[0]) == MODE_WORD
+    assert int(np.asarray(stats["e"]["mode"])[0]) == MODE_EXPONENT
+    assert int(np.asarray(stats["ids"]["mode"])[0]) == MODE_PLAIN
+
+
+def test_phases_and_priming_encoded():
+    """encode / agree / exchange equal the one-call gather; a host-side priming Encoded makes
+    the exchange prime plainly."""
+    mesh = _mesh((8,), ("fsdp",))
+    shape = (8, 16, 24)
+    spec = P(None, "fsdp")
+
+    def phases(x, cache, primer):
+        e = ciera_jax.encode(x, cache, "fsdp", axis=1)
+        full, new_cache, st = ciera_jax.exchange(x, e, cache, ciera_jax.agree(e, "fsdp"), "fsdp")
+        one, _, st_one = ciera_jax.all_gather(x, cache, "fsdp", axis=1)
+        prime = jax.tree.map(lambda a: a[0], primer)
+        _, _, st_prime = ciera_jax.exchange(x, prime, cache, ciera_jax.agree(prime, "fsdp"),
+                                            "fsdp")
+        same = jnp.all(codec.to_bits(full) == codec.to_bits(one))
+        same &= st["sent_bytes"] == st_one["sent_bytes"]
+        return full[None], new_cache, same[None], st_prime["mode"][None]
+
+    def shapes(x, cache):
+        return ciera_jax.encode(x, cache, "fsdp", axis=1)
+
+    fn = jax.jit(jax.shard_map(phases, mesh=mesh, in_specs=(spec, P(), P("fsdp")),
+                               out_specs=(P("fsdp"), P(), P("fsdp"), P("fsdp"))))
+    rng = np.random.default_rng(6)
+    cache = ciera_jax.init_cache(shape, BF16, mode="word")
+    x = weights(rng, shape, BF16)
+    put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
+    abstract = jax.eval_shape(jax.shard_map(
+        lambda x, c: jax.tree.map(lambda a: a[None], shapes(x, c)), mesh=mesh,
+        in_specs=(spec, P()), out_specs=P("fsdp")), put(jnp.asarray(x), spec), cache)
+    primer = ciera_jax.priming_encoded(abstract, x.size // 8)
+    assert (primer.demand == np.iinfo(np.int32).max).all()
+    for _ in range(3):
+        full, cache, same, prime_mode = fn(put(jnp.asarray(x), spec), cache, put(primer,
+                                                                               P("fsdp")))
+        assert np.asarray(same).all()
+        assert (np.asarray(prime_mode) == MODE_PLAIN).all()
+        for rank in range(8):
+            np.testing.assert_array_equal(bits_of(np.asarray(full)[rank]), bits_of(x))
+        x = moved(x, word_deltas(rng, shape))
+
+
+def test_encode_vmaps_over_stacked_layers():
+    mesh = _mesh((8,), ("fsdp",))
+    rng = np.random.default_rng(7)
+    L, shape = 3, (16, 8)
+    x = weights(rng, (L,) + shape, BF16)
+    caches = jax.vmap(lambda _: ciera_jax.init_cache(shape, BF16, mode="word"))(jnp.arange(L))
+    caches = jax.tree.map(lambda a: a.at[1].set(jnp.ones_like(a[1])), caches)
+
+    def body(x, c):
+        enc = jax.vmap(lambda x, c: ciera_jax.encode(x, c, "fsdp"))(x, c)
+        one = [ciera_jax.encode(x[i], jax.tree.map(lambda a: a[i], c), "fsdp") for i in range(L)]
+        same = [jnp.array_equal(a, b) for i in range(L) for a, b in
+                zip(jax.tree.leaves(jax.tree.map(lambda a: a[i], enc)), jax.tree.leaves(one[i]))]
+        return jnp.all(jnp.stack(same))[None]
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "fsdp"), P()),
+                               out_specs=P("fsdp")))
+    assert np.asarray(fn(jax.device_put(jnp.asarray(x), NamedSharding(mesh, P(None, "fsdp"))),
+                         caches)).all()
+
+
+def test_gradients_equal_plain_gather():
+    mesh = _mesh((8,), ("fsdp",))
+    rng = np.random.default_rng(8)
+    x = weights(rng, (64, 16), F32)
+    w = rng.standard_normal((64, 16)).astype(np.float32)
+
+    def loss(x, cache, word):
+        full = (ciera_jax.all_gather(x, cache, "fsdp")[0] if word
+                else ciera_jax.plain_all_gather(x, "fsdp"))
+        return jnp.sum(full * w)
+
+    def body(x, cache):
+        g_word = jax.grad(loss)(x, cache, True)
+        g_plain = jax.grad(loss)(x, cache, False)
+        return g_word, g_plain
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("fsdp"), P()),
+                               out_specs=(P("fsdp"), P("fsdp"))))
+    g_word, g_plain = fn(jax.device_put(jnp.asarray(x), NamedSharding(mesh, P("fsdp"))),
+                         ciera_jax.init_cache(x.shape, F32, mode="word"))
+    np.testing.assert_array_equal(bits_of(np.asarray(g_word)), bits_of(np.asarray(g_plain)))
+
+
+def test_mismatched_encoded_and_cache_is_a_clear_error():
+    mesh = _mesh((8,), ("fsdp",))
+
+    def body(x, wc, ec):
+        e = ciera_jax.encode(x, ec, "fsdp")
+        return ciera_jax.exchange(x, e, wc, ciera_jax.agree(e, "fsdp"), "fsdp")[0]
+
+    x = jax.device_put(jnp.zeros((16, 8), BF16), NamedSharding(mesh, P("fsdp")))
+    with pytest.raises(TypeError, match="WordCache needs the WordEncoded"):
+        jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("fsdp"), P(), P()),
+                              out_specs=P()))(x, ciera_jax.init_cache((16, 8), BF16, "word"),
+                                              ciera_jax.init_cache((16, 8), BF16))
