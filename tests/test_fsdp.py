@@ -57,7 +57,7 @@ def make_step(mesh, graphdef, specs, mode):
 
 
 def _bits(tree):
-    return [np.asarray(x).view(np.uint8) for x in jax.tree.leaves(tree)]
+    return [np.atleast_1d(np.asarray(x)).view(np.uint8) for x in jax.tree.leaves(tree)]
 
 
 def test_decorator_on_user_module_matches_plain_bitwise(mesh):
@@ -176,3 +176,54 @@ def test_quantize_roundtrip_blocks():
     assert np.all(np.asarray(y[:256]) == 0)
     assert float(jnp.max(jnp.abs(y - x))) <= 3 / 127 / 2 + 1e-6
     assert quantized.wire_bytes(600) == 3 * 260
+
+
+class Layer(nnx.Module):
+    def __init__(self, rngs):
+        self.mlp = MLP(16, 32, rngs)
+
+    def __call__(self, x):
+        return x + self.mlp(x), jnp.float32(0)
+
+
+class Stacked(nnx.Module):
+    def __init__(self, rngs):
+        self.first = MLP(16, 32, rngs)
+        self.layers = fsdp.stack(Layer, 2, rngs)
+
+    def __call__(self, x):
+        return fsdp.scan_layers(self.layers, self.first(x))[0]
+
+
+def test_prepared_engine_leaves_caches_and_stats_in_module_state(mesh):
+    # The trainer's engine (prefetching scan, step-level agreement) also leaves what it
+    # gathered in module state, the same values it collects in its dicts.
+    model = fsdp.attach_caches(Stacked(nnx.Rngs(0)))
+    tensors = fsdp.gathered_tensors(model)
+    assert sorted(tensors) == ["first/w_in", "first/w_out", "layers/mlp/w_in", "layers/mlp/w_out"]
+    graphdef, params, caches = nnx.split(model, nnx.Param, fsdp.ExponentCacheVar)
+    specs = fsdp.state_specs(model, params, n=N)
+    compress = {k: True for k in tensors}
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(specs, P(), P("fsdp")),
+                       out_specs=P())
+    def step(params, caches, x):
+        caches_d = fsdp.cache_dict(caches)
+        encoded = fsdp.encode_tensors(tensors, fsdp.param_dict(params), caches_d, compress)
+        engine = fsdp.Engine("ciera", tensors, caches=caches_d, encoded=encoded,
+                             agreed=fsdp.agree_tensors(tensors, encoded))
+        m = fsdp.merge(graphdef, params, caches)
+        with engine.active():
+            m(x)
+        state = fsdp.cache_dict(nnx.state(m, fsdp.ExponentCacheVar))
+        return engine.new_caches, engine.stats, state, fsdp.gather_stats(m)
+
+    x = jax.random.normal(jax.random.key(1), (16, 16), jnp.bfloat16)
+    new, stats, state, leaves = step(fsdp.put(params, specs, mesh),
+                                     fsdp.put(caches, P(), mesh), x)
+    assert sorted(new) == sorted(tensors) and sorted(stats) == sorted(tensors)
+    for k in tensors:
+        assert all(np.array_equal(a, b) for a, b in zip(_bits(new[k]), _bits(state[k])))
+        assert all(np.array_equal(a, b) for a, b in zip(_bits(stats[k]), _bits(leaves[k])))
+    assert np.asarray(leaves["layers/mlp/w_in"]["tier"]).shape == (2,)

@@ -92,15 +92,16 @@ def iter_modules(model) -> list[tuple[tuple, nnx.Module]]:
     return [(tuple(p), m) for p, m in nnx.iter_graph(model) if isinstance(m, nnx.Module)]
 
 
-def iter_params(module) -> list[tuple[tuple, Any, str, nnx.Variable]]:
-    """(path, owner, attribute name, Param) of every parameter under ``module``, except those
-    under a decorated sub-module (it gathers its own when called)."""
+def iter_params(module, nested: bool = False) -> list[tuple[tuple, Any, str, nnx.Variable]]:
+    """(path, owner, attribute name, Param) of every parameter under ``module``, except (unless
+    ``nested``) those under a decorated sub-module: it gathers its own when called."""
     nodes = {tuple(p): n for p, n in nnx.iter_graph(module)}
     out = []
     for path, node in nodes.items():
         if not (isinstance(node, nnx.Param) and path):
             continue
-        if any(gather_spec(nodes[path[:i]]) is not None for i in range(1, len(path))):
+        if not nested and any(gather_spec(nodes[path[:i]]) is not None
+                              for i in range(1, len(path))):
             continue
         out.append((path, nodes[path[:-1]], str(path[-1]), node))
     return out

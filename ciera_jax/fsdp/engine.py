@@ -29,8 +29,8 @@ from ciera_jax.fsdp.axes import (AXIS, MANUAL, REGION, UNSHARDED, axis_size, inv
                                  placement)
 from ciera_jax.fsdp.caches import ExponentCacheVar, cache_attr
 from ciera_jax.fsdp.context import activate, check_mode
-from ciera_jax.fsdp.discovery import (GatherSpec, module_name, module_path, path_key,
-                                      sharded_params)
+from ciera_jax.fsdp.discovery import (GatherSpec, ShardedParam, iter_params, module_name,
+                                      module_path, path_key, sharded_params)
 from ciera_jax.fsdp.inventory import GatheredTensor
 from ciera_jax.fsdp.rules import check_divisible, spec_for
 from ciera_jax.fsdp.stacking import stack_size
@@ -53,8 +53,9 @@ class Engine:
     agrees once and gathers its own parameters, and leaves caches and stats on its module.
     ``Engine(mode, tensors, caches=, encoded=, agreed=)``: a prepared engine for a train step
     inside ``shard_map`` (see :mod:`ciera_jax.fsdp.phases`); layer stacks run with prefetch
-    (:meth:`scan`), new caches and stats are also collected in :attr:`new_caches` and
-    :attr:`stats` (``{tensor key: ...}``, values of the trace that ran the forward).
+    (:meth:`scan`). Either way new caches and stats are module state; a prepared engine also
+    collects them in :attr:`new_caches` and :attr:`stats` (``{tensor key: ...}``, values of
+    the trace that ran the forward: read them there, or the module state under transforms).
     """
 
     def __init__(self, mode: str = "ciera", tensors: dict | None = None, *,
@@ -187,7 +188,7 @@ class Engine:
             if not self.prepared and self.mode == "ciera" and codec.is_compressible(dtype):
                 caches[p.key] = _cache_of(p, t, f"{where}/{p.key}")
         if place == MANUAL and self.prepared:
-            return self._call_prepared(module, fn, args, kwargs, tensors, shards)
+            return self._call_prepared(module, fn, args, kwargs, tensors, params)
         if self.prepared:
             raise ValueError(f"{where}: a prepared (train step) Engine runs inside shard_map; "
                              "under jit without shard_map use the default engine")
@@ -195,10 +196,7 @@ class Engine:
             fulls, new_caches, stats = self.gather_call(tensors, shards, caches)
         else:
             fulls, new_caches, stats = self._region(tensors, shards, caches)
-        for p in params:
-            if p.key in new_caches:
-                getattr(p.owner, cache_attr(p.name)).set_value(new_caches[p.key])
-        record(module, stats)
+        _leave_state(module, params, new_caches, stats)
         return _run_with(module, [(p.var, fulls[p.key]) for p in params], fn, args, kwargs, self)
 
     def _region(self, tensors, shards, caches):
@@ -259,7 +257,7 @@ class Engine:
 
         return compute
 
-    def _call_prepared(self, module, fn, args, kwargs, tensors, shards):
+    def _call_prepared(self, module, fn, args, kwargs, tensors, params):
         if kwargs:
             args = args + tuple(kwargs.values())
             names = tuple(kwargs)
@@ -279,7 +277,10 @@ class Engine:
                 self.new_caches[t.key] = new_cache
         others = {k: v for k, v in values.items() if k not in tensors}
         compute = self._compute(graphdef, keys, treedef, dummy, call0)
-        return self._apply(compute, tensors, shards, others, gins, fulls, (rest, tuple(args)))
+        out = self._apply(compute, tensors, shards, others, gins, fulls, (rest, tuple(args)))
+        _leave_state(module, params, {k: self.new_caches.get(t.key) for k, t in tensors.items()},
+                     {k: self.stats[t.key] for k, t in tensors.items()})
+        return out
 
     def scan(self, stack_module, x, *args):
         """Run a layer stack: layer l computes on weights gathered during layer l-1."""
@@ -334,6 +335,10 @@ class Engine:
             if k in cs:
                 self.new_caches[t.key] = cs[k]
             self.stats[t.key] = ss[k]
+        found = {"/".join(map(str, path)): (owner, name, var)
+                 for path, owner, name, var in iter_params(stack_module, nested=True)}
+        params = [ShardedParam(k, *found[k], axis=t.axis + 1, lead=1) for k, t in tensors.items()]
+        _leave_state(stack_module, params, cs, ss)
         return x, ys
 
 
@@ -352,6 +357,14 @@ def _cache_of(p, t: GatheredTensor, name: str):
                          f"fsdp.attach_caches inside the function that builds one layer, or "
                          f"build the stack with fsdp.stack")
     return cache
+
+
+def _leave_state(module, params: list, new_caches: dict, stats: dict) -> None:
+    """New caches into the cache variables beside their parameters, stats onto ``module``."""
+    for p in params:
+        if new_caches.get(p.key) is not None:
+            getattr(p.owner, cache_attr(p.name)).set_value(new_caches[p.key])
+    record(module, stats)
 
 
 def _run_with(module, values: list, fn, args, kwargs, engine):
