@@ -35,7 +35,7 @@ phase, for the simulator (from the last config run)::
 other ladder; ``--propose N`` greedily picks an N-rung word ladder from a grid of presets on
 those counts and prints what it would send (a proposal, not an edit of ``word_ladder``).
 
-    python benchmarks/weight_stability.py                     # small, 300 steps, ~30 min here
+    python benchmarks/weight_stability.py    # small, 300 steps: 20-60 min on 2 busy CPU cores
     python benchmarks/weight_stability.py --configs tiny --steps 100 --word-trace ''
     python benchmarks/weight_stability.py --word-trace ciera_jax/sim/data/word_trace.json
 """
@@ -333,7 +333,8 @@ def summarize(run: dict, ladder=wl.WORD_LADDER) -> dict:
     steps = run["sample_steps"]
     phases = {}
     for ph in PHASES:
-        sel = [i for i, t in enumerate(steps) if ph in phase_of(t, run["steps"], run["warmup_steps"])]
+        sel = [i for i, t in enumerate(steps)
+               if ph in phase_of(t, run["steps"], run["warmup_steps"])]
         if not sel:
             continue
         phases[ph] = {
@@ -422,9 +423,10 @@ def print_tables(res: dict) -> None:
     print("\nper kind: exponent / chosen word mode (B/weight), entropy of d (bits/weight)")
     print(f"{'phase':<8}" + "".join(f"{k:>22}" for k in kinds))
     for ph, v in s["phases"].items():
+        cells = (v["by_kind"][k] for k in kinds)
         print(f"{ph:<8}" + "".join(
-            f"{'%.3f / %.3f / %.2f' % (v['by_kind'][k]['exponent'], v['by_kind'][k]['chosen'], 8 * v['by_kind'][k]['entropy']):>22}"
-            for k in kinds))
+            f"{'%.3f / %.3f / %.2f' % (c['exponent'], c['chosen'], 8 * c['entropy']):>22}"
+            for c in cells))
     print(f"\nchoices (tensor-steps): {s['choices']}")
     for name, t in s["targets"].items():
         print(f"target {name}: {t['value']:.3f} (<= {t['target']}) "
@@ -480,7 +482,8 @@ def word_trace(res: dict) -> dict:
                       f"{res['lr_peak']}, cosine to 10%; word mode (cheapest of the word rungs "
                       f"of ciera_jax.word_ladder, exponent mode and plain, per tensor and step, "
                       f"max over {N_SHARDS} FSDP shards), bytes one rank sends per bf16 weight",
-            "phases": {p: {"bytes_per_weight": {k: v["chosen"] for k, v in ph[p]["by_kind"].items()},
+            "phases": {p: {"bytes_per_weight": {k: v["chosen"]
+                                                for k, v in ph[p]["by_kind"].items()},
                            "overall": ph[p]["bytes_per_weight"]["chosen"]}
                        for p in PHASES if p in ph}}
 
@@ -531,7 +534,8 @@ def main(argv=None) -> int:
         print(f"\nproposed ladder ({args.propose} rungs, greedy on this run):")
         for r in ladder:
             print(f"  WordRung({r.code_bits}, 1/{round(1 / r.level1_frac)}, "
-                  f"1/{round(1 / r.level2_frac)})  {r.wire_bytes(1 << 16, 2) / (1 << 16):.3f} B/weight")
+                  f"1/{round(1 / r.level2_frac)})  "
+                  f"{r.wire_bytes(1 << 16, 2) / (1 << 16):.3f} B/weight")
         for p, v in s["phases"].items():
             print(f"  {p:<8} chosen {v['bytes_per_weight']['chosen']:.3f} B/weight, ladder-first "
                   f"{v['bytes_per_weight']['ladder_first']:.3f}")
