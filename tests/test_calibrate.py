@@ -14,6 +14,7 @@ from ciera_jax.cli import main
 from ciera_jax.units import fmt_bytes, parse_size
 
 
+@pytest.mark.slow  # ~15 compiled measurements: half a minute on 2 idle cores, minutes if busy
 def test_calibrate_cli_writes_a_loadable_profile(tmp_path, capsys):
     out = tmp_path / "profile.json"
     rc = main(["calibrate", "--out", str(out), "--devices", "4", "--mesh-sizes", "2", "4",
