@@ -45,10 +45,8 @@ def check_inputs(tc: TrainConfig, run: RunConfig) -> None:
     if run.keep_checkpoints < 1:
         raise ValueError(f"--keep-checkpoints must be >= 1, got {run.keep_checkpoints}")
     if tc.cache not in CACHE_MODES:
-        raise ValueError(f"unknown cache {tc.cache!r}; choose one of: {', '.join(CACHE_MODES)}")
-    if tc.cache != "exponent":  # the step's gathers serve exponent caches only, so far
-        raise ValueError(f"--cache {tc.cache} is not available yet in ciera train; use "
-                         "--cache exponent")
+        raise ValueError(f"unknown cache {tc.cache!r}; choose one of: "
+                         f"{', '.join(CACHE_MODES)}")
     if run.resume and not run.checkpoint_dir:
         raise ValueError("--resume needs --checkpoint-dir")
     if run.checkpoint_dir:
@@ -115,6 +113,9 @@ def _start(tc: TrainConfig, run: RunConfig, mesh, saver, log):
         state = _restore(saver, state, log)
     if tc.gather == "ciera":
         log(tr.plan_summary)
+        words = sum(m == "word" for k, m in tr.cache_modes.items() if tr.compress[k])
+        log(f"caches (--cache {tc.cache}): word for {words} of the "
+            f"{sum(tr.compress.values())} compressed tensors, exponent for the rest")
     memory = {"params": bytes_per_device(state.params),
               "optimizer": bytes_per_device(state.opt_state),
               f"caches ({tc.cache})": bytes_per_device(state.caches)}

@@ -13,9 +13,10 @@ import numpy as np
 from ciera_jax.units import fmt_bytes
 
 
-TIER_LEGEND = ("tiers T:n = n tensor-layers gathered at patch tier T: -1 not compressed "
-               "(plain by the plan), 0 no exponent changed, 1.. room for more patches, the "
-               "top one a fallback (a plain gather that re-primes the cache); wire = bytes "
+TIER_LEGEND = ("tiers T:n = n tensor-layers whose gather took option T: -1 not compressed "
+               "(plain by the plan); exponent caches: 0 no exponent changed, 1.. room for more "
+               "patches; word caches: the word rungs first, then those exponent tiers; the top "
+               "option is a fallback (a plain gather that re-primes the cache); wire = bytes "
                "sent / plain bf16 bytes")
 
 

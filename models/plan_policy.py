@@ -22,6 +22,18 @@ def default_profile(platform: str) -> str:
     return "cpu-emulated" if platform == "cpu" else "h100-nvlink"
 
 
+def cache_modes(tc, tensors: dict, compress: dict, n: int, platform: str) -> dict[str, str]:
+    """Cache mode per gathered tensor (``--cache``): ``exponent`` (1 B/param) or ``word``
+    (2 B/param, sends a few bits per weight) for the compressed ones; ``auto``: the planner's
+    per-tensor choice (``planner.plan_modes``, no memory budget), exponent where it would not
+    compress. Tensors that are not compressed keep an (unused) exponent cache."""
+    if tc.cache != "auto":
+        return {k: tc.cache if compress[k] else "exponent" for k in tensors}
+    tree = {k: jax.ShapeDtypeStruct(t.shape, t.dtype) for k, t in tensors.items()}
+    chosen = planner.plan_modes(tree, n, tc.profile or default_profile(platform))
+    return {k: "word" if compress[k] and chosen[k] == "word" else "exponent" for k in tensors}
+
+
 def make_plan(tc, tensors: dict, n: int, platform: str) -> tuple[dict, str]:
     """Compress-or-plain per gathered tensor (``tc``: a TrainConfig, read for ``plan`` and
     ``profile``; ``tensors``: ``fsdp.gathered_tensors``). Returns ``({key: bool}, one-line

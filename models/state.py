@@ -12,6 +12,7 @@ import math
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -25,7 +26,7 @@ from models import configs
 from models.data import Dataset
 from models.model import Transformer
 from models.optimizer import make_optimizer
-from models.plan_policy import make_plan
+from models.plan_policy import cache_modes, make_plan
 from models.step import AHEAD_SPECS, all_words, make_step
 
 
@@ -55,6 +56,17 @@ def bytes_per_device(tree) -> int:
                for a in jax.tree.leaves(tree))
 
 
+def with_cache_modes(caches, tensors: dict, modes: dict):
+    """``caches`` (fresh, from ``fsdp.attach_caches``) with a word cache in place of the
+    exponent cache of every tensor ``modes`` says ``word`` (stacked tensors: one per layer)."""
+    def fresh(t, mode):
+        one = lambda _=None: ciera_jax.init_cache(t.shape, t.dtype, mode)  # noqa: E731
+        return jax.vmap(one)(jnp.zeros(t.stack)) if t.stack else one()
+
+    new = {k: fresh(tensors[k], m) for k, m in modes.items() if m != "exponent"}
+    return fsdp.with_caches(caches, new) if new else caches
+
+
 def is_spec(x) -> bool:
     return isinstance(x, P)
 
@@ -73,6 +85,7 @@ class Trainer:
     compress: dict = dataclasses.field(default_factory=dict)  # key -> bool (ciera only)
     plan_summary: str = ""
     prepare_fn: Callable | None = None
+    cache_modes: dict = dataclasses.field(default_factory=dict)  # key -> "exponent" | "word"
     compiled: bool = False  # a step has run (so the next one does not compile)
 
     @property
@@ -111,7 +124,8 @@ class Trainer:
         model = fsdp.attach_caches(Transformer(self.tc.model, nnx.Rngs(seed)))
         _, params, caches = nnx.split(model, nnx.Param, ExponentCacheVar)
         params = fsdp.put(params, self.param_specs, self.mesh)
-        caches = fsdp.put(caches, P(), self.mesh)
+        caches = fsdp.put(with_cache_modes(caches, self.tensors, self.cache_modes), P(),
+                          self.mesh)
         opt_state = jax.jit(self.tx.init, out_shardings=jax.tree.map(
             lambda s: NamedSharding(self.mesh, s), self.opt_specs, is_leaf=is_spec))(params)
         return TrainState(0, params, caches, opt_state)
@@ -145,10 +159,11 @@ def build_trainer(tc, mesh: Mesh) -> Trainer:
     compress, plan_summary = make_plan(tc, tensors, n, mesh.devices.flat[0].platform)
     if tc.gather != "ciera":
         compress = {k: False for k in compress}
+    modes = cache_modes(tc, tensors, compress, n, mesh.devices.flat[0].platform)
     step_fn, prepare_fn = make_step(tc, mesh, graphdef, param_specs, opt_specs, tx, tensors,
                                     compress)
     return Trainer(tc, mesh, graphdef, param_specs, opt_specs, tx, tensor_kinds(cfg, tensors),
-                   step_fn, tensors, compress, plan_summary, prepare_fn)
+                   step_fn, tensors, compress, plan_summary, prepare_fn, modes)
 
 
 def tensor_kinds(cfg: configs.ModelConfig, tensors: dict) -> dict[str, str]:

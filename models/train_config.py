@@ -21,29 +21,30 @@ import typing
 from models import configs
 from models.data import TOKEN_DTYPES
 
-# Which tensors compress (models.plan_policy): the cost model plus the expert weights, the cost
-# model alone, every gathered tensor.
-PLANS = ("auto", "cost", "all")
-# Which cache a compressed tensor keeps: exponent (1 B/param) or the whole word (2 B/param);
-# auto: the planner's choice per tensor under the memory budget.
-CACHE_MODES = ("exponent", "word", "auto")
-
 
 class LazyChoices(collections.abc.Sequence):
     """A tuple of the library's (``module.name``), imported when first read: argparse reads
     choices only to check a value given on the command line, or to print --help."""
 
-    def __init__(self, module: str, name: str):
-        self.module, self.name = module, name
+    def __init__(self, module: str, name: str, extra: tuple = ()):
+        self.module, self.name, self.extra = module, name, extra
 
     def _values(self) -> tuple:
-        return tuple(getattr(importlib.import_module(self.module), self.name))
+        return tuple(getattr(importlib.import_module(self.module), self.name)) + self.extra
 
     def __getitem__(self, i):
         return self._values()[i]
 
     def __len__(self) -> int:
         return len(self._values())
+
+
+# Which cache a compressed tensor keeps: the library's modes (exponent, 1 B/param; word, the
+# whole word, 2 B/param), or auto: the planner's choice per tensor.
+CACHE_MODES = LazyChoices("ciera_jax.cache", "MODES", extra=("auto",))
+# Which tensors compress (models.plan_policy): the cost model plus the expert weights, the cost
+# model alone, every gathered tensor.
+PLANS = ("auto", "cost", "all")
 
 
 def option(default, help: str, **meta):
@@ -80,8 +81,8 @@ class TrainConfig:
                        "the cost model alone; all: every gathered tensor (ciera only)",
                        choices=PLANS)
     cache: str = option("exponent", "what each compressed tensor caches: exponent (1 B/param), "
-                        "word (2 B/param, sends less), auto (the planner per tensor)",
-                        choices=CACHE_MODES)
+                        "word (2 B/param, sends a few bits per weight), auto (the planner's "
+                        "choice per tensor)", choices=CACHE_MODES, metavar="MODE")
 
     @property
     def model(self) -> configs.ModelConfig:

@@ -10,10 +10,11 @@ import jax
 import pytest
 from flax import nnx
 
-from ciera_jax import cli
+from ciera_jax import cli, fsdp
 from models import data
-from models.model import Transformer
-from models.train import TrainConfig, make_mesh, train
+from models.model import Transformer, abstract_model
+from models.plan_policy import cache_modes
+from models.train import TrainConfig, make_mesh, make_plan, train
 
 STEPS = 20
 TC = TrainConfig(config="tiny", schedule_steps=STEPS)  # the CLI's defaults, horizon 20
@@ -112,10 +113,6 @@ def test_bad_input_one_clear_line(argv, msg, capsys):
 
 
 def test_plan_compresses_expert_weights_by_default():
-    from models.train import make_plan
-    from ciera_jax import fsdp
-    from models.model import abstract_model
-
     model = fsdp.attach_caches(abstract_model(TC.model))
     tensors = fsdp.gathered_tensors(model)
     auto, summary = make_plan(TC, tensors, 8, "cpu")
@@ -129,3 +126,23 @@ def test_plan_compresses_expert_weights_by_default():
     assert all(every.values())
     with pytest.raises(ValueError, match="unknown plan"):
         make_plan(TrainConfig(plan="most"), tensors, 8, "cpu")
+
+
+def test_cache_modes_per_tensor():
+    tensors = fsdp.gathered_tensors(fsdp.attach_caches(abstract_model(TC.model)))
+    compress, _ = make_plan(TC, tensors, 8, "cpu")
+    assert set(cache_modes(TC, tensors, compress, 8, "cpu").values()) == {"exponent"}
+    word = cache_modes(TrainConfig(cache="word"), tensors, compress, 8, "cpu")
+    assert {k for k, m in word.items() if m == "word"} == {k for k, c in compress.items() if c}
+    auto = cache_modes(TrainConfig(cache="auto"), tensors, compress, 8, "cpu")
+    assert all(m == "exponent" for k, m in auto.items() if not compress[k])
+    assert set(auto.values()) <= {"exponent", "word"}
+
+
+@pytest.mark.slow
+def test_word_caches_train_bitwise_plain_and_send_less(runs):
+    res = train(TrainConfig(**{**TC.__dict__, "cache": "word"}), steps=STEPS, seed=0,
+                mesh=make_mesh(8), log=None)
+    assert res.sha256 == runs["plain"].sha256
+    assert sum(r["sent_bytes"] for r in res.history) < sum(
+        r["sent_bytes"] for r in runs["ciera"].history)

@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ciera_jax import cli, fsdp
+from ciera_jax import cache, cli, fsdp
 from models import checkpoint as ckpt
 from models import train_cli
 from models.data import TOKEN_DTYPES
-from models.train_config import CACHE_MODES, PLANS, RunConfig, TrainConfig, from_args
+from models.train_config import PLANS, RunConfig, TrainConfig, from_args
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,7 +34,7 @@ def test_every_field_is_a_flag_with_help_and_its_default():
     assert "(default: 16)" in actions["batch_size"].help
     assert tuple(actions["gather"].choices) == fsdp.GATHER_MODES
     assert tuple(actions["plan"].choices) == PLANS
-    assert tuple(actions["cache"].choices) == CACHE_MODES
+    assert tuple(actions["cache"].choices) == (*cache.MODES, "auto")
     assert tuple(actions["data_dtype"].choices) == TOKEN_DTYPES
 
 
@@ -94,12 +94,6 @@ def test_steps_and_keep_must_be_sane(capsys):
     assert "--steps must be >= 0, got -1" in _one_line_error(["--steps", "-1"], capsys)
     assert "--keep-checkpoints must be >= 1" in _one_line_error(
         ["--checkpoint-dir", "unused", "--keep-checkpoints", "0"], capsys)
-
-
-@pytest.mark.parametrize("mode", ["word", "auto"])
-def test_cache_modes_not_in_the_trainer_yet(mode, capsys):
-    err = _one_line_error(["--cache", mode], capsys)
-    assert f"--cache {mode} is not available yet in ciera train; use --cache exponent" in err
 
 
 @pytest.mark.parametrize("saved,flag", [
