@@ -13,6 +13,11 @@ differ in ``churn`` of their exponents alternate) timed interleaved in the same 
                 (``ciera_jax.netns``), standing in for an inter-node network. Needs root,
                 iproute2 and tc; where they are missing it says why and skips those links.
 
+A second series (``--word-experts``, default 4 experts = 16 MB) gathers a weight pair whose
+words differ by moves drawn from the measured steady-state distribution of word deltas
+(``shared/studies/word_delta``) three ways, interleaved: plain bits, exponent mode and word mode
+(``mp_gather_bench_worker.word_pair``). Targets: word <= 0.55x plain, exponent <= 0.75x plain.
+
 Per row: median seconds per gather (the slowest process's median), ``time ciera/plain`` next to
 ``wire ciera/plain`` (bytes one rank sends, from CIERA's stats), and the plain gather's achieved
 rate (bytes each rank receives per second). The self-checking gather's cost is timed as in
@@ -21,13 +26,15 @@ the CIERA gather's time) and ``fused +`` (the gather with both checksums in one 
 gather alone, less one).
 
     python benchmarks/gather_multiprocess.py [--procs 2 4] [--links loopback 10gbit 1gbit]
-        [--experts 1 4] [--churn 0 0.01] [--reps 5] [--out PATH]
+        [--experts 1 4] [--churn 0 0.01] [--word-experts 4] [--series churn word]
+        [--reps 5] [--out PATH]
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -50,6 +57,11 @@ def parse_args(argv=None):
     p.add_argument("--experts", type=int, nargs="+", default=[1, 4],
                    help=f"experts per tensor: (E, {D_MODEL}, {D_FF}) bf16 = 4 MB per expert")
     p.add_argument("--churn", type=float, nargs="+", default=[0.0, 0.01])
+    p.add_argument("--word-experts", type=int, nargs="+", default=[4],
+                   help="experts per tensor of the word-delta series (4 = 16 MB)")
+    p.add_argument("--series", nargs="+", choices=("churn", "word"), default=["churn", "word"],
+                   help="churn: plain vs CIERA at exponent churn levels; word: plain vs "
+                        "exponent vs word mode on word deltas")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=float, default=300, help="seconds per launch")
@@ -61,6 +73,8 @@ def aggregate(results: list[dict], link: str, procs: int) -> list[dict]:
     by_key: dict[tuple, dict] = {}
     for res in results:
         for r in res["records"]:
+            if r.get("series") == "word_delta":
+                continue
             key = (tuple(r["shape"]), r["target_change_rate"])
             row = by_key.setdefault(key, dict(link=link, procs=procs, devices=r["N"],
                                               shape=list(r["shape"]),
@@ -80,6 +94,39 @@ def aggregate(results: list[dict], link: str, procs: int) -> list[dict]:
         row["plain_recv_GBps"] = (N - 1) / N * row["mb"] * 2**20 / row["plain_s"] / 1e9
         rows.append(row)
     return rows
+
+
+def aggregate_word(results: list[dict], link: str, procs: int) -> list[dict]:
+    """One row per shape of the word-delta series: slowest process's median per mode."""
+    by_shape: dict[tuple, dict] = {}
+    for res in results:
+        for r in res["records"]:
+            if r.get("series") != "word_delta":
+                continue
+            row = by_shape.setdefault(tuple(r["shape"]), dict(
+                series="word_delta", link=link, procs=procs, devices=r["N"],
+                shape=list(r["shape"]), mb=r["n_bytes"] / 2**20))
+            m = r["method"]
+            row[f"{m}_s"] = max(row.get(f"{m}_s", 0.0), r["seconds"])
+            if m != "plain":
+                row[f"{m}_wire_ratio"] = r["wire_ratio"]
+                row[f"{m}_stats"] = r["stats"]
+    rows = list(by_shape.values())
+    for row in rows:
+        for m in ("exponent", "word"):
+            row[f"{m}_time_ratio"] = row[f"{m}_s"] / row["plain_s"]
+    return rows
+
+
+def print_word_rows(rows: list[dict]) -> None:
+    print(f"{'link':>9} {'procs':>5} {'MB':>4} {'plain ms':>9} {'exp ms':>8} {'word ms':>8} "
+          f"{'t exp/p':>8} {'t word/p':>8} {'wire exp':>8} {'wire word':>9} {'bits':>4}")
+    for r in rows:
+        print(f"{r['link']:>9} {r['procs']:>5} {r['mb']:4.0f} {r['plain_s'] * 1e3:9.2f} "
+              f"{r['exponent_s'] * 1e3:8.2f} {r['word_s'] * 1e3:8.2f} "
+              f"{r['exponent_time_ratio']:8.2f} {r['word_time_ratio']:8.2f} "
+              f"{r['exponent_wire_ratio']:8.3f} {r['word_wire_ratio']:9.3f} "
+              f"{r['word_stats']['code_bits']:>4}", flush=True)
 
 
 def print_rows(rows: list[dict], header: bool) -> None:
@@ -107,12 +154,17 @@ def parse_results(outs: list[str]) -> list[dict]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C: the workers are killed and the namespaces torn down.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     from ciera_jax import netns
     from ciera_jax.launch import run_local
 
-    spec = json.dumps(dict(shapes=[[e, D_MODEL, D_FF] for e in args.experts], axis=1,
-                           churn=args.churn, reps=args.reps, warmup=args.warmup,
-                           methods=METHODS))
+    churn = "churn" in args.series
+    spec = json.dumps(dict(shapes=[[e, D_MODEL, D_FF] for e in args.experts] if churn else [],
+                           axis=1, churn=args.churn, reps=args.reps, warmup=args.warmup,
+                           methods=METHODS,
+                           word_shapes=([[e, D_MODEL, D_FF] for e in args.word_experts]
+                                        if "word" in args.series else [])))
     env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     shaped = [lk for lk in args.links if lk != "loopback"]
     ns_ok, ns_why = (netns.available() if shaped else (False, "no namespace links asked for"))
@@ -122,7 +174,7 @@ def main(argv=None) -> int:
           f"(E, {D_MODEL}, {D_FF}) on axis 1, median of {args.reps}, slowest process",
           flush=True)
 
-    rows, skipped, failures = [], [], []
+    rows, word_rows, skipped, failures = [], [], [], []
     t0 = time.perf_counter()
     for link in args.links:
         if link != "loopback" and not ns_ok:
@@ -141,27 +193,36 @@ def main(argv=None) -> int:
                         outs = netns.run_in_namespaces(lk, WORKER, [spec],
                                                        local_devices=args.local_devices,
                                                        timeout_s=args.timeout, env=env)
-                new = aggregate(parse_results(outs), link, procs)
+                results = parse_results(outs)
+                new = aggregate(results, link, procs)
+                new_word = aggregate_word(results, link, procs)
             except (RuntimeError, OSError) as e:
                 print(f"{link} x {procs} processes failed: {str(e)[:1500]}", flush=True)
                 failures.append(dict(link=link, procs=procs, error=str(e)[-3000:]))
                 continue
             for r in new:
                 r["launch_s"] = time.perf_counter() - t_launch
-            print_rows(new, header=not rows)
+            if new:
+                print_rows(new, header=not rows)
+            if new_word:
+                print_word_rows(new_word)
             rows += new
+            word_rows += new_word
     elapsed = time.perf_counter() - t0
     write_results(args.out, dict(
         local_devices=args.local_devices, reps=args.reps, seconds=elapsed,
-        rows=rows, skipped=skipped, failures=failures,
+        rows=rows, word_rows=word_rows, skipped=skipped, failures=failures,
         notes=["time_ratio = ciera / plain bits; wire_ratio = bytes one rank sends, "
                "ciera / plain",
                "shaped links: per-process namespace, veth to a bridge, tc tbf at the "
                "rate in both directions (ciera_jax.netns)",
                "times are the slowest process's median per method",
                "checksum_vs_ciera = checksum_s / ciera_s; checked_vs_ciera = "
-               "ciera_checked_s / ciera_s - 1 (see gather_bench.py)"]))
-    return 1 if failures and not rows else 0
+               "ciera_checked_s / ciera_s - 1 (see gather_bench.py)",
+               "word_rows: plain bits, exponent mode, word mode on a pair of weights whose "
+               "words differ by steady-state word deltas; targets word <= 0.55x, exponent "
+               "<= 0.75x plain time"]))
+    return 1 if failures and not (rows or word_rows) else 0
 
 
 if __name__ == "__main__":

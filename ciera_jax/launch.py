@@ -68,18 +68,25 @@ def child_env(coordinator: str, num_processes: int, pid: int, local_devices: int
 
 
 def collect(procs, timeout_s: float) -> tuple[list[str], list[int]]:
-    """Wait for every child (killing all on a timeout); their outputs and exit codes."""
+    """Wait for every child (killing all on a timeout); their outputs and exit codes. If the
+    wait itself is interrupted (Ctrl-C, SIGTERM turned into SystemExit), the children are
+    killed too, so none outlives the launcher."""
     outs, codes = [], []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            out, _ = p.communicate()
-            out += f"\n[timed out after {timeout_s}s]"
-        outs.append(out)
-        codes.append(p.returncode)
+    try:
+        for p in procs:
+            try:
+                out, _ = p.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                out, _ = p.communicate()
+                out += f"\n[timed out after {timeout_s}s]"
+            outs.append(out)
+            codes.append(p.returncode)
+    except BaseException:
+        for q in procs:
+            q.kill()
+        raise
     return outs, codes
 
 
