@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from ciera_jax.costmodel import Tier
@@ -46,6 +47,8 @@ def first_positions(mask_N, k: int):
     """Indices of the first ``k`` True entries of a flat mask, in order; ``n`` where absent."""
     n = mask_N.shape[0]
     block = _block_for(n, k)
+    if block == 8:  # many slots: one byte per block, the offset inside it from a table
+        return _first_positions_bytes(mask_N, k)
     n_blocks = -(-n // block)
     blocks = jnp.pad(mask_N, (0, n_blocks * block - n)).reshape(n_blocks, block)
     counts = jnp.sum(blocks, axis=1, dtype=jnp.int32)
@@ -57,6 +60,27 @@ def first_positions(mask_N, k: int):
     seen = prefix_sum(blocks[b_safe].astype(jnp.int32), axis=1)  # (k, block)
     offset = jnp.argmax(seen >= rank_in_block[:, None], axis=1).astype(jnp.int32)
     return jnp.where(b < n_blocks, b_safe * block + offset, n)
+
+
+# _NTH_BIT[byte * 8 + r]: the position of the (r+1)-th set bit of ``byte`` (0 if none).
+_NTH_BIT = np.array([[([i for i in range(8) if v >> i & 1] + [0] * 8)[r] for r in range(8)]
+                     for v in range(256)], np.int32).reshape(-1)
+
+
+def _first_positions_bytes(mask_N, k: int):
+    """:func:`first_positions` for many slots: blocks of 8 packed in a byte, their popcounts
+    prefix-summed, a search per slot, and the slot's bit inside its byte from a 2 KB table
+    (no per-slot scan of the block)."""
+    n = mask_N.shape[0]
+    bytes_B = pack_bits(mask_N)
+    counts = lax.population_count(bytes_B).astype(jnp.int32)
+    ends = prefix_sum(counts)
+    j = jnp.arange(1, k + 1, dtype=jnp.int32)
+    b = jnp.searchsorted(ends, j, side="left")
+    b_safe = jnp.minimum(b, bytes_B.shape[0] - 1)
+    rank = j - (ends[b_safe] - counts[b_safe]) - 1  # 0-based rank inside the byte
+    offset = jnp.asarray(_NTH_BIT)[bytes_B[b_safe].astype(jnp.int32) * 8 + rank]
+    return jnp.where(b < bytes_B.shape[0], b_safe * 8 + offset, n).astype(jnp.int32)
 
 
 def _block_for(n: int, k: int) -> int:
