@@ -136,3 +136,26 @@ def test_encoded_ahead_is_a_fresh_encode_of_the_new_state():
     assert got and len(got) == len(want)
     for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _gathering_switches(jaxpr) -> int:
+    """Tier switches (``cond`` eqns whose branches all-gather), nested bodies included."""
+    return sum(1 for e in _walk(jaxpr) if e.primitive.name == "cond"
+               and any(_has(b, {"all_gather", "all_gather_invariant"}) for b in _subjaxprs(e)))
+
+
+def _step_jaxpr(tc):
+    tr = build_trainer(tc, make_mesh(8))
+    state = tr.prepare(tr.init_state(0))
+    batch = tr.batch(data.load_dataset(None, 256, tc.length), 0, 0)
+    return jax.make_jaxpr(tr.step_fn)(state.params, state.caches, state.opt_state,
+                                      state.ahead, batch).jaxpr
+
+
+def test_word_mode_backward_reads_the_cache_instead_of_gathering(step_jaxpr):
+    """Exponent mode gathers every compressed tensor twice (forward, and the re-gather of the
+    backward); word mode once: its backward reads the full words the forward left."""
+    exponent = _gathering_switches(step_jaxpr)
+    word = _gathering_switches(_step_jaxpr(TrainConfig(**{**TC.__dict__, "cache": "word"})))
+    assert exponent > 0 and exponent % 2 == 0
+    assert word == exponent // 2

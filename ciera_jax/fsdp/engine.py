@@ -220,12 +220,18 @@ class Engine:
         def f(shards, others, gins, fulls, xargs):
             return compute(fulls, others, xargs)
 
+        # A word-cache gather leaves this step's full words in the new cache: the backward
+        # reads them (a residual) instead of gathering again. Other tensors re-gather.
+        held = [k for k in shards if gins[k] is not None and _is_word_cache(gins[k][1])]
+
         def fwd(shards, others, gins, fulls, xargs):
-            return compute(fulls, others, xargs), (shards, others, gins, xargs)
+            kept = {k: fulls[k] for k in held}
+            return compute(fulls, others, xargs), (shards, others, gins, xargs, kept)
 
         def bwd(res, ct):
-            shards, others, gins, xargs = res
-            re = {k: self.gather_one(tensors[k], lax.stop_gradient(shards[k]), gins[k])[0]
+            shards, others, gins, xargs, kept = res
+            re = {k: kept[k] if k in kept else
+                  self.gather_one(tensors[k], lax.stop_gradient(shards[k]), gins[k])[0]
                   for k in shards}
             _, vjp = jax.vjp(compute, re, others, xargs)
             ct_fulls, ct_others, ct_xargs = vjp(ct)
@@ -340,6 +346,10 @@ class Engine:
         params = [ShardedParam(k, *found[k], axis=t.axis + 1, lead=1) for k, t in tensors.items()]
         _leave_state(stack_module, params, cs, ss)
         return x, ys
+
+
+def _is_word_cache(cache) -> bool:
+    return isinstance(cache, cache_lib.WordCache)
 
 
 def _cache_of(p, t: GatheredTensor, name: str):
