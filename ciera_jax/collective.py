@@ -24,6 +24,12 @@ Phases, per tensor:
 ``stats["mode"]``: 0 plain, 1 exponent, 2 word (``MODE_*``); ``stats["code_bits"]``: the word
 code width, 0 when not word mode.
 
+Self-check: every compressed option also sends a 32-bit checksum of the sender's true shard
+(:mod:`ciera_jax.checksum`); every receiver checks each shard it rebuilt against it.
+``stats["verify_failed"]`` counts the shards that failed on this rank (per rank: a cache that
+drifted on one rank fails there only). Plain gathers send the bits themselves and need no
+check. :func:`ciera_jax.heal.reset_failed` is what to do about a failure.
+
 Gradients: the result is attached to ``x`` through a ``custom_vjp`` whose backward is
 ``lax.psum_scatter``, the transpose of an all-gather, so gradients are bitwise those of
 ``lax.all_gather``.
@@ -40,11 +46,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ciera_jax import checksum as checksums
 from ciera_jax import codec, kernels, patches, wordcodec
 from ciera_jax.cache import ExponentCache, WordCache, is_cache
 # The tier ladder lives with the cost model so the planner and simulator price exactly what
 # is sent.
-from ciera_jax.costmodel import DEFAULT_LADDER, Ladder, Tier
+from ciera_jax.costmodel import CHECKSUM_BYTES, DEFAULT_LADDER, Ladder, Tier
 from ciera_jax.word_ladder import CODE_BITS, WORD_LADDER, WordRung
 
 AGREEMENT_BYTES = 4  # one int32 demand in the step's pmax (exponent mode: one per tensor)
@@ -142,7 +149,8 @@ class Encoded:
     their positions in the full tensor, as many as the largest sparse tier holds (unused slots
     hold an out-of-range position); ``changed_bits``: one bit per element, packed little-end
     first (empty when the ladder has no bitmap tier); ``count``: exponents changed in this
-    shard; ``demand``: ``count``, or int32 max when the cache is unprimed.
+    shard; ``demand``: ``count``, or int32 max when the cache is unprimed; ``checksum``: uint32
+    of the shard's true words, sent with the payload for the receivers' check.
     """
 
     payload: jax.Array
@@ -151,6 +159,7 @@ class Encoded:
     changed_bits: jax.Array
     count: jax.Array
     demand: jax.Array
+    checksum: jax.Array
     axis: int = dataclasses.field(metadata=dict(static=True))
     n_ranks: int = dataclasses.field(metadata=dict(static=True))
     tiers: tuple[Tier, ...] = dataclasses.field(metadata=dict(static=True))
@@ -182,18 +191,25 @@ def encode(x: jax.Array, cache, axis_name, *, axis: int = 0,
     x = lax.stop_gradient(x)
     shard_len = x.shape[axis]
     offset = lax.axis_index(axis_name).astype(jnp.int32) * shard_len
+    csum = _shard_checksum(x, axis, axis_name)
     if isinstance(cache, WordCache):
         cached = lax.dynamic_slice_in_dim(cache.words, offset, shard_len, axis=axis)
         d, counts = kernels.word_encode(x, cached, impl=impl)
         demand = jnp.where(cache.primed, counts, jnp.int32(np.iinfo(np.int32).max))
-        return WordEncoded(d, counts, demand, axis, n_ranks, ladder.tiers(x.size))
+        return WordEncoded(d, counts, demand, csum, axis, n_ranks, ladder.tiers(x.size))
     cached = lax.dynamic_slice_in_dim(cache.exp, offset, shard_len, axis=axis)
     return _encode_exponent(x, cached, cache.primed, offset, axis, n_ranks,
-                            ladder.tiers(x.size), impl)
+                            ladder.tiers(x.size), impl, csum)
+
+
+def _shard_checksum(x, axis: int, axis_name) -> jax.Array:
+    """This rank's shard checksum at its global positions (rank * shard size onwards)."""
+    first = lax.axis_index(axis_name).astype(jnp.uint32) * jnp.uint32(x.size)
+    return checksums.checksum(x, first, axis=axis)
 
 
 def _encode_exponent(x, cached_exp, primed, offset, axis: int, n_ranks: int,
-                     tiers: tuple[Tier, ...], impl: str) -> Encoded:
+                     tiers: tuple[Tier, ...], impl: str, csum) -> Encoded:
     exp, payload, changed = kernels.encode(x, cached_exp, impl=impl)
     # An unprimed cache knows no exponent: all of them count as changed.
     count = jnp.where(primed, jnp.sum(changed, dtype=jnp.int32), changed.size)
@@ -202,8 +218,8 @@ def _encode_exponent(x, cached_exp, primed, offset, axis: int, n_ranks: int,
     changed_bits = (patches.pack_bits(changed.reshape(-1)) if bitmap
                     else jnp.zeros((0,), jnp.uint8))
     demand = jnp.where(primed, count, jnp.int32(np.iinfo(np.int32).max))
-    return Encoded(payload, patch_pos, patch_exp, changed_bits, count, demand, axis, n_ranks,
-                   tiers)
+    return Encoded(payload, patch_pos, patch_exp, changed_bits, count, demand, csum, axis,
+                   n_ranks, tiers)
 
 
 @jax.tree_util.register_dataclass
@@ -214,13 +230,15 @@ class WordEncoded:
     ``delta``: ``ord(new) - ord(cached)`` per element, the same-width signed integer, shard
     shape; ``counts``: this shard's int32 (``wordcodec.N_DEMANDS``,) vector: escapes at code
     widths 2, 3, 4, raw words (``|d| > 127``), changed exponents; ``demand``: ``counts``, or
-    int32 max everywhere when the cache is unprimed. The code plane and the escape lists are
-    built in the exchange, for the code width the agreement picks.
+    int32 max everywhere when the cache is unprimed; ``checksum``: as :attr:`Encoded.checksum`.
+    The code plane and the escape lists are built in the exchange, for the code width the
+    agreement picks.
     """
 
     delta: jax.Array
     counts: jax.Array
     demand: jax.Array
+    checksum: jax.Array
     axis: int = dataclasses.field(metadata=dict(static=True))
     n_ranks: int = dataclasses.field(metadata=dict(static=True))
     tiers: tuple[Tier, ...] = dataclasses.field(metadata=dict(static=True))
@@ -304,10 +322,11 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
     branches = [functools.partial(_compressed_branch, tier=t, axis_name=axis_name, dtype=dtype,
                                   impl=impl) for t in tiers]
     branches.append(functools.partial(_plain_branch, axis_name=axis_name, dtype=dtype))
-    full, new_exp = lax.switch(tier, branches, e, cache.exp, lax.stop_gradient(x))
+    full, new_exp, failed = lax.switch(tier, branches, e, cache.exp, lax.stop_gradient(x))
     n_local = x.size
     payload_bytes = n_local * codec.word_format(dtype).payload_bytes
-    wire = [payload_bytes + t.patch_bytes(n_local) for t in tiers] + [n_local * dtype.itemsize]
+    wire = ([payload_bytes + t.patch_bytes(n_local) + CHECKSUM_BYTES for t in tiers]
+            + [n_local * dtype.itemsize])
     stats = dict(
         sent_bytes=jnp.asarray(wire, jnp.int32)[tier] + AGREEMENT_BYTES,
         plain_bytes=jnp.int32(n_local * dtype.itemsize),
@@ -319,6 +338,7 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
         fallback=tier == len(tiers),
         mode=jnp.where(tier == len(tiers), MODE_PLAIN, MODE_EXPONENT).astype(jnp.int32),
         code_bits=jnp.int32(0),
+        verify_failed=failed,
     )
     new_cache = dataclasses.replace(cache, exp=new_exp, primed=jnp.ones_like(cache.primed))
     # The gathered tensor differs by nothing across ranks, but lax.all_gather types it as
@@ -338,8 +358,10 @@ def word_options(n_local: int, word_bytes: int, tiers: tuple[Tier, ...],
         if key not in rungs:
             rungs.append(key)
     payload = n_local * (word_bytes - 1)
-    wire = ([wordcodec.wire_size(n_local, b, c1, c2, word_bytes) for b, c1, c2 in rungs]
-            + [payload + t.patch_bytes(n_local) for t in tiers] + [n_local * word_bytes])
+    wire = ([wordcodec.wire_size(n_local, b, c1, c2, word_bytes) + CHECKSUM_BYTES
+             for b, c1, c2 in rungs]
+            + [payload + t.patch_bytes(n_local) + CHECKSUM_BYTES for t in tiers]
+            + [n_local * word_bytes])
     return tuple(rungs), wire
 
 
@@ -362,7 +384,8 @@ def _exchange_word(x, e: WordEncoded, cache: WordCache, agreed, axis_name, impl)
                                    dtype=dtype, impl=impl) for t in e.tiers]
     branches.append(functools.partial(_word_cache_plain_branch, axis_name=axis_name,
                                       dtype=dtype))
-    full, new_words = lax.switch(choice, branches, e, cache.words, lax.stop_gradient(x))
+    full, new_words, failed = lax.switch(choice, branches, e, cache.words,
+                                         lax.stop_gradient(x))
     n_rungs, n_tiers = len(rungs), len(e.tiers)
     plain = n_rungs + n_tiers
     table = lambda values, dt=jnp.int32: jnp.asarray(values, dt)[choice]  # noqa: E731
@@ -377,6 +400,7 @@ def _exchange_word(x, e: WordEncoded, cache: WordCache, agreed, axis_name, impl)
         fallback=choice == plain,
         mode=table([MODE_WORD] * n_rungs + [MODE_EXPONENT] * n_tiers + [MODE_PLAIN]),
         code_bits=table([b for b, _, _ in rungs] + [0] * (n_tiers + 1)),
+        verify_failed=failed,
     )
     new_cache = dataclasses.replace(cache, words=new_words, primed=jnp.ones_like(cache.primed))
     full = lax.pcast(full, axis_name, to="varying")
@@ -465,7 +489,7 @@ def _plain_branch(e: Encoded, cache_exp, x, *, axis_name, dtype):
     del cache_exp
     bits = lax.all_gather(codec.to_bits(x), axis_name, axis=e.axis, tiled=True, to="invarying")
     full = codec.from_bits(bits, dtype)
-    return full, codec.exponent(full)
+    return full, codec.exponent(full), _no_failure(axis_name)
 
 
 def _compressed_branch(e: Encoded, cache_exp, x, *, tier: Tier, axis_name, dtype, impl):
@@ -479,8 +503,10 @@ def _compressed_branch(e: Encoded, cache_exp, x, *, tier: Tier, axis_name, dtype
     elif K:
         parts += [lax.bitcast_convert_type(e.patch_pos[:K], jnp.uint8).reshape(-1),
                   e.patch_exp[:K]]
+    parts.append(_checksum_bytes(e.checksum))
     wire_NxL = lax.all_gather(jnp.concatenate(parts), axis_name, axis=0, tiled=False,
                               to="invarying")
+    wire_NxL, sent_N = _split_checksums(wire_NxL)
 
     end = n_planes * n_local
     payload = _to_full_layout(wire_NxL[:, :end].reshape(-1, n_planes, n_local), e)
@@ -495,8 +521,9 @@ def _compressed_branch(e: Encoded, cache_exp, x, *, tier: Tier, axis_name, dtype
         exp_full = patches.apply_sparse(cache_exp, pos, wire_NxL[:, end + 4 * K:].reshape(-1))
     else:
         exp_full = cache_exp
-    return kernels.decode(exp_full, payload.reshape((n_planes,) + e.full_shape), dtype,
-                          impl=impl), exp_full
+    full = kernels.decode(exp_full, payload.reshape((n_planes,) + e.full_shape), dtype,
+                          impl=impl)
+    return full, exp_full, _verify(full, sent_N, e, axis_name)
 
 
 def _word_branch(e: WordEncoded, words, x, *, rung, axis_name, dtype, impl):
@@ -504,7 +531,9 @@ def _word_branch(e: WordEncoded, words, x, *, rung, axis_name, dtype, impl):
     b, c1, c2 = rung
     n_local = math.prod(e.shard_shape)
     wire = wordcodec.encode_wire(e.delta.reshape(-1), codec.to_bits(x).reshape(-1), b, c1, c2)
-    wire_NxL = lax.all_gather(wire, axis_name, axis=0, tiled=False, to="invarying")
+    wire = jnp.concatenate([wire, _checksum_bytes(e.checksum)])
+    wire_NxL, sent_N = _split_checksums(
+        lax.all_gather(wire, axis_name, axis=0, tiled=False, to="invarying"))
     codes_NxN, level1, level2 = wordcodec.split_wire(wire_NxL, n_local, b, c1, c2, words.dtype)
     dense = kernels.word_decode(words, _to_full_layout(codes_NxN, e), b, impl=impl)
     # Escapes: positions from the codes (block-wise), moved into the full tensor's layout.
@@ -516,7 +545,8 @@ def _word_branch(e: WordEncoded, words, x, *, rung, axis_name, dtype, impl):
     new_at = wordcodec.escape_words(cached_at, level1, level2)
     out = dense.reshape(-1).at[full_pos.reshape(-1)].set(new_at.reshape(-1), mode="drop")
     out = out.reshape(words.shape)
-    return codec.from_bits(out, dtype), out
+    full = codec.from_bits(out, dtype)
+    return full, out, _verify(full, sent_N, e, axis_name)
 
 
 def _word_cache_exponent_branch(e: WordEncoded, words, x, *, tier: Tier, axis_name, dtype,
@@ -529,17 +559,53 @@ def _word_cache_exponent_branch(e: WordEncoded, words, x, *, tier: Tier, axis_na
     cached = lax.dynamic_slice_in_dim(cache_exp, offset, shard_len, axis=e.axis)
     # Compact for this tier only (the agreed tier is static here): no inner tier switch.
     tiers = (Tier(0), tier) if tier.capacity else (tier,)
-    ee = _encode_exponent(x, cached, jnp.bool_(True), offset, e.axis, e.n_ranks, tiers, impl)
-    full, _ = _compressed_branch(ee, cache_exp, x, tier=tier, axis_name=axis_name,
-                                 dtype=dtype, impl=impl)
-    return full, codec.to_bits(full)
+    ee = _encode_exponent(x, cached, jnp.bool_(True), offset, e.axis, e.n_ranks, tiers, impl,
+                          e.checksum)
+    full, _, failed = _compressed_branch(ee, cache_exp, x, tier=tier, axis_name=axis_name,
+                                         dtype=dtype, impl=impl)
+    return full, codec.to_bits(full), failed
 
 
 def _word_cache_plain_branch(e: WordEncoded, words, x, *, axis_name, dtype):
     """Gather the bits as they are; they are the new word cache."""
     del words
     bits = lax.all_gather(codec.to_bits(x), axis_name, axis=e.axis, tiled=True, to="invarying")
-    return codec.from_bits(bits, dtype), bits
+    return codec.from_bits(bits, dtype), bits, _no_failure(axis_name)
+
+
+def _no_failure(axis_name) -> jax.Array:
+    """A plain gather carries the bits themselves: nothing to check (a zero typed like the
+    checked branches' counts)."""
+    return _varying_elsewhere(jnp.int32(0), axis_name)
+
+
+def _varying_elsewhere(x, axis_name) -> jax.Array:
+    """``x`` typed as varying over every manual mesh axis but the gather's, so every switch
+    branch returns the same type whatever its inputs vary over (e.g. a cache replicated over a
+    data axis, or not)."""
+    t = jax.typeof(x)
+    mat = getattr(t, "manual_axis_type", None)  # JAX 0.10's type; older ones have .vma
+    have = set(mat.varying) if mat is not None else set(getattr(t, "vma", ()))
+    missing = tuple(a for a in jax.sharding.get_abstract_mesh().manual_axes
+                    if a not in have and a != axis_name)
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _checksum_bytes(csum) -> jax.Array:
+    """The uint32 checksum as the last CHECKSUM_BYTES of a uint8 wire buffer."""
+    return lax.bitcast_convert_type(csum.astype(jnp.uint32), jnp.uint8).reshape(CHECKSUM_BYTES)
+
+
+def _split_checksums(wire_NxL):
+    """Gathered wire rows -> (rows without their checksums, every rank's checksum (N,))."""
+    sent_N = lax.bitcast_convert_type(wire_NxL[:, -CHECKSUM_BYTES:], jnp.uint32)
+    return wire_NxL[:, :-CHECKSUM_BYTES], sent_N
+
+
+def _verify(full, sent_N, e, axis_name) -> jax.Array:
+    """Shards of the rebuilt ``full`` whose checksum differs from what their rank sent."""
+    got_N = checksums.checksum_shards(full, e.axis, e.n_ranks)
+    return _varying_elsewhere(jnp.sum(got_N != sent_N, dtype=jnp.int32), axis_name)
 
 
 def _to_full_layout(a_NxPxn, e: Encoded):
@@ -558,7 +624,8 @@ def _plain_stats(x) -> dict:
     return dict(sent_bytes=n_bytes, plain_bytes=n_bytes, changed=jnp.int32(0),
                 agreed_changed=jnp.int32(0), tier=jnp.int32(-1), capacity=jnp.int32(0),
                 bitmap=jnp.bool_(False), fallback=jnp.bool_(False),
-                mode=jnp.int32(MODE_PLAIN), code_bits=jnp.int32(0))
+                mode=jnp.int32(MODE_PLAIN), code_bits=jnp.int32(0),
+                verify_failed=jnp.int32(0))
 
 
 # --------------------------------------------------------------------------- gradient

@@ -32,6 +32,7 @@ from typing import Union
 from ciera_jax.word_ladder import WORD_LADDER
 
 PATCH_BYTES = 5  # a sparse patch: int32 position + uint8 exponent
+CHECKSUM_BYTES = 4  # every compressed gather sends a uint32 checksum of the shard's words
 INT8_BLOCK = 256  # ZeRO++ qwZ-style blockwise absmax int8; one float32 scale per block
 INT8_SCALE_BYTES = 4  # what quantized.py sends (float32)
 # Word-mode codec time relative to exponent mode's: its decode moves ~6.5 B of HBM traffic per
@@ -280,17 +281,18 @@ def gather_cost(method: str, n: int, N: int, bytes_per_elem: int, link: Link,
             return GatherCost("ciera", n * b, 0.0, fallback=True)
         patches = (tier.patch_bytes(n_local) if tier.bitmap
                    else tier.capacity * patch_bytes)
-        return GatherCost("ciera", n * payload + N * patches,
+        return GatherCost("ciera", n * payload + N * (patches + CHECKSUM_BYTES),
                           n * b / link.codec_Bps + link.codec_launch_s,
                           patch_capacity=tier.capacity)
     if method == "word":
         codec = WORD_CODEC_FACTOR * n * b / link.codec_Bps + link.codec_launch_s
         if word_rung is not None:
-            return GatherCost("word", N * WORD_LADDER[word_rung].wire_bytes(n_local, b), codec)
+            return GatherCost("word", N * (WORD_LADDER[word_rung].wire_bytes(n_local, b)
+                                           + CHECKSUM_BYTES), codec)
         if word_bpw is None or word_bpw <= 0:
             raise ValueError("word mode is priced from a rung (word_rung=) or a measured "
                              f"bytes-per-weight (word_bpw= > 0), got word_bpw={word_bpw!r}")
-        return GatherCost("word", n * word_bpw, codec)
+        return GatherCost("word", n * word_bpw + N * CHECKSUM_BYTES, codec)
     raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
 
 

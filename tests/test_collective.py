@@ -119,5 +119,6 @@ def test_stats_report_changed_counts_and_plain_bytes():
     assert s1["changed"].tolist() == per_rank_changed
     assert (s1["agreed_changed"] == max(per_rank_changed)).all()
     assert (s1["capacity"] >= max(per_rank_changed)).all()
-    assert (s1["sent_bytes"] == n_local + 5 * s1["capacity"] + 4).all()
+    assert (s1["sent_bytes"] == n_local + 5 * s1["capacity"] + 4 + 4).all()  # + checksum, agreement
+    assert (s1["verify_failed"] == 0).all()
     assert (s0["sent_bytes"] == 2 * n_local + 4).all()

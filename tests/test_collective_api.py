@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ciera_jax
+from ciera_jax.costmodel import CHECKSUM_BYTES
 from bitdata import BF16, F32, adversarial, bits_of, churn, weights
 from harness import mesh_of, run_steps
 
@@ -140,8 +141,8 @@ def test_compiled_hlo_gathers_uint8_payload():
     hlo = fn.lower(x, cache).compile().as_text()
     gathers = re.findall(r"= (\w+\[[\d,]*\])\S* all-gather(?:-start)?\(", hlo)
     n_local = shape[0] * shape[1] // 8
-    # The no-patch tier gathers exactly the 1-byte payload: (8, n_local) uint8.
-    assert f"u8[8,{n_local}]" in gathers, gathers
+    # The no-patch tier gathers exactly the 1-byte payload and the checksum: (8, n_local + 4).
+    assert f"u8[8,{n_local + CHECKSUM_BYTES}]" in gathers, gathers
     assert any(g.startswith("u16[") for g in gathers), "the priming/fallback path gathers bits"
     assert not any(g.startswith("bf16[") for g in gathers), "no bf16 gather may survive"
 

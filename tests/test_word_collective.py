@@ -23,7 +23,7 @@ import ciera_jax
 from bitdata import BF16, F32, WORD, adversarial, bits_of, from_bits, special_words, weights
 from ciera_jax import codec
 from ciera_jax.collective import MODE_EXPONENT, MODE_PLAIN, MODE_WORD, word_options
-from ciera_jax.costmodel import DEFAULT_LADDER
+from ciera_jax.costmodel import CHECKSUM_BYTES, DEFAULT_LADDER
 
 
 @functools.lru_cache(maxsize=None)
@@ -244,7 +244,8 @@ def test_wire_bytes_are_exact_per_branch():
     gathered = {int(shape.split("x")[1]) for shape, t in outs if t == "ui8"}
     n_rungs = len(RUNGS)
     assert set(WIRE[:n_rungs]) <= gathered, (WIRE[:n_rungs], gathered)
-    assert N_LOCAL in gathered, "exponent tier 0 sends one payload byte per element"
+    assert N_LOCAL + CHECKSUM_BYTES in gathered, \
+        "exponent tier 0 sends one payload byte per element and the checksum"
     assert ("512x64", "ui16") in outs, "plain gathers the bits"
     assert not any(t == "bf16" for _, t in outs)
 
