@@ -62,15 +62,10 @@ def first_positions(mask_N, k: int):
     return jnp.where(b < n_blocks, b_safe * block + offset, n)
 
 
-# _NTH_BIT[byte * 8 + r]: the position of the (r+1)-th set bit of ``byte`` (0 if none).
-_NTH_BIT = np.array([[([i for i in range(8) if v >> i & 1] + [0] * 8)[r] for r in range(8)]
-                     for v in range(256)], np.int32).reshape(-1)
-
-
 def _first_positions_bytes(mask_N, k: int):
     """:func:`first_positions` for many slots: blocks of 8 packed in a byte, their popcounts
-    prefix-summed, a search per slot, and the slot's bit inside its byte from a 2 KB table
-    (no per-slot scan of the block)."""
+    prefix-summed, a search per slot, and the slot's bit inside its byte (no per-slot scan of
+    a larger block)."""
     n = mask_N.shape[0]
     bytes_B = pack_bits(mask_N)
     counts = lax.population_count(bytes_B).astype(jnp.int32)
@@ -79,7 +74,10 @@ def _first_positions_bytes(mask_N, k: int):
     b = jnp.searchsorted(ends, j, side="left")
     b_safe = jnp.minimum(b, bytes_B.shape[0] - 1)
     rank = j - (ends[b_safe] - counts[b_safe]) - 1  # 0-based rank inside the byte
-    offset = jnp.asarray(_NTH_BIT)[bytes_B[b_safe].astype(jnp.int32) * 8 + rank]
+    # The slot's bit inside its byte: the first bit whose running count passes the rank
+    # (8 lanes per slot; a constant lookup table here would not vmap inside shard_map).
+    bits_Kx8 = (bytes_B[b_safe][:, None] >> jnp.arange(8, dtype=jnp.uint8)) & 1
+    offset = jnp.argmax(jnp.cumsum(bits_Kx8.astype(jnp.int32), axis=1) > rank[:, None], axis=1)
     return jnp.where(b < bytes_B.shape[0], b_safe * 8 + offset, n).astype(jnp.int32)
 
 
