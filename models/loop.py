@@ -17,7 +17,7 @@ from typing import Callable
 
 from ciera_jax.devices import make_mesh
 from models import checkpoint as ckpt
-from models import metrics
+from models import faults, metrics
 from models.data import load_dataset
 from models.params_hash import params_sha256
 from models.preemption import PreemptionGuard, agree
@@ -51,6 +51,7 @@ def check_inputs(tc: TrainConfig, run: RunConfig) -> None:
         raise ValueError("--resume needs --checkpoint-dir")
     if run.checkpoint_dir:
         ckpt.check_dir(run.checkpoint_dir)
+    faults.parse_fault(run.inject_cache_fault)
 
 
 def train(tc: TrainConfig, run: RunConfig | None = None, *, mesh=None,
@@ -67,12 +68,22 @@ def train(tc: TrainConfig, run: RunConfig | None = None, *, mesh=None,
         tr, state, dataset, meta = _start(tc, run, mesh, saver, log)
         out = stack.enter_context(_metrics_file(run, meta))
         history, last_save, stopped = [], time.monotonic(), None
+        fault = faults.parse_fault(run.inject_cache_fault)
+        if fault:
+            faults.check_fault(fault, tr)
+        retries = 0
         while state.step < run.steps and not stopped:
             if state.priming:
                 log(_first_step_note(tr, state.step + 1))
-            rec, state = _one_step(tr, state, dataset, run)  # the step proposes, we take it
+            if fault and state.step + 1 == fault.step and not retries:
+                state = faults.inject(tr, state, fault, log)
+            rec, state = _one_step(tr, state, dataset, run, retried=retries > 0)
             history.append(rec)
             _report(rec, out, run, tc, log)
+            if rec["verify_failed"]:
+                retries = _after_failed_check(rec, retries, log)
+                continue  # nothing was applied: the same step again, caches re-priming
+            retries = 0
             stop, due = agree(guard.signal_name is not None,
                               _save_due(run, state.step, last_save))
             stop = stop and state.step < run.steps  # a signal in the last step: just finish
@@ -137,16 +148,34 @@ def _report(rec: dict, out, run: RunConfig, tc: TrainConfig, log) -> None:
         raise FloatingPointError(f"loss is {rec['loss']} at step {rec['step']}")
 
 
-def _one_step(tr, state: TrainState, dataset, run: RunConfig) -> tuple[dict, TrainState]:
+def _one_step(tr, state: TrainState, dataset, run: RunConfig,
+              retried: bool = False) -> tuple[dict, TrainState]:
     """Run the step at ``state.step`` (data position == step) and take its result."""
     batch = tr.batch(dataset, run.seed, state.step)
     priming = state.priming and tr.tc.gather == "ciera"
     t0 = time.perf_counter()
     new_state, m = tr.step(state, batch)
     dt = time.perf_counter() - t0
-    step = new_state.step
+    step = state.step + 1
     traced = run.trace_every > 0 and (step % run.trace_every == 0 or step == 1)
-    return metrics.step_record(step, m, dt, tr.kinds, traced, priming), new_state
+    return metrics.step_record(step, m, dt, tr.kinds, traced, priming, retried), new_state
+
+
+MAX_RETRIES = 3  # a fault that survives re-priming this often is not a transient one
+
+
+def _after_failed_check(rec: dict, retries: int, log) -> int:
+    """Log a failed self-check; stop when the same step keeps failing."""
+    retries += 1
+    if retries > MAX_RETRIES:
+        raise RuntimeError(
+            f"step {rec['step']}: the gathers' self-check failed {retries} times in a row "
+            f"even after the failed caches re-primed; a rank's memory or links are likely "
+            f"faulty (see verify_failed in the metrics)")
+    log(f"step {rec['step']}: self-check failed on {rec['verify_failed']} gathered shard(s); "
+        f"the step was not applied, the failed caches re-prime, and the same batch runs "
+        f"again (retry {retries})")
+    return retries
 
 
 def _first_step_note(tr, step: int) -> str:

@@ -21,8 +21,10 @@ TIER_LEGEND = ("tiers T:n = n tensor-layers whose gather took option T: -1 not c
 
 
 def step_record(step: int, m: dict, dt: float, kinds: dict, with_tensors: bool,
-                priming: bool = False) -> dict:
-    """One JSONL row from the step's host metrics ``m``."""
+                priming: bool = False, retried: bool = False) -> dict:
+    """One JSONL row from the step's host metrics ``m``. ``verify_failed``: shards whose
+    self-check failed (summed over ranks; the step was not applied and runs again);
+    ``retried``: this row is such a redo."""
     g = m["gather"]
     sent = sum(float(s["sent_bytes"]) for s in g.values())
     plain = sum(float(s["plain_bytes"]) for s in g.values())
@@ -38,7 +40,8 @@ def step_record(step: int, m: dict, dt: float, kinds: dict, with_tensors: bool,
            "exp_changed_frac": changed / max(elems, 1.0),
            "word_changed_frac": words / max(elems, 1.0),
            "fallbacks": int(sum(int(s["fallback"]) for s in g.values())),
-           "tiers": tiers, "step_time_s": dt, "priming": priming}
+           "tiers": tiers, "step_time_s": dt, "priming": priming,
+           "verify_failed": int(m["verify_failed"]), "retried": retried}
     if with_tensors:
         rec["exp_change_by_tensor"] = {k: float(s["changed"]) / float(s["elements"])
                                        for k, s in sorted(g.items())}

@@ -30,7 +30,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from ciera_jax import fsdp
+from ciera_jax import fsdp, heal
 from ciera_jax.fsdp import AXIS
 
 # ``ahead``: per rank Encoded (a leading rank axis outside shard_map), replicated counts.
@@ -74,6 +74,23 @@ def per_layer_stats(tensors: dict, stats: dict) -> dict:
     return out
 
 
+def failure_vector(tensors: dict, stats: dict) -> jax.Array:
+    """Every compressed gather's per-rank ``verify_failed`` (per layer for stacks), flat."""
+    parts = [jnp.ravel(stats[k]["verify_failed"]) for k in sorted(stats)]
+    return jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.int32)
+
+
+def unflatten_failures(tensors: dict, stats: dict, flat) -> dict:
+    """:func:`failure_vector`'s layout back to ``{tensor key: failures (per layer)}``."""
+    out, at = {}, 0
+    for k in sorted(stats):
+        shape = jnp.shape(stats[k]["verify_failed"])
+        size = math.prod(shape)
+        out[k] = flat[at:at + size].reshape(shape)
+        at += size
+    return out
+
+
 def make_step(tc, mesh, graphdef, param_specs, opt_specs, tx, tensors, compress):
     """``(step_fn, prepare_fn)``, both compiled. ``step_fn(params, caches, opt_state, ahead,
     tokens) -> (params, caches, opt_state, ahead, metrics)`` donates its state arguments;
@@ -100,20 +117,38 @@ def make_step(tc, mesh, graphdef, param_specs, opt_specs, tx, tensors, compress)
         grads, (loss, parts, new_caches, stats) = jax.grad(loss_fn, has_aux=True)(
             params, caches, caches_d, encoded, agreed, tokens)
         caches_d = {**caches_d, **new_caches}
-        grads, gnorm = fsdp.clip_by_global_norm(grads, param_specs, tc.clip_norm, AXIS)
-        updates, opt_state = tx.update(grads, opt_state, params)
+        # The gathers' self-check failures (per rank) ride on the norm's psum: no extra
+        # collective, and after it every rank knows which tensors failed anywhere.
+        grads, gnorm, failed_flat = fsdp.clip_by_global_norm(
+            grads, param_specs, tc.clip_norm, AXIS,
+            also_sum=failure_vector(tensors, stats))
+        failed = unflatten_failures(tensors, stats, failed_flat)
+        bad = sum(jnp.sum(v) for v in failed.values()) > 0 if failed else jnp.bool_(False)
+        updates, new_opt_state = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
+        # A failed check: no rank applies the step, every rank forgets the failed tensors'
+        # caches (the redo's gathers prime them), and the loop runs the same batch again.
+        new_params = heal.keep_if_failed(bad, params, new_params)
+        new_opt_state = heal.keep_if_failed(bad, opt_state, new_opt_state)
+        caches_d = {k: heal.reset_failed(c, failed[k]) if k in failed else c
+                    for k, c in caches_d.items()}
         # Prepare step t+1 while everything it needs is final (off its critical path).
         old_d, new_d = fsdp.param_dict(params), fsdp.param_dict(new_params)
         ahead_next = {
             "encoded": ranked(fsdp.encode_tensors(tensors, new_d, caches_d, compress, AXIS)),
-            "word_changed": word_changes(tensors, old_d, new_d)}
+            "word_changed": jax.tree.map(lambda again, nxt: jnp.where(bad, again, nxt),
+                                         ahead["word_changed"],
+                                         word_changes(tensors, old_d, new_d))}
         for k, st in stats.items():
             st["words_changed"] = ahead["word_changed"][k]
+            st["verify_failed"] = failed.get(k, jnp.zeros_like(st["tier"]))
         metrics = {"loss": lax.pmean(loss, AXIS), "grad_norm": gnorm,
                    **{k: lax.pmean(v, AXIS) for k, v in parts.items()},
+                   "verify_failed": sum((jnp.sum(v) for v in failed.values()), jnp.int32(0)),
                    "gather": per_layer_stats(tensors, stats)}
-        return new_params, fsdp.with_caches(caches, new_caches), opt_state, ahead_next, metrics
+        caches = fsdp.with_caches(caches, {k: caches_d[k] for k in caches_d
+                                           if k in new_caches or k in failed})
+        return new_params, caches, new_opt_state, ahead_next, metrics
 
     sm = jax.shard_map(local_step, mesh=mesh,
                        in_specs=(param_specs, P(), opt_specs, AHEAD_SPECS, P(AXIS)),

@@ -146,3 +146,39 @@ def test_word_caches_train_bitwise_plain_and_send_less(runs):
     assert res.sha256 == runs["plain"].sha256
     assert sum(r["sent_bytes"] for r in res.history) < sum(
         r["sent_bytes"] for r in runs["ciera"].history)
+
+
+def _fault_rows(res, step):
+    return [r for r in res.history if r["step"] == step]
+
+
+def test_injected_cache_fault_is_caught_healed_and_lost_nothing(runs):
+    """Bits flipped in rank 2's cache before step 5: that step's row shows the failed check,
+    nothing is applied, the batch runs again, and the run ends bitwise where plain ends."""
+    lines = []
+    res = train(TC, steps=STEPS, seed=0, mesh=make_mesh(8), log=lines.append,
+                inject_cache_fault="5:2")
+    first, redo = _fault_rows(res, 5)
+    assert first["verify_failed"] >= 1 and not first["retried"]
+    assert redo["verify_failed"] == 0 and redo["retried"]
+    assert all(r["verify_failed"] == 0 for r in res.history if r["step"] != 5)
+    assert len(res.history) == STEPS + 1
+    assert res.sha256 == runs["plain"].sha256 == runs["ciera"].sha256
+    assert any("self-check failed" in line for line in lines)
+
+
+@pytest.mark.slow
+def test_injected_word_cache_fault_is_caught_and_healed(runs):
+    res = train(TrainConfig(**{**TC.__dict__, "cache": "word"}), steps=STEPS, seed=0,
+                mesh=make_mesh(8), log=None, inject_cache_fault="7:0")
+    first, redo = _fault_rows(res, 7)
+    assert first["verify_failed"] >= 1 and redo["retried"] and redo["verify_failed"] == 0
+    assert res.sha256 == runs["plain"].sha256
+
+
+@pytest.mark.parametrize("spec, msg", [
+    ("x", "expected STEP"), ("0", "STEP must be >= 1"), ("3:9", "not among the 8 ranks"),
+    ("3:0:nope", "not a compressed tensor")])
+def test_bad_fault_specs_fail_before_training(spec, msg):
+    with pytest.raises(ValueError, match=msg):
+        train(TC, steps=1, seed=0, mesh=make_mesh(8), log=None, inject_cache_fault=spec)

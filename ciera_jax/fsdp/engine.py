@@ -101,9 +101,14 @@ class Engine:
         if gin is not None:
             e, cache, agreed = gin
             full, new_cache, st = collective.exchange(shard, e, cache, agreed, ax, impl=self.impl)
+            # verify_failed stays per rank in a train step (it rides on the step's norm psum);
+            # a default engine reduces it like the other stats.
+            failed = st["verify_failed"]
             stats = dict(sent_bytes=st["sent_bytes"], plain_bytes=st["plain_bytes"],
                          changed=invariant(st["changed"], ax, lax.psum), tier=st["tier"],
-                         fallback=st["fallback"].astype(jnp.int32))
+                         fallback=st["fallback"].astype(jnp.int32),
+                         verify_failed=failed if self.prepared else invariant(failed, ax,
+                                                                              lax.psum))
         else:
             if self.mode == "int8":
                 full = quantized.int8_all_gather(shard, ax, axis=t.axis).astype(shard.dtype)
@@ -112,7 +117,7 @@ class Engine:
                 full = collective.plain_all_gather(shard, ax, axis=t.axis)
                 sent = plain
             stats = dict(sent_bytes=sent, plain_bytes=plain, changed=jnp.int32(0),
-                         tier=jnp.int32(-1), fallback=jnp.int32(0))
+                         tier=jnp.int32(-1), fallback=jnp.int32(0), verify_failed=jnp.int32(0))
         stats["elements"] = jnp.int32(full.size)
         return full, new_cache, {k: lax.stop_gradient(v) for k, v in stats.items()}
 

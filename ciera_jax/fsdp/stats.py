@@ -13,14 +13,16 @@ from jax import lax
 from ciera_jax.fsdp.discovery import path_key
 
 STATS_ATTR = "ciera_gather_stats"
-STAT_KEYS = ("sent_bytes", "plain_bytes", "changed", "tier", "fallback", "elements")
+STAT_KEYS = ("sent_bytes", "plain_bytes", "changed", "tier", "fallback", "verify_failed",
+             "elements")
 
 
 class GatherStats(nnx.Variable):
     """Stats of the last gather of each parameter of one decorated module: rank-invariant int32
     scalars (per layer under a scan) ``sent_bytes`` and ``plain_bytes`` (what one rank sends),
     ``changed`` (exponents changed, whole tensor), ``tier`` (-1: plain), ``fallback``,
-    ``elements``."""
+    ``verify_failed`` (shards whose self-check failed, summed over ranks; per rank inside a
+    prepared train step, whose norm psum sums them), ``elements``."""
 
 
 def record(module, stats: dict) -> None:
