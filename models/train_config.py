@@ -117,7 +117,7 @@ class RunConfig:
     inject_cache_fault: str | None = option(
         None, "flip random bits of one rank's cache before step STEP: STEP[:RANK[:TENSOR]] "
         "(default rank 0, the largest compressed tensor); a drill of the self-check",
-        metavar="STEP[:RANK[:TENSOR]]", hidden=True)
+        metavar="STEP[:RANK[:TENSOR]]")
 
 
 def _flag(name: str) -> str:
@@ -133,8 +133,7 @@ def add_fields(parser: argparse.ArgumentParser, cls) -> None:
             continue
         default = meta.get("cli_default", f.default)
         shown = meta.get("default_text", "none" if default is None else default)
-        help_text = (argparse.SUPPRESS if meta.get("hidden")
-                     else f"{meta['help']} (default: {shown})")
+        help_text = f"{meta['help']} (default: {shown})"
         if hints[f.name] is bool:
             parser.add_argument(_flag(f.name), action="store_true", default=default,
                                 help=help_text)
@@ -142,7 +141,7 @@ def add_fields(parser: argparse.ArgumentParser, cls) -> None:
         kind = next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],)
                     if t is not type(None))
         choices = meta.get("choices")
-        if isinstance(choices, LazyChoices) and not meta.get("hidden"):  # shown at --help
+        if isinstance(choices, LazyChoices):  # argparse shows them at --help time only
             help_text = f"{meta['help']} (one of: %(choices)s; default: {shown})"
         metavar = meta.get("metavar", {int: "N", float: "X"}.get(kind, "VALUE"))
         parser.add_argument(_flag(f.name), type=kind, default=default, help=help_text,
