@@ -138,6 +138,13 @@ def all_gather_tree(tree, caches, axis_name, *, axis=0, impl: str = "auto",
 # --------------------------------------------------------------------------- the three phases
 
 
+def gathered_shape(shard_shape, axis: int, n_ranks: int) -> tuple[int, ...]:
+    """The full tensor's shape: ``n_ranks`` shards tiled on ``axis``."""
+    shape = list(shard_shape)
+    shape[axis] *= n_ranks
+    return tuple(shape)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Encoded:
@@ -170,9 +177,7 @@ class Encoded:
 
     @property
     def full_shape(self) -> tuple[int, ...]:
-        shape = list(self.shard_shape)
-        shape[self.axis] *= self.n_ranks
-        return tuple(shape)
+        return gathered_shape(self.shard_shape, self.axis, self.n_ranks)
 
 
 def encode(x: jax.Array, cache, axis_name, *, axis: int = 0,
@@ -249,9 +254,7 @@ class WordEncoded:
 
     @property
     def full_shape(self) -> tuple[int, ...]:
-        shape = list(self.shard_shape)
-        shape[self.axis] *= self.n_ranks
-        return tuple(shape)
+        return gathered_shape(self.shard_shape, self.axis, self.n_ranks)
 
     @property
     def count(self) -> jax.Array:

@@ -79,13 +79,17 @@ def _deps(jaxpr, in_deps):
     return [get(v) for v in jaxpr.outvars], gathers
 
 
-@pytest.fixture(scope="module")
-def step_jaxpr():
-    tr = build_trainer(TC, make_mesh(8))
+def _step_jaxpr(tc):
+    tr = build_trainer(tc, make_mesh(8))
     state = tr.prepare(tr.init_state(0))
-    batch = tr.batch(data.load_dataset(None, 256, TC.length), 0, 0)
+    batch = tr.batch(data.load_dataset(None, 256, tc.length), 0, 0)
     return jax.make_jaxpr(tr.step_fn)(state.params, state.caches, state.opt_state,
                                       state.ahead, batch).jaxpr
+
+
+@pytest.fixture(scope="module")
+def step_jaxpr():
+    return _step_jaxpr(TC)
 
 
 def test_one_agreement_per_step(step_jaxpr):
@@ -142,14 +146,6 @@ def _gathering_switches(jaxpr) -> int:
     """Tier switches (``cond`` eqns whose branches all-gather), nested bodies included."""
     return sum(1 for e in _walk(jaxpr) if e.primitive.name == "cond"
                and any(_has(b, {"all_gather", "all_gather_invariant"}) for b in _subjaxprs(e)))
-
-
-def _step_jaxpr(tc):
-    tr = build_trainer(tc, make_mesh(8))
-    state = tr.prepare(tr.init_state(0))
-    batch = tr.batch(data.load_dataset(None, 256, tc.length), 0, 0)
-    return jax.make_jaxpr(tr.step_fn)(state.params, state.caches, state.opt_state,
-                                      state.ahead, batch).jaxpr
 
 
 def test_word_mode_backward_reads_the_cache_instead_of_gathering(step_jaxpr):
