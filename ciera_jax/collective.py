@@ -489,15 +489,14 @@ def _check_impl(impl) -> None:
 
 def _plain_branch(e: Encoded, cache_exp, x, *, axis_name, dtype):
     """Gather the bits as they are and re-prime the cache from the result."""
-    del cache_exp
     bits = lax.all_gather(codec.to_bits(x), axis_name, axis=e.axis, tiled=True, to="invarying")
     full = codec.from_bits(bits, dtype)
-    return full, codec.exponent(full), _no_failure(axis_name)
+    return full, codec.exponent(full), _no_failure(axis_name, (e, cache_exp, x))
 
 
 def _compressed_branch(e: Encoded, cache_exp, x, *, tier: Tier, axis_name, dtype, impl):
-    """Send payload bytes + patches in one uint8 buffer; rebuild from cache + patches."""
-    del x
+    """Send payload bytes + patches in one uint8 buffer; rebuild from cache + patches (``x``
+    only types the self-check's count)."""
     K, n_planes = tier.capacity, e.payload.shape[0]
     n_local = math.prod(e.shard_shape)
     parts = [e.payload.reshape(-1)]
@@ -526,7 +525,7 @@ def _compressed_branch(e: Encoded, cache_exp, x, *, tier: Tier, axis_name, dtype
         exp_full = cache_exp
     full = kernels.decode(exp_full, payload.reshape((n_planes,) + e.full_shape), dtype,
                           impl=impl)
-    return full, exp_full, _verify(full, sent_N, e, axis_name)
+    return full, exp_full, _verify(full, sent_N, e, axis_name, (e, cache_exp, x))
 
 
 def _word_branch(e: WordEncoded, words, x, *, rung, axis_name, dtype, impl):
@@ -549,7 +548,7 @@ def _word_branch(e: WordEncoded, words, x, *, rung, axis_name, dtype, impl):
     out = dense.reshape(-1).at[full_pos.reshape(-1)].set(new_at.reshape(-1), mode="drop")
     out = out.reshape(words.shape)
     full = codec.from_bits(out, dtype)
-    return full, out, _verify(full, sent_N, e, axis_name)
+    return full, out, _verify(full, sent_N, e, axis_name, (e, words, x))
 
 
 def _word_cache_exponent_branch(e: WordEncoded, words, x, *, tier: Tier, axis_name, dtype,
@@ -571,26 +570,28 @@ def _word_cache_exponent_branch(e: WordEncoded, words, x, *, tier: Tier, axis_na
 
 def _word_cache_plain_branch(e: WordEncoded, words, x, *, axis_name, dtype):
     """Gather the bits as they are; they are the new word cache."""
-    del words
     bits = lax.all_gather(codec.to_bits(x), axis_name, axis=e.axis, tiled=True, to="invarying")
-    return codec.from_bits(bits, dtype), bits, _no_failure(axis_name)
+    return codec.from_bits(bits, dtype), bits, _no_failure(axis_name, (e, words, x))
 
 
-def _no_failure(axis_name) -> jax.Array:
+def _no_failure(axis_name, operands) -> jax.Array:
     """A plain gather carries the bits themselves: nothing to check (a zero typed like the
     checked branches' counts)."""
-    return _varying_elsewhere(jnp.int32(0), axis_name)
+    return _varying_like(jnp.int32(0), operands, axis_name)
 
 
-def _varying_elsewhere(x, axis_name) -> jax.Array:
-    """``x`` typed as varying over every manual mesh axis but the gather's, so every switch
-    branch returns the same type whatever its inputs vary over (e.g. a cache replicated over a
-    data axis, or not)."""
+def _vma(x) -> set:
     t = jax.typeof(x)
     mat = getattr(t, "manual_axis_type", None)  # JAX 0.10's type; older ones have .vma
-    have = set(mat.varying) if mat is not None else set(getattr(t, "vma", ()))
-    missing = tuple(a for a in jax.sharding.get_abstract_mesh().manual_axes
-                    if a not in have and a != axis_name)
+    return set(mat.varying) if mat is not None else set(getattr(t, "vma", ()))
+
+
+def _varying_like(x, operands, axis_name) -> jax.Array:
+    """``x`` typed to vary over every mesh axis the switch ``operands`` vary over, but the
+    gather's: every branch then returns the same type, whatever the inputs vary over (a cache
+    replicated over a data axis or not, a shard that differs across it or not)."""
+    want = set().union(*(_vma(a) for a in jax.tree.leaves(operands))) - {axis_name}
+    missing = tuple(sorted(want - _vma(x)))
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
@@ -605,10 +606,10 @@ def _split_checksums(wire_NxL):
     return wire_NxL[:, :-CHECKSUM_BYTES], sent_N
 
 
-def _verify(full, sent_N, e, axis_name) -> jax.Array:
+def _verify(full, sent_N, e, axis_name, operands) -> jax.Array:
     """Shards of the rebuilt ``full`` whose checksum differs from what their rank sent."""
     got_N = checksums.checksum_shards(full, e.axis, e.n_ranks)
-    return _varying_elsewhere(jnp.sum(got_N != sent_N, dtype=jnp.int32), axis_name)
+    return _varying_like(jnp.sum(got_N != sent_N, dtype=jnp.int32), operands, axis_name)
 
 
 def _to_full_layout(a_NxPxn, e: Encoded):

@@ -99,7 +99,8 @@ def make_step(tc, mesh, graphdef, param_specs, opt_specs, tx, tensors, compress)
 
     def loss_fn(params, caches, caches_d, encoded, agreed, tokens):
         model = fsdp.merge(graphdef, params, caches)
-        engine = fsdp.Engine(tc.gather, tensors, caches=caches_d, encoded=encoded, agreed=agreed)
+        engine = fsdp.Engine(tc.gather, tensors, caches=caches_d, encoded=encoded, agreed=agreed,
+                             word_backward=tc.word_backward)
         with engine.active():
             loss, parts = model.loss(tokens, tc.lb_coef, tc.z_coef)
         # Mean over the global batch: each rank's mean over its equal share, divided by n.

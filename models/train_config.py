@@ -83,6 +83,11 @@ class TrainConfig:
     cache: str = option("exponent", "what each compressed tensor caches: exponent (1 B/param), "
                         "word (2 B/param, sends a few bits per weight), auto (the planner's "
                         "choice per tensor)", choices=CACHE_MODES, metavar="MODE")
+    word_backward: str = option(
+        "regather", "how the backward gets word-mode weights: regather (the same exact gather "
+        "again; params bitwise plain's) or cache (read the words the forward left: no backward "
+        "gather, params equal plain's up to float summation order)",
+        choices=LazyChoices("ciera_jax.fsdp.engine", "WORD_BACKWARDS"))
 
     @property
     def model(self) -> configs.ModelConfig:

@@ -150,8 +150,10 @@ def _gathering_switches(jaxpr) -> int:
 
 def test_word_mode_backward_reads_the_cache_instead_of_gathering(step_jaxpr):
     """Exponent mode gathers every compressed tensor twice (forward, and the re-gather of the
-    backward); word mode once: its backward reads the full words the forward left."""
+    backward); word mode with word_backward="cache" once: its backward reads the full words
+    the forward left."""
     exponent = _gathering_switches(step_jaxpr)
-    word = _gathering_switches(_step_jaxpr(TrainConfig(**{**TC.__dict__, "cache": "word"})))
+    word = _gathering_switches(_step_jaxpr(
+        TrainConfig(**{**TC.__dict__, "cache": "word", "word_backward": "cache"})))
     assert exponent > 0 and exponent % 2 == 0
     assert word == exponent // 2

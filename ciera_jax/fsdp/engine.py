@@ -46,6 +46,13 @@ def _float0_like(tree):
     return jax.tree.map(one, tree)
 
 
+# How a prepared engine's backward gets a word-mode tensor's full weights: "regather" (the same
+# exact gather again, so the step compiles like plain FSDP and its params stay bitwise plain's)
+# or "cache" (read the full words the forward left: no backward gather; XLA then compiles the
+# backward's reductions differently, so params match plain only up to float summation order).
+WORD_BACKWARDS = ("regather", "cache")
+
+
 class Engine:
     """The gathers of decorated modules, for one call (default) or one train step (prepared).
 
@@ -60,9 +67,14 @@ class Engine:
 
     def __init__(self, mode: str = "ciera", tensors: dict | None = None, *,
                  caches: dict | None = None, encoded: dict | None = None,
-                 agreed: dict | None = None, axis_name: str = AXIS, impl: str = "auto"):
+                 agreed: dict | None = None, axis_name: str = AXIS, impl: str = "auto",
+                 word_backward: str = "regather"):
         self.mode, self.tensors, self.axis_name, self.impl = check_mode(mode), tensors, \
             axis_name, impl
+        if word_backward not in WORD_BACKWARDS:
+            raise ValueError(f"word_backward must be one of {WORD_BACKWARDS}, got "
+                             f"{word_backward!r}")
+        self.word_backward = word_backward
         self.caches = dict(caches or {})
         self.encoded = dict(encoded or {}) if mode == "ciera" else {}
         self.agreed = dict(agreed or {})
@@ -121,7 +133,7 @@ class Engine:
         stats["elements"] = jnp.int32(full.size)
         return full, new_cache, {k: lax.stop_gradient(v) for k, v in stats.items()}
 
-    def _gin(self, key: str):
+    def _gather_inputs(self, key: str):
         """A prepared engine's gather inputs beside the shard: (Encoded, cache, agreed) or None."""
         if key not in self.encoded:
             return None
@@ -134,16 +146,16 @@ class Engine:
         of them with ONE collective; a prepared one uses the step's Encoded and agreement.
         """
         if self.prepared:
-            gins = {k: self._gin(t.key) for k, t in tensors.items()}
+            inputs = {k: self._gather_inputs(t.key) for k, t in tensors.items()}
         else:
             enc = {k: collective.encode(lax.stop_gradient(shards[k]), caches[k], self.axis_name,
                                         axis=t.axis, impl=self.impl, name=t.key)
                    for k, t in tensors.items() if caches.get(k) is not None}
             agreed = collective.agree(enc, self.axis_name) if enc else {}
-            gins = {k: (enc[k], caches[k], agreed[k]) if k in enc else None for k in tensors}
+            inputs = {k: (enc[k], caches[k], agreed[k]) if k in enc else None for k in tensors}
         fulls, new_caches, stats = {}, {}, {}
         for k, t in tensors.items():
-            fulls[k], c, stats[k] = self.gather_one(t, shards[k], gins[k])
+            fulls[k], c, stats[k] = self.gather_one(t, shards[k], inputs[k])
             if c is not None:
                 new_caches[k] = c
         return fulls, new_caches, stats
@@ -216,37 +228,41 @@ class Engine:
 
     # -- prepared: gathered compute with re-gather in backward --------------------------------
 
-    def _apply(self, compute, tensors: dict, shards: dict, others, gins: dict, fulls: dict, xargs):
-        """``compute(fulls, others, xargs)``, differentiable to shards/others/xargs; ``fulls``
+    def _apply(self, compute, tensors: dict, shards: dict, others, inputs: dict, fulls: dict,
+               call_args):
+        """``compute(fulls, others, call_args)``, differentiable to shards, others and call_args;
+        ``inputs``: each shard's gather inputs (Encoded, cache, agreed) or None; ``fulls``
         are the prefetched gathers of ``shards`` (no gradient of their own)."""
         ax = self.axis_name
 
         @jax.custom_vjp
-        def f(shards, others, gins, fulls, xargs):
-            return compute(fulls, others, xargs)
+        def f(shards, others, inputs, fulls, call_args):
+            return compute(fulls, others, call_args)
 
-        # A word-cache gather leaves this step's full words in the new cache: the backward
-        # reads them (a residual) instead of gathering again. Other tensors re-gather.
-        held = [k for k in shards if gins[k] is not None and _is_word_cache(gins[k][1])]
+        # word_backward="cache": a word-cache gather left this step's full words behind, so
+        # the backward reads them (a residual) instead of gathering again.
+        held = [k for k in shards if self.word_backward == "cache" and inputs[k] is not None
+                and _is_word_cache(inputs[k][1])]
 
-        def fwd(shards, others, gins, fulls, xargs):
+        def fwd(shards, others, inputs, fulls, call_args):
             kept = {k: fulls[k] for k in held}
-            return compute(fulls, others, xargs), (shards, others, gins, xargs, kept)
+            return compute(fulls, others, call_args), (shards, others, inputs, call_args, kept)
 
         def bwd(res, ct):
-            shards, others, gins, xargs, kept = res
+            shards, others, inputs, call_args, kept = res
             re = {k: kept[k] if k in kept else
-                  self.gather_one(tensors[k], lax.stop_gradient(shards[k]), gins[k])[0]
+                  self.gather_one(tensors[k], lax.stop_gradient(shards[k]), inputs[k])[0]
                   for k in shards}
-            _, vjp = jax.vjp(compute, re, others, xargs)
-            ct_fulls, ct_others, ct_xargs = vjp(ct)
+            _, vjp = jax.vjp(compute, re, others, call_args)
+            ct_fulls, ct_others, ct_call_args = vjp(ct)
             ct_shards = {k: lax.psum_scatter(ct_fulls[k], ax, scatter_dimension=tensors[k].axis,
                                              tiled=True).astype(shards[k].dtype)
                          for k in shards}
-            return (ct_shards, ct_others, _float0_like(gins), _float0_like(ct_fulls), ct_xargs)
+            return (ct_shards, ct_others, _float0_like(inputs), _float0_like(ct_fulls),
+                    ct_call_args)
 
         f.defvjp(fwd, bwd)
-        return f(shards, others, gins, fulls, xargs)
+        return f(shards, others, inputs, fulls, call_args)
 
     @staticmethod
     def _split(module):
@@ -259,8 +275,8 @@ class Engine:
     def _compute(self, graphdef, keys, treedef, dummy, call):
         """compute(fulls, others, (rest, args)) -> call(module with those values, *args)."""
 
-        def compute(fulls, others, xargs):
-            rest, args = xargs
+        def compute(fulls, others, call_args):
+            rest, args = call_args
             leaves = [fulls[k] if k in fulls else others[k] for k in keys]
             module = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves), dummy, rest)
             with self.active(), self.holding():
@@ -279,16 +295,16 @@ class Engine:
         graphdef, keys, leaves, treedef, dummy, rest = self._split(module)
         values = dict(zip(keys, leaves))
         shards = {k: values[k].astype(tensors[k].dtype) for k in tensors}
-        gins, fulls = {}, {}
+        inputs, fulls = {}, {}
         for k, t in tensors.items():
-            gins[k] = self._gin(t.key)
+            inputs[k] = self._gather_inputs(t.key)
             fulls[k], new_cache, self.stats[t.key] = self.gather_one(
-                t, lax.stop_gradient(shards[k]), gins[k])
+                t, lax.stop_gradient(shards[k]), inputs[k])
             if new_cache is not None:
                 self.new_caches[t.key] = new_cache
         others = {k: v for k, v in values.items() if k not in tensors}
         compute = self._compute(graphdef, keys, treedef, dummy, call0)
-        out = self._apply(compute, tensors, shards, others, gins, fulls, (rest, tuple(args)))
+        out = self._apply(compute, tensors, shards, others, inputs, fulls, (rest, tuple(args)))
         _leave_state(module, params, {k: self.new_caches.get(t.key) for k, t in tensors.items()},
                      {k: self.stats[t.key] for k, t in tensors.items()})
         return out
@@ -303,13 +319,13 @@ class Engine:
                    if f"{spath}/{k}" in self.tensors}
         shards = {k: values[k].astype(t.dtype) for k, t in tensors.items()}
         others = {k: v for k, v in values.items() if k not in tensors}
-        gins = {k: self._gin(t.key) for k, t in tensors.items()}
+        inputs = {k: self._gather_inputs(t.key) for k, t in tensors.items()}
         at = lambda tree, i: jax.tree.map(  # noqa: E731
             lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
         frozen = lax.stop_gradient(shards)
 
         def fetch(i):
-            out = {k: self.gather_one(t, at(frozen[k], i), at(gins[k], i))
+            out = {k: self.gather_one(t, at(frozen[k], i), at(inputs[k], i))
                    for k, t in tensors.items()}
             return ({k: o[0] for k, o in out.items()},
                     {k: o[1] for k, o in out.items() if o[1] is not None},
@@ -317,8 +333,9 @@ class Engine:
 
         compute = self._compute(graphdef, keys, treedef, dummy, lambda m, *a: m(*a))
 
-        def layer(i, fulls, x, sh, ot, rs):
-            return self._apply(compute, tensors, sh, ot, at(gins, i), fulls, (rs, (x, *args)))
+        def layer(i, fulls, x, layer_shards, layer_others, layer_rest):
+            return self._apply(compute, tensors, layer_shards, layer_others,
+                               at(inputs, i), fulls, (layer_rest, (x, *args)))
 
         fulls, c0, s0 = fetch(0)
         first = lambda tree: jax.tree.map(lambda a: a[None], tree)  # noqa: E731
@@ -330,9 +347,9 @@ class Engine:
 
             def body(carry, xs):
                 x, fulls = carry
-                i, sh, ot, rs = xs
+                i, layer_shards, layer_others, layer_rest = xs
                 nxt, c, s = fetch(i + 1)  # prefetch: independent of this layer's compute
-                x, y = layer(i, fulls, x, sh, ot, rs)
+                x, y = layer(i, fulls, x, layer_shards, layer_others, layer_rest)
                 return (x, nxt), (y, c, s)
 
             (x, fulls), (ys, cs, ss) = lax.scan(
