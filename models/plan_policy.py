@@ -13,7 +13,7 @@ import re
 
 import jax
 
-from ciera_jax import planner
+from ciera_jax import memory, planner
 from models.train_config import PLANS
 EXPERT_WEIGHT = re.compile(r"w_(gate|up|down)_Ex\w+")
 
@@ -25,13 +25,29 @@ def default_profile(platform: str) -> str:
 def cache_modes(tc, tensors: dict, compress: dict, n: int, platform: str) -> dict[str, str]:
     """Cache mode per gathered tensor (``--cache``): ``exponent`` (1 B/param) or ``word``
     (2 B/param, sends a few bits per weight) for the compressed ones; ``auto``: the planner's
-    per-tensor choice (``planner.plan_modes``, no memory budget), exponent where it would not
-    compress. Tensors that are not compressed keep an (unused) exponent cache."""
+    per-tensor choice (``planner.plan_modes``) within the memory the caches may use
+    (:func:`cache_budget_bytes`), exponent where it would not compress or a word cache does not
+    fit. Tensors that are not compressed keep an (unused) exponent cache."""
     if tc.cache != "auto":
         return {k: tc.cache if compress[k] else "exponent" for k in tensors}
     tree = {k: jax.ShapeDtypeStruct(t.shape, t.dtype) for k, t in tensors.items()}
-    chosen = planner.plan_modes(tree, n, tc.profile or default_profile(platform))
+    chosen = planner.plan_modes(tree, n, tc.profile or default_profile(platform),
+                                cache_budget_bytes=cache_budget_bytes(tc, n, platform))
     return {k: "word" if compress[k] and chosen[k] == "word" else "exponent" for k in tensors}
+
+
+def cache_budget_bytes(tc, n: int, platform: str) -> float | None:
+    """Bytes per device the caches may hold: ``--memory-gb`` (or an accelerator's own memory)
+    less what the memory model says the training state, gathered layers and activations need;
+    None (unlimited) on CPU without ``--memory-gb``."""
+    gb = tc.memory_gb
+    if gb is None and platform != "cpu":
+        stats = jax.devices()[0].memory_stats() or {}
+        gb = stats.get("bytes_limit", 0) / memory.GB or None
+    if gb is None:
+        return None
+    mem = memory.memory_per_gpu(tc.model, n, tokens_per_gpu=tc.batch_size * tc.length // n)
+    return planner.cache_budget(gb, mem, f" of {tc.config} on {n} devices")
 
 
 def make_plan(tc, tensors: dict, n: int, platform: str) -> tuple[dict, str]:

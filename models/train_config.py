@@ -83,6 +83,10 @@ class TrainConfig:
     cache: str = option("exponent", "what each compressed tensor caches: exponent (1 B/param), "
                         "word (2 B/param, sends a few bits per weight), auto (the planner's "
                         "choice per tensor)", choices=CACHE_MODES, metavar="MODE")
+    memory_gb: float | None = option(
+        None, "with --cache auto: the device memory the plan must fit (GB per device; caches "
+        "get what the training state, gathered layers and activations leave)",
+        default_text="the accelerator's memory; unlimited on CPU")
     word_backward: str = option(
         "regather", "how the backward gets word-mode weights: regather (the same exact gather "
         "again; params bitwise plain's) or cache (read the words the forward left: no backward "

@@ -139,6 +139,21 @@ def test_cache_modes_per_tensor():
     assert set(auto.values()) <= {"exponent", "word"}
 
 
+def test_cache_auto_fits_the_memory_budget():
+    tensors = fsdp.gathered_tensors(fsdp.attach_caches(abstract_model(TC.model)))
+    compress, _ = make_plan(TC, tensors, 8, "cpu")
+
+    def modes(gb):
+        tc = TrainConfig(cache="auto", memory_gb=gb)
+        return cache_modes(tc, tensors, compress, 8, "cpu")
+
+    assert modes(1000.0) == modes(None)  # a large budget: the unlimited plan
+    assert "word" in modes(None).values()
+    assert set(modes(0.001).values()) == {"exponent"}  # no room left for word caches
+    with pytest.raises(ValueError, match="smaller than the training state"):
+        modes(0.0)
+
+
 @pytest.mark.slow
 def test_word_caches_train_bitwise_plain_and_send_less(runs):
     res = train(TrainConfig(**{**TC.__dict__, "cache": "word"}), steps=STEPS, seed=0,
