@@ -5,8 +5,12 @@ float32) followed by shifts and masks, so every bit pattern (NaN payloads, infin
 zeros, subnormals) round-trips exactly, and the same code lowers in Pallas/Triton, which refuses
 width-changing bitcasts.
 
-Payload layout is planar: ``payload_PxN`` has one leading plane per payload byte (P=1 for bf16,
-P=3 for float32), each plane shaped like the tensor. Planes keep kernels coalesced and let the
+Payload layout is planar: ``payload_Pxn`` has one leading plane per payload byte (P=1 for bf16,
+P=3 for float32), each plane shaped like the tensor.
+
+Shape letters, one meaning each in the codec, the kernels and the collective: ``N`` ranks of
+the gather axis, ``n`` elements (of a shard, or of the tensor where it says so), ``P`` payload
+planes, ``L`` bytes of one rank's wire buffer, ``K`` a patch capacity. Planes keep kernels coalesced and let the
 wire buffer be a plain concatenation.
 """
 
@@ -79,7 +83,7 @@ def exponent(x: jnp.ndarray) -> jnp.ndarray:
 
 
 def split(x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """Split ``x`` into ``(exp, payload_PxN)``: exponent bytes, and planar sign+mantissa bytes.
+    """Split ``x`` into ``(exp, payload_Pxn)``: exponent bytes, and planar sign+mantissa bytes.
 
     bf16: the single payload byte is ``sign << 7 | mantissa``.
     float32: bytes are mantissa[0:8], mantissa[8:16], ``sign << 7 | mantissa[16:23]``.
@@ -94,13 +98,13 @@ def split(x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
     return exp, jnp.stack(planes)
 
 
-def merge(exp: jnp.ndarray, payload_PxN: jnp.ndarray, dtype) -> jnp.ndarray:
+def merge(exp: jnp.ndarray, payload_Pxn: jnp.ndarray, dtype) -> jnp.ndarray:
     """Inverse of :func:`split`: rebuild the words bit for bit and view them as ``dtype``."""
     fmt = word_format(dtype)
     w = fmt.word.type
-    top = payload_PxN[fmt.payload_bytes - 1].astype(fmt.word)
+    top = payload_Pxn[fmt.payload_bytes - 1].astype(fmt.word)
     word = ((top >> 7) << (fmt.bits - 1)) | (exp.astype(fmt.word) << fmt.mantissa_bits)
     word = word | ((top & w(0x7F)) << (8 * (fmt.payload_bytes - 1)))
     for i in range(fmt.payload_bytes - 1):
-        word = word | (payload_PxN[i].astype(fmt.word) << (8 * i))
+        word = word | (payload_Pxn[i].astype(fmt.word) << (8 * i))
     return lax.bitcast_convert_type(word, fmt.dtype)

@@ -30,6 +30,9 @@ Self-check: every compressed option also sends a 32-bit checksum of the sender's
 drifted on one rank fails there only). Plain gathers send the bits themselves and need no
 check. :func:`ciera_jax.heal.reset_failed` is what to do about a failure.
 
+Shape letters as in :mod:`ciera_jax.codec`: ``N`` ranks, ``n`` elements, ``P`` payload planes,
+``L`` wire bytes per rank, ``K`` a patch capacity.
+
 Gradients: the result is attached to ``x`` through a ``custom_vjp`` whose backward is
 ``lax.psum_scatter``, the transpose of an all-gather, so gradients are bitwise those of
 ``lax.all_gather``.
@@ -514,9 +517,9 @@ def _compressed_branch(e: Encoded, cache_exp, x, *, tier: Tier, axis_name, dtype
     payload = _to_full_layout(wire_NxL[:, :end].reshape(-1, n_planes, n_local), e)
     if tier.bitmap:
         nb = e.changed_bits.size
-        changed_NxN, new_NxN = patches.apply_bitmap(wire_NxL[:, end:end + nb],
+        changed_Nxn, new_Nxn = patches.apply_bitmap(wire_NxL[:, end:end + nb],
                                                     wire_NxL[:, end + nb:], n_local)
-        exp_full = jnp.where(_to_full_layout(changed_NxN, e), _to_full_layout(new_NxN, e),
+        exp_full = jnp.where(_to_full_layout(changed_Nxn, e), _to_full_layout(new_Nxn, e),
                              cache_exp)
     elif K:
         pos = lax.bitcast_convert_type(wire_NxL[:, end:end + 4 * K].reshape(-1, 4), jnp.int32)
@@ -536,10 +539,10 @@ def _word_branch(e: WordEncoded, words, x, *, rung, axis_name, dtype, impl):
     wire = jnp.concatenate([wire, _checksum_bytes(e.checksum)])
     wire_NxL, sent_N = _split_checksums(
         lax.all_gather(wire, axis_name, axis=0, tiled=False, to="invarying"))
-    codes_NxN, level1, level2 = wordcodec.split_wire(wire_NxL, n_local, b, c1, c2, words.dtype)
-    dense = kernels.word_decode(words, _to_full_layout(codes_NxN, e), b, impl=impl)
+    codes_Nxn, level1, level2 = wordcodec.split_wire(wire_NxL, n_local, b, c1, c2, words.dtype)
+    dense = kernels.word_decode(words, _to_full_layout(codes_Nxn, e), b, impl=impl)
     # Escapes: positions from the codes (block-wise), moved into the full tensor's layout.
-    pos = wordcodec.escape_positions_rows(codes_NxN, b, c1)
+    pos = wordcodec.escape_positions_rows(codes_Nxn, b, c1)
     offsets = (jnp.arange(e.n_ranks, dtype=jnp.int32) * e.shard_shape[e.axis])[:, None]
     full_pos = patches.to_full_positions(pos, e.shard_shape, e.axis, offsets, e.n_ranks)
     flat = words.reshape(-1)

@@ -91,7 +91,7 @@ class TrainConfig:
         "regather", "how the backward gets word-mode weights: regather (the same exact gather "
         "again; params bitwise plain's) or cache (read the words the forward left: no backward "
         "gather, params equal plain's up to float summation order)",
-        choices=LazyChoices("ciera_jax.fsdp.engine", "WORD_BACKWARDS"))
+        choices=LazyChoices("ciera_jax.fsdp.engine", "WORD_BACKWARDS"), metavar="HOW")
 
     @property
     def model(self) -> configs.ModelConfig:

@@ -21,9 +21,9 @@ from ciera_jax.kernels.backend import compiler_params
 from ciera_jax.kernels.encode import BLOCK, NUM_WARPS
 
 
-def decode_reference(exp: jnp.ndarray, payload_PxN: jnp.ndarray, dtype) -> jnp.ndarray:
+def decode_reference(exp: jnp.ndarray, payload_Pxn: jnp.ndarray, dtype) -> jnp.ndarray:
     """The pure-jnp decode the kernel must match bit for bit."""
-    return codec.merge(exp, payload_PxN, dtype)
+    return codec.merge(exp, payload_Pxn, dtype)
 
 
 def _decode_kernel(exp_ref, payload_ref, out_ref, *, fmt):
@@ -39,29 +39,29 @@ def _decode_kernel(exp_ref, payload_ref, out_ref, *, fmt):
 
 def decode_pallas(
     exp: jnp.ndarray,
-    payload_PxN: jnp.ndarray,
+    payload_Pxn: jnp.ndarray,
     dtype,
     *,
     block: int = BLOCK,
     num_warps: int = NUM_WARPS,
     interpret: bool = False,
 ) -> jnp.ndarray:
-    """Pallas decode: ``exp`` uint8 of any shape, ``payload_PxN`` uint8 of shape (P, *exp.shape)."""
+    """Pallas decode: ``exp`` uint8 of any shape, ``payload_Pxn`` uint8 of shape (P, *exp.shape)."""
     fmt = codec.word_format(dtype)
     _layout.check_block(block)
     shape = exp.shape
     P = fmt.payload_bytes
-    if payload_PxN.shape != (P, *shape):
+    if payload_Pxn.shape != (P, *shape):
         raise ValueError(
-            f"payload_PxN must have shape {(P, *shape)} for {np.dtype(dtype).name}, "
-            f"got {payload_PxN.shape}"
+            f"payload_Pxn must have shape {(P, *shape)} for {np.dtype(dtype).name}, "
+            f"got {payload_Pxn.shape}"
         )
     n = _layout.num_elements(shape)
     if n == 0:
         return jnp.zeros(shape, fmt.dtype)
     exp_N = _layout.flatten_padded(exp.astype(jnp.uint8), block)
     n_pad = exp_N.shape[0]
-    payload = payload_PxN.astype(jnp.uint8).reshape(P, n)
+    payload = payload_Pxn.astype(jnp.uint8).reshape(P, n)
     if n_pad != n:
         payload = jnp.pad(payload, ((0, 0), (0, n_pad - n)))
     vec = pl.BlockSpec((block,), lambda i: (i,))

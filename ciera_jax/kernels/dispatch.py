@@ -30,9 +30,9 @@ def resolve_impl(impl: str) -> tuple[str, bool]:
 
 
 def encode(x: jnp.ndarray, cache_exp: jnp.ndarray, *, impl: str = "auto"):
-    """``x`` (bf16/float32, any shape) and its cached exponents -> ``(exp, payload_PxN, changed)``.
+    """``x`` (bf16/float32, any shape) and its cached exponents -> ``(exp, payload_Pxn, changed)``.
 
-    ``exp``: uint8, ``x.shape``; ``payload_PxN``: uint8, ``(P, *x.shape)`` as ``codec.split``
+    ``exp``: uint8, ``x.shape``; ``payload_Pxn``: uint8, ``(P, *x.shape)`` as ``codec.split``
     (P=1 bf16, P=3 float32); ``changed``: bool, ``exp != cache_exp``.
     """
     impl, interpret = resolve_impl(impl)
@@ -43,12 +43,12 @@ def encode(x: jnp.ndarray, cache_exp: jnp.ndarray, *, impl: str = "auto"):
     return encode_pallas(x, cache_exp, interpret=interpret)
 
 
-def decode(exp: jnp.ndarray, payload_PxN: jnp.ndarray, dtype, *, impl: str = "auto"):
-    """Exactly ``codec.merge(exp, payload_PxN, dtype)``, any shape."""
+def decode(exp: jnp.ndarray, payload_Pxn: jnp.ndarray, dtype, *, impl: str = "auto"):
+    """Exactly ``codec.merge(exp, payload_Pxn, dtype)``, any shape."""
     impl, interpret = resolve_impl(impl)
     if impl == "xla":
-        return decode_reference(exp, payload_PxN, dtype)
-    return decode_pallas(exp, payload_PxN, dtype, interpret=interpret)
+        return decode_reference(exp, payload_Pxn, dtype)
+    return decode_pallas(exp, payload_Pxn, dtype, interpret=interpret)
 
 
 def word_encode(x: jnp.ndarray, cached_bits: jnp.ndarray, *, impl: str = "auto"):

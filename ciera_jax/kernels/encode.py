@@ -36,8 +36,8 @@ NUM_WARPS = 4  # 128 threads x 32 elements: 16-byte vector loads/stores of the b
 
 def encode_reference(x: jnp.ndarray, cache_exp: jnp.ndarray):
     """The pure-jnp encode the kernel must match bit for bit: ``codec.split`` + a compare."""
-    exp, payload_PxN = codec.split(x)
-    return exp, payload_PxN, exp != cache_exp
+    exp, payload_Pxn = codec.split(x)
+    return exp, payload_Pxn, exp != cache_exp
 
 
 def _encode_kernel(x_ref, cache_ref, exp_ref, payload_ref, changed_ref, *, fmt):
@@ -81,7 +81,7 @@ def encode_pallas(
     cache_N = _layout.flatten_padded(cache_exp.astype(jnp.uint8), block)
     n_pad = x_N.shape[0]
     vec = pl.BlockSpec((block,), lambda i: (i,))
-    exp_N, payload_PxN, changed_N = pl.pallas_call(
+    exp_N, payload_Pxn, changed_N = pl.pallas_call(
         functools.partial(_encode_kernel, fmt=fmt),
         out_shape=(
             jax.ShapeDtypeStruct((n_pad,), jnp.uint8),
@@ -97,6 +97,6 @@ def encode_pallas(
     )(x_N, cache_N)
     return (
         _layout.unflatten(exp_N, shape),
-        _layout.unflatten(payload_PxN, shape),
+        _layout.unflatten(payload_Pxn, shape),
         _layout.unflatten(changed_N, shape) != 0,
     )
