@@ -35,8 +35,9 @@ starting JAX.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from ciera_jax import lazy
 
 if TYPE_CHECKING:
     from ciera_jax.calibrate.kit import (CieraStepper, gather_fns, measure_gathers,
@@ -58,13 +59,4 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy.exports(__name__, _EXPORTS, globals())

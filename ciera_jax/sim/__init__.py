@@ -9,8 +9,9 @@ step.py     per-layer compute and collectives, replayed as a two-stream (compute
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from ciera_jax import lazy
 
 if TYPE_CHECKING:
     from ciera_jax.sim.cluster import Cluster, get_cluster
@@ -32,13 +33,4 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy.exports(__name__, _EXPORTS, globals())
