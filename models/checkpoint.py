@@ -1,5 +1,5 @@
 """Orbax checkpoints of the training state: params, optimizer state, step, data position, and
-the TrainConfig and seed that produced them.
+the TrainConfig, seed and mesh that produced them.
 
 Exponent caches are not saved: they are derived state, and a restored run starts with fresh
 (unprimed) caches whose first gather re-primes them, bitwise exactly. The data position is the
@@ -8,21 +8,44 @@ step (batch ``i`` is a pure function of ``(seed, i)``), stored explicitly for re
 Saves are atomic: orbax writes a step into ``<step>.orbax-checkpoint-tmp-*`` and renames it
 when complete, so a run killed during a save leaves the previous checkpoint the latest; the
 partial directory is ignored and removed when the next run opens the directory.
+
+Checkpoints check themselves. Every save records, in its metadata, a digest of what it saved
+(``params_sha256``: the hash the trainer prints at the end, ``opt_state_sha256``) and a digest
+of the metadata itself (``meta_sha256``); the metadata is written by the same atomic save. A
+restore recomputes them. A checkpoint whose metadata cannot be read or does not match, whose
+arrays cannot be read, or whose arrays do not match their digest is reported in one line,
+moved (not deleted) to ``<dir>/damaged/<step>``, and the previous one is tried; when none is
+good, :class:`~models.failures.NoGoodCheckpoint` says so.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import tempfile
 from pathlib import Path
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+
+from models.failures import NoGoodCheckpoint, WriteFailed, describe_os_error
+from models.params_hash import host_array, params_sha256
+from models.preemption import agree
 
 # A resumed run must agree on these, or the checkpoint does not fit (shapes, data) or is not
 # the run it claims to continue.
 MUST_MATCH = ("config", "gather", "batch_size", "seq_len", "seed")
 # These change what is sent over the wire, never what is computed: free to change.
 FREE_ON_RESUME = ("plan", "profile", "cache")
+# What a save records about itself; a restore checks all three.
+DIGESTS = ("params_sha256", "opt_state_sha256", "meta_sha256")
+DAMAGED = "damaged"  # damaged checkpoints are moved to <dir>/damaged/<step>
+
+
+class Damaged(Exception):
+    """One checkpoint is unusable; the message says what is wrong with it."""
 
 
 def check_dir(directory: str) -> None:
@@ -58,13 +81,68 @@ def check_resumable(meta: dict, train_config: dict, directory: str) -> list[str]
             "will not equal a straight one" for k, (a, b) in differ.items() if k not in fatal]
 
 
-class Checkpointer:
-    """The run's checkpoint directory: periodic and final saves, the newest ``keep`` kept."""
+def layout_note(meta: dict, mesh: dict) -> str | None:
+    """A note when the checkpoint was saved on another mesh than ``mesh`` (``{"devices": n,
+    "processes": p}``): the reduction order differs, so bitwise equality with a straight run
+    is gone, on either layout. None when they agree or the checkpoint did not record it."""
+    saved = meta.get("mesh")
+    if not isinstance(saved, dict) or saved == mesh:
+        return None
+    said = lambda m: (f"{m.get('devices')} devices in {m.get('processes')} "  # noqa: E731
+                      f"process{'es' if m.get('processes') != 1 else ''}")
+    return (f"the checkpoint (step {meta.get('step')}) was saved on {said(saved)}, this run has "
+            f"{said(mesh)}: sums reduce in another order, so the resumed run will not be "
+            "bitwise equal to an uninterrupted run on either layout")
 
-    def __init__(self, directory: str, keep: int = 3, create: bool = True):
+
+def tree_sha256(tree) -> str:
+    """One hash of every leaf's path, dtype, shape and bits, in the tree's own order."""
+    h = hashlib.sha256()
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        a = host_array(x)
+        h.update(jax.tree_util.keystr(path).encode())
+        h.update(str(a.dtype).encode() + str(a.shape).encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def meta_sha256(meta: dict) -> str:
+    """The digest of ``meta`` without its own ``meta_sha256`` (as JSON, keys sorted)."""
+    rest = {k: v for k, v in meta.items() if k != "meta_sha256"}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
+
+
+def check_meta(meta) -> dict:
+    """``meta`` if it is intact; :class:`Damaged` otherwise. A checkpoint saved before digests
+    existed has none of them and passes (its arrays then go unchecked)."""
+    if not isinstance(meta, dict) or not meta:
+        raise Damaged("its metadata is missing or empty")
+    present = [k for k in DIGESTS if k in meta]
+    if present and len(present) < len(DIGESTS):
+        missing = ", ".join(k for k in DIGESTS if k not in meta)
+        raise Damaged(f"its metadata lacks {missing}")
+    if present and meta["meta_sha256"] != meta_sha256(meta):
+        raise Damaged("its metadata does not match its digest (meta_sha256)")
+    if "step" not in meta:
+        raise Damaged("its metadata has no step")
+    return meta
+
+
+def _why(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    first = text[0] if text else ""
+    return f"{type(e).__name__}: {first[:160]}" if first else type(e).__name__
+
+
+class Checkpointer:
+    """The run's checkpoint directory: periodic and final saves, the newest ``keep`` kept.
+    ``read_only``: only look (no clean-up of another run's temporary directories)."""
+
+    def __init__(self, directory: str, keep: int = 3, create: bool = True,
+                 read_only: bool = False):
         self.directory = Path(directory).absolute()
         opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create,
-                                            cleanup_tmp_directories=True,
+                                            cleanup_tmp_directories=not read_only,
                                             enable_async_checkpointing=False)
         self._mgr = ocp.CheckpointManager(self.directory, options=opts,
                                           item_names=("state", "meta"))
@@ -76,12 +154,25 @@ class Checkpointer:
         self._mgr.close()
 
     def save(self, step: int, params, opt_state, meta: dict) -> None:
-        """Save (and finish writing) step ``step``; ``meta`` is small JSON."""
-        meta = {**meta, "step": step, "data_position": step}
+        """Save (and finish writing) step ``step`` with its digests; ``meta`` is small JSON.
+        A failed write (a full disk, ...) raises :class:`WriteFailed` in one line; the step
+        is then not among the checkpoints (orbax renames a step into place only when whole)."""
+        meta = {**meta, "step": step, "data_position": step,
+                "params_sha256": params_sha256(params), "opt_state_sha256": tree_sha256(opt_state)}
+        meta["meta_sha256"] = meta_sha256(meta)
         tree = {"params": params, "opt_state": opt_state}
-        self._mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
-                                                     meta=ocp.args.JsonSave(meta)), force=True)
-        self._mgr.wait_until_finished()
+        before = self.latest_step()
+        try:
+            self._mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
+                                                         meta=ocp.args.JsonSave(meta)),
+                           force=True)
+            self._mgr.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - orbax and tensorstore wrap OSErrors their way
+            raise WriteFailed(
+                f"checkpoint: saving step {step} to {self.directory} failed "
+                f"({describe_os_error(e, self.directory)}); the newest checkpoint is "
+                + (f"still step {before}" if before is not None else "none")
+                + ": free space (or fix the folder), then rerun with --resume") from None
 
     def latest_step(self) -> int | None:
         return self._mgr.latest_step()
@@ -89,31 +180,116 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return sorted(self._mgr.all_steps())
 
-    def latest_meta(self) -> dict | None:
-        """The JSON metadata of the latest checkpoint (None if there is none)."""
-        step = self.latest_step()
-        if step is None:
-            return None
-        got = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        return dict(got["meta"])
+    def read_meta(self, step: int) -> dict:
+        """Step ``step``'s metadata, checked (:class:`Damaged` if it is not intact)."""
+        try:
+            got = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+            meta = got["meta"]
+        except Exception as e:  # noqa: BLE001 - a missing or cut file: each its own error
+            raise Damaged(f"its metadata cannot be read ({_why(e)})") from None
+        return check_meta(dict(meta) if isinstance(meta, dict) else meta)
 
-    def restore(self, params, opt_state):
-        """The latest ``(params, opt_state, meta)``, into the shapes and shardings of the given
-        (fresh) ``params`` and ``opt_state``; None if there is no checkpoint."""
-        step = self.latest_step()
-        if step is None:
-            return None
+    def latest_meta(self) -> dict | None:
+        """The metadata of the newest checkpoint whose metadata is intact (None if none);
+        only looks."""
+        for step in reversed(self.all_steps()):
+            try:
+                return self.read_meta(step)
+            except Damaged:
+                continue
+        return None
+
+    def newest_meta(self, log) -> dict | None:
+        """The metadata of the newest checkpoint whose metadata is intact; each newer one whose
+        metadata is not is reported and set aside. None if there is no checkpoint;
+        :class:`NoGoodCheckpoint` if there are some, none intact."""
+        steps = self.all_steps()
+        for i, step in enumerate(reversed(steps)):
+            try:
+                meta, why = self.read_meta(step), None
+            except Damaged as e:
+                meta, why = None, str(e)
+            if self._agree_bad(why):
+                self._set_aside(step, why, steps[: len(steps) - i - 1], log)
+                continue
+            return meta
+        if steps:
+            raise self._none_good(steps)
+        return None
+
+    def restore(self, params, opt_state, log=print):
+        """The newest intact ``(params, opt_state, meta)``, into the shapes and shardings of the
+        given (fresh) ``params`` and ``opt_state``; None if there is no checkpoint. Each newer
+        damaged one is reported in one line and set aside; :class:`NoGoodCheckpoint` if none
+        is intact."""
         abstract = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
             {"params": params, "opt_state": opt_state})
-        got = self._mgr.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
-        return got["state"]["params"], got["state"]["opt_state"], dict(got["meta"])
+        steps = self.all_steps()
+        for i, step in enumerate(reversed(steps)):
+            try:
+                got, why = self._restore_checked(step, abstract, log), None
+            except Damaged as e:
+                got, why = None, str(e)
+            if self._agree_bad(why):
+                self._set_aside(step, why, steps[: len(steps) - i - 1], log)
+                continue
+            return got
+        if steps:
+            raise self._none_good(steps)
+        return None
+
+    def _restore_checked(self, step: int, abstract, log):
+        meta = self.read_meta(step)
+        try:
+            got = self._mgr.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract)))["state"]
+        except Exception as e:  # noqa: BLE001 - a cut or garbled array file: tensorstore's
+            raise Damaged(f"its arrays cannot be read ({_why(e)})") from None
+        params, opt_state = got["params"], got["opt_state"]
+        if "params_sha256" not in meta:
+            log(f"note: checkpoint step {step} in {self.directory} predates digests: its "
+                "arrays are not verified")
+            return params, opt_state, meta
+        if params_sha256(params) != meta["params_sha256"]:
+            raise Damaged("its params do not match their digest (params_sha256)")
+        if tree_sha256(opt_state) != meta["opt_state_sha256"]:
+            raise Damaged("its optimizer state does not match its digest (opt_state_sha256)")
+        return params, opt_state, meta
+
+    @staticmethod
+    def _agree_bad(why: str | None) -> bool:
+        """Every process skips a checkpoint that any process found damaged."""
+        return agree(why is not None)[0]
+
+    def _set_aside(self, step: int, why: str | None, older: list[int], log) -> None:
+        """Move step ``step`` to ``<dir>/damaged/`` (process 0 moves; all report)."""
+        src = self.directory / str(step)
+        dest = self.directory / DAMAGED / str(step)
+        n = 1
+        while dest.exists():
+            n += 1
+            dest = self.directory / DAMAGED / f"{step}-{n}"
+        if jax.process_index() == 0:
+            dest.parent.mkdir(exist_ok=True)
+            os.replace(src, dest)
+        agree(False)  # a barrier: nobody looks at the folder while it changes
+        self._mgr.reload()
+        nxt = f"trying step {older[-1]}" if older else "no older checkpoint"
+        log(f"checkpoint step {step} in {self.directory} is damaged "
+            f"({why or 'on another process'}): set aside as {dest}; {nxt}")
+
+    def _none_good(self, steps: list[int]) -> NoGoodCheckpoint:
+        return NoGoodCheckpoint(
+            f"--resume: none of the checkpoints in {self.directory} is intact (steps "
+            f"{', '.join(map(str, steps))}, set aside in {self.directory / DAMAGED}); start "
+            "again without --resume, or with another --checkpoint-dir")
 
 
 def latest_meta(directory: str) -> dict | None:
-    """The metadata of the newest checkpoint in ``directory`` (None if there is none)."""
+    """The metadata of the newest intact checkpoint in ``directory`` (None if there is none);
+    only looks (another run's temporary directories are left alone)."""
     if not Path(directory).is_dir():
         return None
-    with Checkpointer(directory, create=False) as ck:
+    with Checkpointer(directory, create=False, read_only=True) as ck:
         return ck.latest_meta()

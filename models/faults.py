@@ -34,10 +34,28 @@ def parse_fault(text: str | None) -> CacheFault | None:
         rank = int(parts[1]) if len(parts) > 1 and parts[1] else 0
     except ValueError:
         raise ValueError(f"--inject-cache-fault {text!r}: expected STEP[:RANK[:TENSOR]], "
-                         "e.g. 5 or 5:2 or 5:0:layers/moe/w_up_ExDxF") from None
+                         "e.g. 5 or 5:2 or 5:0:layers/mlp/w_up_ExDxF") from None
     if step < 1 or rank < 0:
         raise ValueError(f"--inject-cache-fault {text!r}: STEP must be >= 1 and RANK >= 0")
     return CacheFault(step, rank, parts[2] if len(parts) > 2 and parts[2] else None)
+
+
+def check_fault_step(fault: CacheFault, steps: int, start: int = 0) -> None:
+    """ValueError unless the fault's step is one the run trains and checks: within
+    ``start + 2 .. steps``. Step ``start + 1`` (the first step, also after a resume) primes the
+    caches with a plain gather, which overwrites them: a fault there is never seen."""
+    if fault.step > steps:
+        raise ValueError(f"--inject-cache-fault step {fault.step} is past the end (--steps "
+                         f"{steps}); pick a step from {start + 2} to {steps}")
+    if fault.step <= start:
+        raise ValueError(f"--inject-cache-fault step {fault.step} was already trained (the "
+                         f"run resumes at step {start + 1}); pick a step from {start + 2} to "
+                         f"{steps}")
+    if fault.step == start + 1:
+        raise ValueError(f"--inject-cache-fault step {fault.step} cannot be checked: it is the "
+                         "first step" + (" after the resume" if start else "") + ", whose "
+                         "priming gather overwrites every cache; pick a step from "
+                         f"{start + 2} to {steps}")
 
 
 def check_fault(fault: CacheFault, tr) -> str:

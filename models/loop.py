@@ -2,7 +2,10 @@
 
 Every bad input fails in :func:`check_inputs`, before anything compiles. A preempted run
 (SIGTERM/SIGINT) finishes its step, saves, and returns with ``preempted`` set; the CLI then
-exits with ``preemption.EXIT_PREEMPTED``.
+exits with ``preemption.EXIT_PREEMPTED``. A checkpoint folder is held by one run at a time
+(:mod:`models.run_lock`); a damaged checkpoint is set aside and the previous one used
+(:mod:`models.checkpoint`); a write that fails (a full disk) stops the run with
+:class:`~models.failures.WriteFailed`, its newest checkpoint intact (:mod:`models.failures`).
 """
 
 from __future__ import annotations
@@ -11,13 +14,16 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
 
 from ciera_jax.devices import make_mesh
 from models import checkpoint as ckpt
-from models import faults, metrics
+from models import faults, metrics, run_lock
+from models.failures import WriteFailed, describe_os_error
 from models.data import load_dataset
 from models.params_hash import params_sha256
 from models.preemption import PreemptionGuard, agree
@@ -42,6 +48,21 @@ def check_inputs(tc: TrainConfig, run: RunConfig) -> None:
     if run.devices is not None and run.devices < 1:
         raise ValueError(f"--devices must be a positive number of devices, got {run.devices} "
                          "(leave it out for all devices, or 8 emulated on CPU)")
+    if tc.batch_size < 1:
+        raise ValueError(f"--batch-size must be a positive number of sequences, got "
+                         f"{tc.batch_size}")
+    if tc.seq_len is not None and tc.seq_len < 1:
+        raise ValueError(f"--seq-len must be positive, got {tc.seq_len}")
+    if tc.memory_gb is not None and not tc.memory_gb > 0:
+        raise ValueError(f"--memory-gb must be a positive number of GB, got {tc.memory_gb:g}")
+    for flag, value in (("--log-every", run.log_every), ("--trace-every", run.trace_every),
+                        ("--checkpoint-every", run.checkpoint_every)):
+        if value < 0:
+            raise ValueError(f"{flag} must be >= 0 (0: " + {
+                "--log-every": "never", "--trace-every": "never",
+                "--checkpoint-every": "every --checkpoint-minutes"}[flag] + f"), got {value}")
+    if not run.checkpoint_minutes > 0:
+        raise ValueError(f"--checkpoint-minutes must be positive, got {run.checkpoint_minutes:g}")
     if run.keep_checkpoints < 1:
         raise ValueError(f"--keep-checkpoints must be >= 1, got {run.keep_checkpoints}")
     if tc.cache not in CACHE_MODES:
@@ -49,9 +70,34 @@ def check_inputs(tc: TrainConfig, run: RunConfig) -> None:
                          f"{', '.join(CACHE_MODES)}")
     if run.resume and not run.checkpoint_dir:
         raise ValueError("--resume needs --checkpoint-dir")
+    if run.data and Path(run.data).is_dir():
+        raise ValueError(f"--data {run.data} is a directory; pass a token file")
     if run.checkpoint_dir:
         ckpt.check_dir(run.checkpoint_dir)
-    faults.parse_fault(run.inject_cache_fault)
+    if run.metrics_out:
+        check_output_file(run.metrics_out, "--metrics-out", append=run.resume)
+    faults.parse_fault(run.inject_cache_fault)  # the format; step, rank, tensor: in train()
+
+
+def check_output_file(path: str, flag: str, append: bool = False) -> None:
+    """ValueError in one line unless ``path`` can be written as a file (its folder exists and
+    is writable; it is not a folder). Nothing is left behind; an existing file is untouched."""
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{flag} {path} is a directory; pass a file path")
+    folder = p.parent
+    if not folder.is_dir():
+        raise ValueError(f"{flag} {path}: the folder {folder} does not exist")
+    try:
+        if p.exists():
+            with open(p, "ab"):
+                pass
+        else:
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+    except OSError as e:
+        raise ValueError(f"{flag} {path} is not writable ({e.strerror}); pass a path you can "
+                         "write to") from None
 
 
 def train(tc: TrainConfig, run: RunConfig | None = None, *, mesh=None,
@@ -62,15 +108,19 @@ def train(tc: TrainConfig, run: RunConfig | None = None, *, mesh=None,
     log = log or _silent
     check_inputs(tc, run)
     with contextlib.ExitStack() as stack:
+        if run.checkpoint_dir:
+            stack.enter_context(_lock(run.checkpoint_dir, log))
         saver = (stack.enter_context(ckpt.Checkpointer(run.checkpoint_dir, run.keep_checkpoints))
                  if run.checkpoint_dir else None)
-        guard = stack.enter_context(PreemptionGuard(log))  # a signal from here on: save, stop
+        # a signal from here on: finish the step, save, stop
+        guard = stack.enter_context(PreemptionGuard(log, saves=saver is not None))
         tr, state, dataset, meta = _start(tc, run, mesh, saver, log)
-        out = stack.enter_context(_metrics_file(run, meta))
-        history, last_save, stopped = [], time.monotonic(), None
         fault = faults.parse_fault(run.inject_cache_fault)
-        if fault:
+        if fault:  # still before the step compiles
             faults.check_fault(fault, tr)
+            faults.check_fault_step(fault, run.steps, state.step)
+        out = stack.enter_context(_metrics_file(run, meta, log))
+        history, last_save, stopped = [], time.monotonic(), None
         retries = 0
         while state.step < run.steps and not stopped:
             if state.priming:
@@ -79,7 +129,7 @@ def train(tc: TrainConfig, run: RunConfig | None = None, *, mesh=None,
                 state = faults.inject(tr, state, fault, log)
             rec, state = _one_step(tr, state, dataset, run, retried=retries > 0)
             history.append(rec)
-            _report(rec, out, run, tc, log)
+            _report(rec, out, run, tc, log, saver)
             if rec["verify_failed"]:
                 retries = _after_failed_check(rec, retries, log)
                 continue  # nothing was applied: the same step again, caches re-priming
@@ -98,7 +148,7 @@ def train(tc: TrainConfig, run: RunConfig | None = None, *, mesh=None,
                 log(f"preempted ({stopped}) after step {state.step} of {run.steps}: "
                     + (f"checkpoint saved to {saver.directory} at step {state.step}; run again "
                        "with --resume to continue" if saver else
-                       "nothing saved (no --checkpoint-dir)"))
+                       "nothing was saved (no --checkpoint-dir); a new run starts from step 0"))
     return RunResult(params_sha256(state.params), history,
                      metrics.summarize(history, tc, tc.gather), state.step, stopped,
                      str(saver.directory) if saver else None)
@@ -115,13 +165,19 @@ def _start(tc: TrainConfig, run: RunConfig, mesh, saver, log):
     mesh = mesh or make_mesh(run.devices)
     dataset = load_dataset(run.data, tc.model.vocab_size, tc.length, run.data_dtype)
     identity = {**dataclasses.asdict(tc), "seed": run.seed}
-    if saver and run.resume and (saved := saver.latest_meta()) is not None:
+    layout = {"devices": int(mesh.devices.size), "processes": _process_count()}
+    if saver and run.resume and (saved := saver.newest_meta(log)) is not None:
         for note in ckpt.check_resumable(saved, identity, run.checkpoint_dir):
+            log(f"note: {note}")
+        if (note := ckpt.layout_note(saved, layout)) is not None:
             log(f"note: {note}")
     tr = build_trainer(tc, mesh)
     state = tr.init_state(run.seed)
     if run.resume:
         state = _restore(saver, state, log)
+        if state.step >= run.steps:
+            log(f"nothing to do: the checkpoint in {saver.directory} is at step {state.step}, "
+                f"at or past --steps {run.steps}; pass a larger --steps to train on (exit 0)")
     if tc.gather == "ciera":
         log(tr.plan_summary)
         words = sum(m == "word" for k, m in tr.cache_modes.items() if tr.compress[k])
@@ -132,16 +188,25 @@ def _start(tc: TrainConfig, run: RunConfig, mesh, saver, log):
               f"caches ({tc.cache})": bytes_per_device(state.caches)}
     log(metrics.memory_line(memory))
     log("legend: " + metrics.TIER_LEGEND)
-    meta = {"train_config": dataclasses.asdict(tc), "seed": run.seed,
+    meta = {"train_config": dataclasses.asdict(tc), "seed": run.seed, "mesh": layout,
             "memory_per_device": memory, "start_step": state.step}
     return tr, state, dataset, meta
 
 
-def _report(rec: dict, out, run: RunConfig, tc: TrainConfig, log) -> None:
-    """The step's JSONL row and progress line; a non-finite loss ends the run."""
+def _report(rec: dict, out, run: RunConfig, tc: TrainConfig, log, saver=None) -> None:
+    """The step's JSONL row and progress line; a non-finite loss ends the run, and so does a
+    row that cannot be written (:class:`WriteFailed`, naming the newest checkpoint)."""
     if out:
-        out.write(json.dumps(rec) + "\n")
-        out.flush()
+        try:
+            _write_line(out, rec)
+        except OSError as e:
+            newest = saver.latest_step() if saver else None
+            raise WriteFailed(
+                f"metrics: writing step {rec['step']} to {run.metrics_out} failed "
+                f"({describe_os_error(e, run.metrics_out)}); stopped after step {rec['step']}; "
+                + (f"the newest checkpoint is step {newest} in {saver.directory}: free space, "
+                   "then rerun with --resume (the metrics file is repaired then)"
+                   if newest is not None else "nothing was saved")) from None
     if run.log_every and (rec["step"] % run.log_every == 0 or rec["step"] in (1, run.steps)):
         log(metrics.progress_line(rec, run.steps, tc.batch_size * tc.length))
     if not math.isfinite(rec["loss"]):
@@ -195,7 +260,7 @@ def _save_due(run: RunConfig, step: int, last_save: float) -> bool:
 
 
 def _restore(saver, state: TrainState, log) -> TrainState:
-    got = saver.restore(state.params, state.opt_state)
+    got = saver.restore(state.params, state.opt_state, log)
     if got is None:
         log(f"no checkpoint in {saver.directory}; starting from step 0")
         return state
@@ -204,18 +269,83 @@ def _restore(saver, state: TrainState, log) -> TrainState:
     return TrainState(int(saved["step"]), params, state.caches, opt_state)  # ahead re-encodes
 
 
+def _process_count() -> int:
+    import jax
+
+    return jax.process_count()
+
+
 @contextlib.contextmanager
-def _metrics_file(run: RunConfig, header: dict):
-    """The JSONL file (None without --metrics-out): a header line (``header``), then one row
-    per step. On resume, rows past the restored step (logged before a crash) are dropped."""
+def _lock(directory: str, log):
+    """The checkpoint folder's lock: process 0 takes it, and every process hears whether it
+    could (so none goes on alone)."""
+    import jax
+
+    with contextlib.ExitStack() as stack:
+        refused = None
+        if jax.process_index() == 0:
+            try:
+                stack.enter_context(run_lock.hold(directory, log))
+            except ValueError as e:
+                refused = e
+        if agree(refused is not None)[0]:
+            raise refused or ValueError(f"--checkpoint-dir {directory} is in use by another "
+                                        "run (process 0 could not take its lock)")
+        yield
+
+
+def _write_line(out: int, obj: dict) -> None:
+    """One JSONL line, appended with one write (O_APPEND): a line is whole or, when the disk
+    fills half-way, cut short (and dropped by the repair on --resume)."""
+    data = (json.dumps(obj) + "\n").encode()
+    while data:
+        data = data[os.write(out, data):]
+
+
+def _repair(path: Path, start_step: int, log) -> None:
+    """Keep the rows up to ``start_step`` (a resume runs the rest again) and drop lines a full
+    disk cut short; the file is replaced whole."""
+    keep, cut = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            cut += 1
+            continue
+        if isinstance(row, dict) and row.get("step", 0) <= start_step:
+            keep.append(line)
+    if cut:
+        log(f"metrics: dropped {cut} line(s) of {path} that a failed write cut short")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _metrics_file(run: RunConfig, header: dict, log=None):
+    """The JSONL file's descriptor (None without --metrics-out): a header line (``header``),
+    then one row per step. On resume, rows past the restored step (logged before a crash) and
+    lines a failed write cut short are dropped."""
     if not run.metrics_out:
         yield None
         return
     path = Path(run.metrics_out)
-    if run.resume and path.exists():
-        keep = [line for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= header["start_step"]]
-        path.write_text("".join(line + "\n" for line in keep))
-    with open(path, "a" if run.resume else "w") as out:
-        out.write(json.dumps({"header": header}) + "\n")
-        yield out
+    try:
+        if run.resume and path.exists():
+            _repair(path, header["start_step"], log or _silent)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (0 if run.resume else os.O_TRUNC)
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        raise WriteFailed(f"metrics: cannot write {path} ({describe_os_error(e, path)}); "
+                          "nothing was trained") from None
+    try:
+        try:
+            _write_line(fd, {"header": header})
+        except OSError as e:
+            raise WriteFailed(f"metrics: cannot write {path} ({describe_os_error(e, path)}); "
+                              "nothing was trained") from None
+        yield fd
+    finally:
+        os.close(fd)

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later" -- rerun with --resume
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later" -- rerun (with --resume if it saved)
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -26,9 +26,10 @@ class PreemptionGuard:
     """While active, the first SIGTERM/SIGINT sets :attr:`signal_name`; the second one ends the
     process at once with ``128 + signum`` (the last finished checkpoint stays the latest)."""
 
-    def __init__(self, log=print):
+    def __init__(self, log=print, saves: bool = True):
         self.signal_name: str | None = None
         self._log = log
+        self._saves = saves  # False: no --checkpoint-dir, so a stop saves nothing
         self._previous: dict = {}
 
     def __enter__(self) -> "PreemptionGuard":
@@ -49,8 +50,10 @@ class PreemptionGuard:
                   file=sys.stderr, flush=True)
             os._exit(128 + signum)
         self.signal_name = name
-        self._log(f"{name} received: finishing this step, then saving and exiting "
-                  "(send it again to exit at once)")
+        self._log(f"{name} received: finishing this step, then "
+                  + ("saving and exiting" if self._saves else
+                     "exiting (nothing will be saved: no --checkpoint-dir)")
+                  + " (send it again to exit at once)")
 
 
 def agree(*flags: bool) -> tuple[bool, ...]:

@@ -4,7 +4,8 @@ With no flags: config ``tiny`` on 8 emulated CPU devices (all local devices on a
 the built-in byte-level corpus, 200 steps, ``--gather ciera``. Prints a progress line every few
 steps, a per-phase summary table, and ends with ``params_sha256=<hex>``. SIGTERM or Ctrl-C
 finishes the step, saves (with ``--checkpoint-dir``) and exits with code 75; ``--resume``
-continues bitwise.
+continues bitwise. Every other way a run ends early is one line on stderr and a documented
+exit code (:mod:`models.failures`).
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ def run(args) -> int:
 
     import jax
 
+    from models.failures import RunFailure
     from models.loop import train
     from models.preemption import EXIT_PREEMPTED
     from ciera_jax.devices import make_mesh
@@ -94,7 +96,12 @@ def run(args) -> int:
         print(f"ciera train: config={tc.config} gather={tc.gather} mesh fsdp={n} "
               f"({jax.devices()[0].platform}, {jax.process_count()} process(es)) "
               f"batch={tc.batch_size}x{tc.length} steps={run_cfg.steps}", flush=True)
-    res = train(tc, run_cfg, mesh=mesh, log=log)
+    try:
+        res = train(tc, run_cfg, mesh=mesh, log=log)
+    except RunFailure as e:
+        who = f" (process {jax.process_index()})" if multi else ""
+        print(f"ciera train{who}: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
     if is_main:
         print(res.summary)
         print(f"params_sha256={res.sha256}", flush=True)
