@@ -1,14 +1,17 @@
-"""FSDP for Flax NNX: gather-before-use from one decorator, exponent caches as module state.
+"""FSDP for Flax NNX: gather-before-use by instance (:func:`shard`) or by decorator
+(:func:`gathered`), gather caches and stats as module state.
 
-Decorate a module's ``__call__`` with :func:`gathered`: every parameter under it that is split
-over the ``fsdp`` mesh axis (Flax's ``nnx.with_partitioning`` metadata first, then
+Wrap module instances with :func:`shard` (each block, then the root) or decorate a module's
+``__call__`` with :func:`gathered`: every parameter under it that is split over the ``fsdp``
+mesh axis (Flax's ``nnx.with_partitioning`` metadata first, then
 ``fsdp_axis`` metadata, then a rule table passed to the decorator) is cast to the compute
 dtype and all-gathered just before use, through CIERA's exponent-reuse gather (or the plain /
-int8 baselines, :func:`gather_mode`). Two programming models: inside the user's
+int8 baselines, :func:`gather_mode`), over the ``fsdp`` axis only: other mesh axes in a
+parameter's spec (tensor, expert parallel) stay split. Two programming models: inside the user's
 ``jax.shard_map``, or under ``jit`` with ``jax.set_mesh`` and eagerly sharded parameters, where
-the decorator opens its own ``shard_map`` region for the gathers. Exponent caches
-(:class:`ExponentCacheVar`, :func:`attach_caches`) and stats (:class:`GatherStats`) are module
-state, so ``nnx.remat``, ``nnx.scan``, ``nnx.vmap`` and ``jit`` carry them as values.
+the decorator opens its own ``shard_map`` region for the gathers. Caches
+(:class:`GatherCacheVar`, exponent or word, :func:`attach_caches`) and stats
+(:class:`GatherStats`) are module state, created up front, so ``nnx.remat``, ``nnx.scan``, ``nnx.vmap`` and ``jit`` carry them as values.
 
     class MLP(nnx.Module):
         def __init__(self, d, f, rngs):
@@ -25,11 +28,12 @@ One concern per module, imports one way: :mod:`.axes` (where a call gathers), :m
 :mod:`.stacking`, :mod:`.caches`, :mod:`.stats`, :mod:`.specs` (state PartitionSpecs,
 placement), :mod:`.clipping`, :mod:`.inventory` (a model's gathered tensors), :mod:`.phases`
 (a step's encode and one agreement), :mod:`.context` (the active engine), :mod:`.engine`
-(the one gather path), :mod:`.layer_stack`, :mod:`.decorator`.
+(the one gather path), :mod:`.layer_stack`, :mod:`.decorator`, :mod:`.wrap` (by instance).
 """
 
 from ciera_jax.fsdp.axes import AXIS, invariant
-from ciera_jax.fsdp.caches import ExponentCacheVar, attach_caches, cache_dict, with_caches
+from ciera_jax.fsdp.caches import (CACHE_MODES, ExponentCacheVar, GatherCacheVar, attach_caches,
+                                   cache_dict, with_caches)
 from ciera_jax.fsdp.clipping import clip_by_global_norm, global_sq_norm
 from ciera_jax.fsdp.context import GATHER_MODES, active_engine
 from ciera_jax.fsdp.decorator import gathered
@@ -41,10 +45,12 @@ from ciera_jax.fsdp.phases import agree_tensors, encode_tensors
 from ciera_jax.fsdp.rules import check_divisible, d_axis, rule_axis, spec_for
 from ciera_jax.fsdp.specs import merge, param_specs, put, split_axes, state_specs
 from ciera_jax.fsdp.stacking import stack, stack_size
-from ciera_jax.fsdp.stats import GatherStats, gather_stats
+from ciera_jax.fsdp.stats import GatherStats, gather_stats, wire_ratio
+from ciera_jax.fsdp.wrap import is_sharded, shard
 
 __all__ = [
-    "AXIS", "GATHER_MODES", "Engine", "ExponentCacheVar", "GatherSpec", "GatherStats",
+    "AXIS", "CACHE_MODES", "GATHER_MODES", "Engine", "ExponentCacheVar", "GatherCacheVar",
+    "GatherSpec", "GatherStats", "is_sharded", "shard", "wire_ratio",
     "GatheredTensor", "active_engine", "agree_tensors", "attach_caches", "cache_dict",
     "check_divisible", "clip_by_global_norm", "d_axis", "encode_tensors", "gather_mode",
     "gather_stats", "gathered", "gathered_tensors", "global_sq_norm", "invariant", "merge",

@@ -1,28 +1,43 @@
-"""Exponent caches as module state: one :class:`ExponentCacheVar` per gathered parameter,
-attached beside it on the module that holds it (``kernel`` -> ``kernel_exp_cache``), and
-conversions between cache states and ``{parameter path: cache}`` dicts. Derived, replicated
-state, like batch-norm statistics: carried through the step, never checkpointed."""
+"""Gather caches as module state: one :class:`GatherCacheVar` per gathered parameter,
+attached beside it on the module that holds it (``kernel`` -> ``kernel_gather_cache``), the
+gather stats of every gathering module (zeros until the first gather), and conversions between
+cache states and ``{parameter path: cache}`` dicts. Derived state, like batch-norm statistics:
+carried through the step, never checkpointed.
+
+A cache is shaped like the parameter gathered over the FSDP axis and stays split over the
+parameter's other mesh axes (tensor, expert parallel), like the gathered weight; a stacked
+layer's cache (``fsdp.stack`` or ``nnx.vmap``) has the layer axis first, one per layer."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import ciera_jax.cache as cache_lib
 from ciera_jax.fsdp.discovery import (gather_spec, iter_modules, path_key, set_module_path,
                                       sharded_params)
+from ciera_jax.fsdp.rules import without_axis
 from ciera_jax.fsdp.stacking import stack_of, stack_size
+from ciera_jax.fsdp.stats import ensure_stats
 
-CACHE_SUFFIX = "_exp_cache"
+CACHE_SUFFIX = "_gather_cache"
+CACHE_MODES = ("exponent", "word", "auto")
+PLAIN_ATTR = "ciera_plain"  # on a module: keys of params the plan gathers plain (no cache)
 
 
-class ExponentCacheVar(nnx.Variable):
-    """Exponent cache of one gathered parameter (full shape, replicated over the gather axis).
+class GatherCacheVar(nnx.Variable):
+    """The cache of one gathered parameter: an exponent cache (1 B/param) or a word cache
+    (2 B per bf16 param), shaped like the parameter gathered over the FSDP axis.
 
     Derived state: it is carried through the train step like optimizer state but never
     checkpointed; a fresh (unprimed) cache re-primes on its first gather, bitwise exactly.
     """
+
+
+ExponentCacheVar = GatherCacheVar  # the name before word caches; kept for one release
 
 
 def cache_attr(name: str) -> str:
@@ -30,44 +45,126 @@ def cache_attr(name: str) -> str:
     return f"{name}{CACHE_SUFFIX}"
 
 
-def new_cache(layer_shape, dtype, layers: int = 0):
+def new_cache(layer_shape, dtype, layers: int = 0, mode: str = "exponent"):
     """An unprimed cache for one layer's full tensor; stacked ``layers`` deep when nonzero."""
     if layers:
-        return jax.vmap(lambda _: cache_lib.init_cache(layer_shape, dtype))(jnp.zeros(layers))
-    return cache_lib.init_cache(layer_shape, dtype)
+        return jax.vmap(lambda _: cache_lib.init_cache(layer_shape, dtype, mode))(
+            jnp.zeros(layers))
+    return cache_lib.init_cache(layer_shape, dtype, mode)
 
 
-def attach_caches(model: nnx.Module) -> nnx.Module:
-    """Give every gathered parameter an unprimed exponent cache beside it; name module paths.
+def placer(spec_entries: tuple = (), layers: int = 0):
+    """Puts a new cache or stats tree on the ambient mesh: leaves of the tensor's rank split
+    like the gathered weight (``spec_entries``: one layer's spec without the FSDP axis), the
+    rest replicated. Without a concrete mesh (or under a transform) values stay as made."""
+    mesh = jax.sharding.get_mesh()
+    if mesh.empty:
+        return lambda tree: tree
+    lead = (None,) * (1 if layers else 0)
+    full = P(*lead, *spec_entries)
+    rank = len(lead) + len(spec_entries)
+
+    def one(x):
+        if isinstance(x, jax.core.Tracer):
+            return x
+        s = full if spec_entries and x.ndim == rank else P()
+        return jax.device_put(x, NamedSharding(mesh, s))
+
+    return lambda tree: jax.tree.map(one, tree)
+
+
+def _local_shape(p, spec_entries, mesh) -> tuple[int, ...]:
+    """One layer's shape gathered over FSDP, local to the other mesh axes (what a device
+    holds of the cache: the planner prices that)."""
+    shape = list(p.layer_shape)
+    if mesh is None or mesh.empty:
+        return tuple(shape)
+    for i, e in enumerate(spec_entries):
+        for a in ((e,) if isinstance(e, str) else tuple(e or ())):
+            shape[i] //= mesh.shape[a]
+    return tuple(shape)
+
+
+def _planned_modes(found, axis_size: int, memory_gb, profile) -> dict:
+    """``mode="auto"``: the planner's mode per tensor (plain / exponent / word) for the
+    per-device block, within ``memory_gb`` of caches per device (None: unlimited)."""
+    from ciera_jax import planner  # the planner is a tool above fsdp: import it late
+
+    if profile is None:
+        profile = "cpu-emulated" if jax.default_backend() == "cpu" else "h100-nvlink"
+    tree = {k: jax.ShapeDtypeStruct(((layers,) if layers else ()) + shape, dtype)
+            for k, (shape, dtype, layers) in found.items()}
+    budget = None if memory_gb is None else float(memory_gb) * 1e9
+    return planner.plan_modes(tree, axis_size, profile, cache_budget_bytes=budget)
+
+
+def attach_caches(model: nnx.Module, mode: str = "exponent", *, memory_gb=None,
+                  profile=None) -> nnx.Module:
+    """Give every gathered parameter an unprimed cache beside it and every gathering module
+    its gather stats (zeros); name module paths. Returns the model.
+
+    ``mode``: ``"exponent"`` (1 B/param, sends ~0.58 of plain), ``"word"`` (2 B per bf16
+    param, sends ~0.25 of plain at steady state) or ``"auto"``: the planner picks plain,
+    exponent or word per tensor for the best step time within ``memory_gb`` of caches per
+    device (None: unlimited; ``profile``: a link profile name, default by platform).
 
     Call once on the model built with its full (global) parameter shapes, eagerly sharded or
-    not. Idempotent: a parameter that has a cache keeps it (so a layer constructor run under
-    ``nnx.vmap`` may attach its own, which then stack with the layer). Returns the model.
+    not, after :func:`~ciera_jax.fsdp.shard`. Layers stacked with :func:`~ciera_jax.fsdp.stack`
+    or with ``nnx.vmap`` get one cache per layer. Idempotent: a parameter that has a cache
+    keeps it. Everything a step changes exists from here on, so ``nnx.jit`` traces once.
     """
+    if mode not in CACHE_MODES:
+        raise ValueError(f"attach_caches: unknown mode {mode!r}; choose one of {CACHE_MODES}")
+    mesh = jax.sharding.get_mesh()
     mods = dict(iter_modules(model))
+    todo = []
     for path, module in mods.items():
         spec = gather_spec(module)
-        if spec is None and not stack_size(module):
+        if spec is None:
+            if stack_size(module):
+                set_module_path(module, "/".join(map(str, path)))
             continue
         set_module_path(module, "/".join(map(str, path)))
-        if spec is None:
-            continue
         n, _ = stack_of(path, mods)
         for p in sharded_params(module, spec, lead=1 if n else 0, strict=False):
-            if hasattr(p.owner, cache_attr(p.name)):
-                continue
-            dtype = spec.dtype or p.var.get_value().dtype
-            layers = p.var.get_value().shape[0] if p.lead else 0
             if p.lead > 1:
                 raise ValueError(f"{path_key(path)}/{p.key}: {p.lead} stacked axes; one "
                                  "layer axis is supported")
-            setattr(p.owner, cache_attr(p.name),
-                    ExponentCacheVar(new_cache(p.layer_shape, dtype, layers)))
+            todo.append((path, module, spec, n or (p.var.get_value().shape[0] if p.lead
+                                                   else 0), p))
+    if mode == "auto":
+        n_fsdp = {}
+        found = {}
+        for path, module, spec, n, p in todo:
+            key = "/".join(map(str, (*path, p.key)))
+            dtype = spec.dtype or p.var.get_value().dtype
+            local = without_axis(p.spec, spec.axis_name)
+            found[key] = (_local_shape(p, local, mesh), dtype, n)
+            n_fsdp[key] = 1 if mesh.empty else mesh.shape.get(spec.axis_name, 1)
+        sizes = set(n_fsdp.values()) or {1}
+        modes = _planned_modes(found, max(sizes), memory_gb, profile) if found else {}
+    for path, module, spec, n, p in todo:
+        key = "/".join(map(str, (*path, p.key)))
+        local = without_axis(p.spec, spec.axis_name)
+        m = modes[key] if mode == "auto" else mode
+        if m == "plain":
+            plain = set(getattr(p.owner, PLAIN_ATTR, ()))
+            object.__setattr__(p.owner, PLAIN_ATTR, frozenset(plain | {p.name}))
+            continue
+        if not hasattr(p.owner, cache_attr(p.name)):
+            dtype = spec.dtype or p.var.get_value().dtype
+            cache = placer(local, n)(new_cache(p.layer_shape, dtype, n, m))
+            setattr(p.owner, cache_attr(p.name), GatherCacheVar(cache))
+    per_module: dict = {}
+    for path, module, spec, n, p in todo:
+        per_module.setdefault(id(module), (module, n, []))[2].append(p.key)
+    for module, n, keys in per_module.values():
+        ensure_stats(module, keys, n, placer())
     return model
 
 
 def cache_dict(caches: nnx.State) -> dict:
-    """``{parameter path: cache}`` from a state of :class:`ExponentCacheVar`."""
+    """``{parameter path: cache}`` from a state of :class:`GatherCacheVar`."""
     out = {}
     pairs = jax.tree_util.tree_flatten_with_path(
         caches, is_leaf=lambda v: isinstance(v, nnx.Variable))[0]

@@ -54,6 +54,7 @@ class ShardedParam:
     var: nnx.Variable
     axis: int
     lead: int = 0
+    spec: tuple = ()
 
     @property
     def layer_shape(self) -> tuple[int, ...]:
@@ -125,37 +126,55 @@ def _names(entry) -> tuple:
 
 
 def split_axis(key: str, var: nnx.Variable, spec: GatherSpec, lead: int, where: str,
-               strict: bool = True) -> tuple[int | None, int]:
-    """(split axis counted in the held value or None, stacked leading axes) of one param.
-    ``strict=False`` (walks over a whole model, where layers stacked by ``nnx.vmap`` may look
-    one dimension bigger) leaves an uncovered weight replicated: the call itself checks."""
+               strict: bool = True) -> tuple[int | None, int, tuple]:
+    """(split axis counted in the held value or None, stacked leading axes, one layer's
+    partitioning entries) of one param. ``strict=False`` (walks over a whole model) leaves an
+    uncovered weight replicated: the call itself checks.
+
+    Flax's partitioning may name more dimensions than one layer has (a layer axis that
+    ``nnx.vmap(transform_metadata={nnx.PARTITION_NAME: None})`` inserted, still there inside
+    an ``nnx.scan`` without ``transform_metadata``) or fewer (``nnx.vmap`` without it): one
+    layer's entries are aligned from the right, and an extra leading entry must not split.
+    """
     ndim = len(var.get_value().shape)
     fspec = flax_spec(var)
     if fspec is not None:
-        hits = [i for i, e in enumerate(fspec) if spec.axis_name in _names(e)]
-        lead = max(lead, ndim - len(fspec))
+        layer_ndim = ndim - lead
+        if len(fspec) < layer_ndim:
+            lead, layer_ndim = ndim - len(fspec), len(fspec)
+        local = tuple(fspec[len(fspec) - layer_ndim:]) if layer_ndim else ()
+        extra = tuple(fspec[:len(fspec) - layer_ndim])
+        if any(_names(e) for e in extra):
+            raise ValueError(f"{where}/{key}: partitioning {fspec} splits a stacked layer axis "
+                             f"of the parameter {tuple(var.get_value().shape)}; stack layers "
+                             f"with nnx.vmap(..., transform_metadata={{nnx.PARTITION_NAME: "
+                             f"None}}) so the layer axis stays whole")
+        hits = [i for i, e in enumerate(local) if spec.axis_name in _names(e)]
         if not hits:
-            return None, lead
-        if len(hits) > 1 or len(_names(fspec[hits[0]])) > 1:
+            return None, lead, local
+        if len(hits) > 1 or len(_names(local[hits[0]])) > 1:
             raise ValueError(f"{where}/{key}: its partitioning {fspec} splits one dimension over "
                              f"several mesh axes or names {spec.axis_name!r} twice; split one "
                              f"dimension over {spec.axis_name!r} alone")
-        axis = hits[0] + ndim - len(fspec)  # stacked axes lead: align from the right
-        if axis < 0:
-            raise ValueError(f"{where}/{key}: partitioning {fspec} has more dimensions than "
-                             f"the parameter {tuple(var.get_value().shape)}")
-        return axis, lead
+        return lead + hits[0], lead, local
     meta = var.get_metadata() if hasattr(var, "get_metadata") else {}
     layer_ndim = ndim - lead
+
+    def only(axis):
+        if axis is None:
+            return None, lead, ()
+        axis = axis % layer_ndim
+        return lead + axis, lead, tuple(spec.axis_name if i == axis else None
+                                        for i in range(layer_ndim))
+
     if "fsdp_axis" in meta:
-        axis = meta["fsdp_axis"]
-        return (None if axis is None else lead + axis % layer_ndim), lead
+        return only(meta["fsdp_axis"])
     matched, axis = rule_matches(key, spec.rules)
     if matched:
-        return (None if axis is None else lead + axis % layer_ndim), lead
+        return only(axis)
     if not strict or layer_ndim < 2 or spec.replicate is True or (
             isinstance(spec.replicate, str) and re.fullmatch(spec.replicate, key)):
-        return None, lead
+        return None, lead, ()
     raise ValueError(
         f"{where}/{key}: no sharding for this {layer_ndim}-D weight "
         f"{tuple(var.get_value().shape)}: annotate it the Flax way "
@@ -171,10 +190,10 @@ def sharded_params(module, spec: GatherSpec, lead: int = 0,
     out = []
     for path, owner, name, var in iter_params(module):
         key = "/".join(map(str, path))
-        axis, plead = split_axis(key, var, spec, lead, where, strict)
+        axis, plead, local = split_axis(key, var, spec, lead, where, strict)
         if axis is not None and axis < plead:
             raise ValueError(f"{where}/{key}: split axis {axis} is a stacked layer axis; split "
                              "a dimension of one layer's tensor")
         if axis is not None:
-            out.append(ShardedParam(key, owner, name, var, axis, plead))
+            out.append(ShardedParam(key, owner, name, var, axis, plead, local))
     return out

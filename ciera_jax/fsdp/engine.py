@@ -25,14 +25,14 @@ import ciera_jax.cache as cache_lib
 import ciera_jax.codec as codec
 import ciera_jax.collective as collective
 import ciera_jax.quantized as quantized
-from ciera_jax.fsdp.axes import (AXIS, MANUAL, REGION, UNSHARDED, axis_size, invariant,
-                                 placement)
-from ciera_jax.fsdp.caches import ExponentCacheVar, cache_attr
+from ciera_jax.fsdp.axes import (AXIS, MANUAL, REGION, UNSHARDED, axis_bound, axis_size,
+                                 invariant, placement)
+from ciera_jax.fsdp.caches import PLAIN_ATTR, GatherCacheVar, cache_attr
 from ciera_jax.fsdp.context import activate, check_mode
 from ciera_jax.fsdp.discovery import (GatherSpec, ShardedParam, iter_params, module_name,
                                       module_path, path_key, sharded_params)
 from ciera_jax.fsdp.inventory import GatheredTensor
-from ciera_jax.fsdp.rules import check_divisible, spec_for
+from ciera_jax.fsdp.rules import check_divisible, kept_axes, names_of, without_axis
 from ciera_jax.fsdp.stacking import stack_size
 from ciera_jax.fsdp.stats import record
 
@@ -82,12 +82,30 @@ class Engine:
         if missing:
             raise ValueError(f"no agreement for {missing}: run agree_tensors once per step")
         self.new_caches: dict = {}
-        self.stats: dict = {}
+        self._stats: dict = {}
         self._holding = False
 
     @property
     def prepared(self) -> bool:
         return self.tensors is not None
+
+    @property
+    def stats(self) -> dict:
+        """A prepared engine's ``{tensor key: stats}`` of the trace that ran the forward.
+
+        A default engine (:func:`gather_mode`) keeps none here: its stats are module state,
+        read them with ``fsdp.gather_stats(model)`` (return them from the jitted step)."""
+        if not self.prepared:
+            raise RuntimeError(
+                "Engine.stats: a default engine (fsdp.gather_mode) leaves the stats of every "
+                "gather in module state; read them with fsdp.gather_stats(model), e.g. "
+                "returned from your jitted step (they are zeros until the first step)")
+        return self._stats
+
+    def jit_key(self) -> tuple:
+        """What a step traced under this engine depends on (part of jit's cache key)."""
+        return ("prepared" if self.prepared else "default", self.mode, self.axis_name,
+                self.impl, self.word_backward)
 
     def active(self):
         """Decorated modules called inside gather through this engine."""
@@ -104,9 +122,12 @@ class Engine:
 
     # -- one tensor ---------------------------------------------------------------------------
 
-    def gather_one(self, t: GatheredTensor, shard, gin):
+    def gather_one(self, t: GatheredTensor, shard, gin, region: bool = False):
         """Gather one layer's shard: (full, new cache or None, stats). ``gin``: (Encoded,
-        cache, agreed) for a compressed gather, None for the mode's plain / int8 gather."""
+        cache, agreed) for a compressed gather, None for the mode's plain / int8 gather.
+        Stats are summed (sizes, counts) or maxed (tier, fallback) over the other mesh axes
+        the tensor stays split on; ``region``: in the engine's own ``shard_map`` (no varying
+        types), so per-rank counts are summed over the gather axis unconditionally."""
         ax = self.axis_name
         plain = jnp.int32(shard.size * shard.dtype.itemsize)
         new_cache = None
@@ -115,12 +136,13 @@ class Engine:
             full, new_cache, st = collective.exchange(shard, e, cache, agreed, ax, impl=self.impl)
             # verify_failed stays per rank in a train step (it rides on the step's norm psum);
             # a default engine reduces it like the other stats.
-            failed = st["verify_failed"]
+            failed = jnp.asarray(st["verify_failed"]).astype(jnp.int32)
+            total = (lambda x: lax.psum(x, ax)) if region else (
+                lambda x: invariant(x, ax, lax.psum))
             stats = dict(sent_bytes=st["sent_bytes"], plain_bytes=st["plain_bytes"],
-                         changed=invariant(st["changed"], ax, lax.psum), tier=st["tier"],
-                         fallback=st["fallback"].astype(jnp.int32),
-                         verify_failed=failed if self.prepared else invariant(failed, ax,
-                                                                              lax.psum))
+                         changed=total(jnp.asarray(st["changed"]).astype(jnp.int32)),
+                         tier=st["tier"], fallback=st["fallback"].astype(jnp.int32),
+                         verify_failed=failed if self.prepared else total(failed))
         else:
             if self.mode == "int8":
                 full = quantized.int8_all_gather(shard, ax, axis=t.axis).astype(shard.dtype)
@@ -131,6 +153,14 @@ class Engine:
             stats = dict(sent_bytes=sent, plain_bytes=plain, changed=jnp.int32(0),
                          tier=jnp.int32(-1), fallback=jnp.int32(0), verify_failed=jnp.int32(0))
         stats["elements"] = jnp.int32(full.size)
+        stats = {k: jnp.asarray(v).astype(jnp.int32) for k, v in stats.items()}
+        others = tuple(a for a in kept_axes(t.spec, ax) if axis_bound(a))
+        if others:  # one rank of the gather axis: its blocks on the other axes together
+            for k in ("sent_bytes", "plain_bytes", "changed", "elements") + (
+                    () if self.prepared else ("verify_failed",)):
+                stats[k] = lax.psum(stats[k], others)
+            for k in ("tier", "fallback"):
+                stats[k] = lax.pmax(stats[k], others)
         return full, new_cache, {k: lax.stop_gradient(v) for k, v in stats.items()}
 
     def _gather_inputs(self, key: str):
@@ -139,7 +169,7 @@ class Engine:
             return None
         return (self.encoded[key], self.caches[key], self.agreed[key])
 
-    def gather_call(self, tensors: dict, shards: dict, caches: dict):
+    def gather_call(self, tensors: dict, shards: dict, caches: dict, region: bool = False):
         """Gather one call's shards (inside ``shard_map``): ``(fulls, new_caches, stats)``.
 
         A default ``ciera`` engine encodes every tensor it has a cache for and agrees on all
@@ -155,7 +185,7 @@ class Engine:
             inputs = {k: (enc[k], caches[k], agreed[k]) if k in enc else None for k in tensors}
         fulls, new_caches, stats = {}, {}, {}
         for k, t in tensors.items():
-            fulls[k], c, stats[k] = self.gather_one(t, shards[k], inputs[k])
+            fulls[k], c, stats[k] = self.gather_one(t, shards[k], inputs[k], region)
             if c is not None:
                 new_caches[k] = c
         return fulls, new_caches, stats
@@ -199,10 +229,11 @@ class Engine:
                 if t is None:
                     raise ValueError(f"{gkey} is not among the engine's gathered tensors")
             else:
-                t = GatheredTensor(gkey, p.axis, tuple(shape), dtype)
+                t = GatheredTensor(gkey, p.axis, tuple(shape), dtype, spec=p.spec)
             tensors[p.key] = t
             shards[p.key] = value.astype(dtype)
-            if not self.prepared and self.mode == "ciera" and codec.is_compressible(dtype):
+            if (not self.prepared and self.mode == "ciera" and codec.is_compressible(dtype)
+                    and p.name not in getattr(p.owner, PLAIN_ATTR, ())):
                 caches[p.key] = _cache_of(p, t, f"{where}/{p.key}")
         if place == MANUAL and self.prepared:
             return self._call_prepared(module, fn, args, kwargs, tensors, params)
@@ -218,13 +249,20 @@ class Engine:
 
     def _region(self, tensors, shards, caches):
         """:meth:`gather_call` in a ``shard_map`` region of its own (under ``jit`` with the mesh
-        set): shards come in split over the axis, full weights, caches and stats leave
-        replicated; the rest of the model stays under sharding propagation."""
+        set). Each shard comes in with its parameter's own spec (the gather axis and any other
+        mesh axes, e.g. ``tp``); its full weight and cache leave gathered over the gather axis
+        only, still split over the others; stats leave replicated. The rest of the model stays
+        under sharding propagation (Auto axes) or sharding in types (Explicit axes)."""
         ax = self.axis_name
-        in_specs = ({k: spec_for(t.axis, len(t.shape), ax) for k, t in tensors.items()},
-                    {k: P() for k in caches})
-        return jax.shard_map(lambda s, c: self.gather_call(tensors, s, c), in_specs=in_specs,
-                             out_specs=(P(), P(), P()), check_vma=False)(shards, caches)
+        shard_specs = {k: P(*t.spec) for k, t in tensors.items()}
+        full_specs = {k: P(*without_axis(t.spec, ax)) for k, t in tensors.items()}
+        cache_specs = {k: _cache_specs(caches[k], tensors[k], ax) for k in caches}
+        shards = {k: _to_spec(v, shard_specs[k]) for k, v in shards.items()}
+        caches = {k: jax.tree.map(_to_spec, caches[k], cache_specs[k]) for k in caches}
+        return jax.shard_map(lambda s, c: self.gather_call(tensors, s, c, region=True),
+                             in_specs=(shard_specs, cache_specs),
+                             out_specs=(full_specs, cache_specs, P()),
+                             check_vma=False)(shards, caches)
 
     # -- prepared: gathered compute with re-gather in backward --------------------------------
 
@@ -266,7 +304,7 @@ class Engine:
 
     @staticmethod
     def _split(module):
-        graphdef, params, caches, rest = nnx.split(module, nnx.Param, ExponentCacheVar, ...)
+        graphdef, params, caches, rest = nnx.split(module, nnx.Param, GatherCacheVar, ...)
         keys = [path_key(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
         leaves, treedef = jax.tree.flatten(params)
         dummy = jax.tree.map(lambda a: np.zeros((), a.dtype), caches)  # unused when holding
@@ -298,7 +336,7 @@ class Engine:
         inputs, fulls = {}, {}
         for k, t in tensors.items():
             inputs[k] = self._gather_inputs(t.key)
-            fulls[k], new_cache, self.stats[t.key] = self.gather_one(
+            fulls[k], new_cache, self._stats[t.key] = self.gather_one(
                 t, lax.stop_gradient(shards[k]), inputs[k])
             if new_cache is not None:
                 self.new_caches[t.key] = new_cache
@@ -306,7 +344,7 @@ class Engine:
         compute = self._compute(graphdef, keys, treedef, dummy, call0)
         out = self._apply(compute, tensors, shards, others, inputs, fulls, (rest, tuple(args)))
         _leave_state(module, params, {k: self.new_caches.get(t.key) for k, t in tensors.items()},
-                     {k: self.stats[t.key] for k, t in tensors.items()})
+                     {k: self._stats[t.key] for k, t in tensors.items()})
         return out
 
     def scan(self, stack_module, x, *args):
@@ -362,10 +400,11 @@ class Engine:
         for k, t in tensors.items():
             if k in cs:
                 self.new_caches[t.key] = cs[k]
-            self.stats[t.key] = ss[k]
+            self._stats[t.key] = ss[k]
         found = {"/".join(map(str, path)): (owner, name, var)
                  for path, owner, name, var in iter_params(stack_module, nested=True)}
-        params = [ShardedParam(k, *found[k], axis=t.axis + 1, lead=1) for k, t in tensors.items()]
+        params = [ShardedParam(k, *found[k], axis=t.axis + 1, lead=1, spec=t.spec)
+                  for k, t in tensors.items()]
         _leave_state(stack_module, params, cs, ss)
         return x, ys
 
@@ -374,10 +413,39 @@ def _is_word_cache(cache) -> bool:
     return isinstance(cache, cache_lib.WordCache)
 
 
+def _cache_specs(cache, t: GatheredTensor, axis_name: str):
+    """Per leaf of one cache: leaves shaped like the tensor are split like its gathered
+    weight (the parameter's spec without the gather axis), the rest (flags) replicated."""
+    kept = without_axis(t.spec, axis_name)
+    return jax.tree.map(lambda leaf: P(*kept) if any(kept) and jnp.ndim(leaf) == len(t.shape)
+                        else P(), cache)
+
+
+def _to_spec(x, spec: P):
+    """On a mesh with Explicit axes, ``x`` resharded to ``spec`` (its Explicit axes): a
+    ``shard_map`` there takes inputs whose type carries exactly its in_specs. No-op on Auto
+    axes (``shard_map`` reshards) and when ``x`` already has the layout."""
+    mesh = jax.sharding.get_abstract_mesh()
+    explicit = {a for a, k in zip(mesh.axis_names, mesh.axis_types)
+                if k == jax.sharding.AxisType.Explicit}
+    if not explicit:
+        return x
+    keep = []
+    for e in spec:
+        names = tuple(a for a in names_of(e) if a in explicit)
+        keep.append(None if not names else names[0] if len(names) == 1 else names)
+    target = P(*keep)
+    current = getattr(jax.typeof(x), "sharding", None)
+    if current is not None and tuple(current.spec) + (None,) * (jnp.ndim(x) - len(
+            current.spec)) == tuple(target) + (None,) * (jnp.ndim(x) - len(target)):
+        return x
+    return jax.sharding.reshard(x, target)
+
+
 def _cache_of(p, t: GatheredTensor, name: str):
     """The cache beside parameter ``p``, checked against the tensor it serves."""
     var = getattr(p.owner, cache_attr(p.name), None)
-    if not isinstance(var, ExponentCacheVar):
+    if not isinstance(var, GatherCacheVar):
         raise ValueError(f"{name}: gather 'ciera' needs an exponent cache for this parameter "
                          f"and it has none: call ciera_jax.fsdp.attach_caches(model) once "
                          f"after building the model (or gather with fsdp.gather_mode('plain'))")
@@ -385,9 +453,10 @@ def _cache_of(p, t: GatheredTensor, name: str):
     shape = getattr(cache, "shape", None)
     if cache_lib.is_cache(cache) and shape is not None and tuple(shape) != t.shape:
         raise ValueError(f"{name}: its cache is for shape {tuple(shape)} but the gather is "
-                         f"{t.shape}; for layers stacked with nnx.vmap call "
-                         f"fsdp.attach_caches inside the function that builds one layer, or "
-                         f"build the stack with fsdp.stack")
+                         f"{t.shape}; layers stacked with nnx.vmap are recognised when built "
+                         f"from Flax layers (Linear, Einsum, Embed, Conv, norms); otherwise "
+                         f"call fsdp.attach_caches inside the function that builds one layer, "
+                         f"or build the stack with fsdp.stack")
     return cache
 
 
@@ -429,11 +498,15 @@ def _run_cast(module, fn, args, kwargs, spec: GatherSpec):
 
 @contextlib.contextmanager
 def gather_mode(mode: str = "ciera", *, axis_name: str = AXIS, impl: str = "auto"):
-    """Select the gather of decorated modules: activates a default :class:`Engine`.
+    """Select the gather of gathering modules: activates a default :class:`Engine`.
 
-    ``ciera``: exponent-reuse gather (lossless, compressed); ``plain``: all-gather of the bits
-    (lossless baseline); ``int8``: blockwise absmax int8 gather (lossy baseline, ZeRO++ qwZ).
-    Stats are module state: read them with :func:`~ciera_jax.fsdp.gather_stats`.
+    ``ciera``: the caches' compressed gather (lossless; exponent or word caches, see
+    :func:`~ciera_jax.fsdp.attach_caches`); ``plain``: all-gather of the bits (lossless
+    baseline); ``int8``: blockwise absmax int8 gather (lossy baseline, ZeRO++ qwZ). It may
+    enclose calls of a jitted step or sit inside it: the mode is part of ``jit``'s cache key,
+    so a step traced under one mode and called under another is traced again. Stats are
+    module state: read them with :func:`~ciera_jax.fsdp.gather_stats` (the yielded engine has
+    none).
     """
     engine = Engine(mode, axis_name=axis_name, impl=impl)
     with engine.active():

@@ -20,7 +20,9 @@ class GatheredTensor:
     ``key``: module path + parameter path (``layers/mlp/w_gate_ExDxF``), the key of its cache,
     encoded payload, plan decision and stats; ``axis``: the split axis of ONE layer's tensor;
     ``shape``: one layer's full (gathered) shape; ``stack``: layers stacked on a leading axis
-    (0: a single tensor) and ``stack_path`` the stack's module path.
+    (0: a single tensor) and ``stack_path`` the stack's module path; ``spec``: one layer's
+    partitioning, one entry per dimension (the gather axis at ``axis``, other mesh axes such
+    as ``tp`` where the parameter keeps them; empty: split over the gather axis only).
     """
 
     key: str
@@ -29,6 +31,7 @@ class GatheredTensor:
     dtype: object
     stack: int = 0
     stack_path: str = ""
+    spec: tuple = ()
 
     def layer_key(self, layer: int) -> str:
         """``layers/3/mlp/w_gate_ExDxF`` for layer 3 of a stacked tensor (the key otherwise)."""
@@ -52,7 +55,7 @@ def gathered_tensors(model: nnx.Module) -> dict[str, GatheredTensor]:
                 continue
             out[key] = GatheredTensor(key, p.axis - p.lead, p.layer_shape,
                                       spec.dtype or p.var.get_value().dtype,
-                                      n, "/".join(map(str, spath)))
+                                      n, "/".join(map(str, spath)), p.spec)
     return out
 
 

@@ -1,5 +1,5 @@
-"""Rule tables (regex -> split axis, EasyLM style), PartitionSpecs of one split axis, and the
-divisibility check. The library ships no table naming a model's weights: a model passes its
+"""Rule tables (regex -> split axis, EasyLM style), PartitionSpecs of one split axis, what a
+parameter's own spec keeps after the gather (its other mesh axes), and the divisibility check. The library ships no table naming a model's weights: a model passes its
 own to :func:`~ciera_jax.fsdp.gathered` (``models/sharding.py`` is ours)."""
 
 from __future__ import annotations
@@ -58,3 +58,25 @@ def check_divisible(name: str, shape: tuple[int, ...], axis: int | None, n: int,
         raise ValueError(
             f"mesh size {axis_name}={n} does not divide dimension {axis} (size {shape[axis]}) of "
             f"weight {name} {tuple(shape)}; choose a device count that divides it")
+
+
+def names_of(entry) -> tuple:
+    """The mesh axes one PartitionSpec entry names (None: none)."""
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def without_axis(spec: tuple, axis_name: str = AXIS) -> tuple:
+    """``spec`` (one entry per dimension) with ``axis_name`` taken out: what stays sharded
+    after a gather over it (tensor-, expert-parallel axes)."""
+    out = []
+    for e in spec:
+        rest = tuple(a for a in names_of(e) if a != axis_name)
+        out.append(None if not rest else rest[0] if len(rest) == 1 else rest)
+    return tuple(out)
+
+
+def kept_axes(spec: tuple, axis_name: str = AXIS) -> tuple[str, ...]:
+    """The mesh axes other than ``axis_name`` that ``spec`` shards over, in order."""
+    return tuple(a for e in spec for a in names_of(e) if a != axis_name)
