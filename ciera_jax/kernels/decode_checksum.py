@@ -1,0 +1,127 @@
+"""Fused exponent-mode decode + per-rank checksum: one read of the gathered exponents and
+payload, one write of the weights, and the uint32 checksum of every rank's rebuilt shard
+(exactly ``checksum.checksum_shards``) from the same pass.
+
+Why it fuses: the checksum is ``sum_i fmix32(term_i ^ key(pos_i)) mod 2**32``, a sum of terms
+that each depend on one word (float32) or one pair of words (bf16) and its global position
+only. So each program sums its own terms, and a rank's checksum is the wrapping uint32 sum of
+its programs' partial sums, in any order.
+
+The one coupling is the bf16 pairing: term = ``lo | hi << 16``, where ``hi`` is ``lo``'s
+partner half a dimension away (the last dimension when it is even, else the shard axis: see
+``checksum._sums``). The kernel therefore views the flat tensor as (groups, 2, dist): each
+program decodes ``block`` lo words and their ``block`` hi partners, so each term is complete
+inside one program. Fusable when the gather axis is 0 and ``dist`` (or, unpaired, a rank's
+shard) is a whole number of blocks of at least one warpgroup (128 elements): :func:`fusable`.
+Anything else takes the unfused path (decode kernel, then the jnp checksum), same values.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from ciera_jax import checksum, codec
+from ciera_jax.kernels import _layout
+from ciera_jax.kernels.backend import (Operand, Pairs, WARPGROUP, check_backend, resolve,
+                                       stream_call)
+from ciera_jax.kernels.decode import decode_body, decode_pallas
+from ciera_jax.kernels.encode import BLOCK
+
+
+def decode_checksum_reference(exp, payload_Pxn, dtype, n_ranks: int, *, axis: int = 0,
+                              seed: int = 0):
+    """The pure-jnp pair the fused kernel must match bit for bit: ``(codec.merge(...),
+    checksum.checksum_shards(full, axis, n_ranks))``."""
+    full = codec.merge(exp, payload_Pxn, dtype)
+    return full, checksum.checksum_shards(full, axis, n_ranks, seed=seed)
+
+
+def fusable(shape, dtype, n_ranks: int, *, axis: int = 0, block: int = BLOCK):
+    """``(Pairs layout, block, paired)`` for the fused kernel, or None when the tensor takes
+    the unfused path (gather axis not 0, or sizes that do not split into whole blocks)."""
+    if axis % max(len(shape), 1) != 0 or not shape or shape[0] % n_ranks:
+        return None
+    n = math.prod(shape)
+    if n == 0:
+        return None
+    d, post = shape[0] // n_ranks, math.prod(shape[1:])
+    n_local = d * post
+    itemsize = codec.word_format(dtype).word.itemsize
+    if itemsize == 2 and post % 2 == 0:  # pairs along the last dims: lo, hi halves of a row
+        groups, dist, paired = n // post, post // 2, True
+    elif itemsize == 2 and d % 2 == 0:  # pairs along the shard axis: halves of a rank's shard
+        groups, dist, paired = n_ranks, n_local // 2, True
+    else:  # one word per term: any grouping that keeps ranks apart
+        dist, paired = _pow2_factor(n_local // 2 if n_local % 2 == 0 else 0, block), False
+        groups = n // (2 * dist) if dist else 0
+    blk = _pow2_factor(dist, block)
+    if blk < WARPGROUP or (not paired and n_local % (2 * dist)):
+        return None
+    return Pairs(groups, dist), blk, paired
+
+
+def _pow2_factor(m: int, cap: int) -> int:
+    """The largest power of two that divides ``m`` and is at most ``cap`` (0 for m == 0)."""
+    return 0 if m <= 0 else min(m & -m, cap)
+
+
+def decode_checksum_body(blk, exp, planes, *, fmt, layout: Pairs, block: int, paired: bool,
+                         seed: int):
+    """One program: (lo, hi) exponent and payload blocks -> ((lo, hi) words, [partial sum])."""
+    u32 = jnp.uint32
+    w_lo = decode_body(exp[0], [p[0] for p in planes], fmt=fmt)
+    w_hi = decode_body(exp[1], [p[1] for p in planes], fmt=fmt)
+    per_group = layout.dist // block
+    g, j = blk.index // per_group, blk.index % per_group
+    pos = (g * (2 * layout.dist) + j * block).astype(u32) + blk.lanes  # global lo positions
+    if paired:
+        terms = [(w_lo.astype(u32) | (w_hi.astype(u32) << u32(16)), pos)]
+    else:
+        terms = [(w_lo.astype(u32), pos), (w_hi.astype(u32), pos + u32(layout.dist))]
+    key = lambda p: p * u32(checksum.GOLDEN) + u32(seed & 0xFFFFFFFF)  # noqa: E731
+    partial = sum(jnp.sum(checksum.fmix32(t ^ key(p)), dtype=u32) for t, p in terms)
+    return (w_lo, w_hi), [partial]
+
+
+def decode_checksum_pallas(exp, payload_Pxn, dtype, n_ranks: int, *, axis: int = 0,
+                           seed: int = 0, block: int = BLOCK, backend: str | None = None,
+                           interpret: bool = False):
+    """Fused :func:`decode_checksum_reference` (raises ValueError where not :func:`fusable`)."""
+    fmt = codec.word_format(dtype)
+    backend = check_backend(backend)
+    shape, P = exp.shape, fmt.payload_bytes
+    if payload_Pxn.shape != (P, *shape):
+        raise ValueError(f"payload_Pxn must have shape {(P, *shape)}, got {payload_Pxn.shape}")
+    plan = fusable(shape, dtype, n_ranks, axis=axis, block=block)
+    if plan is None:
+        raise ValueError(f"decode_checksum: shape {shape} (axis {axis}, {n_ranks} ranks) does "
+                         "not split into fused blocks; use decode_checksum(...) for a fallback")
+    layout, blk, paired = plan
+    view = (layout.groups, 2, layout.dist)
+    call = stream_call(
+        lambda b, e, p: decode_checksum_body(b, e, p, fmt=fmt, layout=layout, block=blk,
+                                             paired=paired, seed=seed),
+        [Operand(jnp.uint8), Operand(jnp.uint8, planes=P)],
+        [Operand(fmt.word), Operand(jnp.uint32, per_block=1)],
+        layout=layout, block=blk, backend=backend, interpret=interpret, with_block=True,
+        name=f"ciera_decode_checksum_{fmt.dtype.name}")
+    words, partials = call(exp.astype(jnp.uint8).reshape(view),
+                           payload_Pxn.astype(jnp.uint8).reshape(P, *view))
+    sums = jnp.sum(partials.reshape(n_ranks, -1), axis=1, dtype=jnp.uint32)
+    return codec.from_bits(words.reshape(shape), fmt.dtype), sums
+
+
+def decode_checksum(exp, payload_Pxn, dtype, n_ranks: int, *, axis: int = 0, seed: int = 0,
+                    impl: str = "auto"):
+    """Decode and per-rank checksums: fused where the impl is a Pallas kernel and the shape is
+    :func:`fusable`, else the decode (kernel or jnp) followed by the jnp checksum."""
+    c = resolve(impl)
+    if c.kind == "pallas" and fusable(exp.shape, dtype, n_ranks, axis=axis):
+        return decode_checksum_pallas(exp, payload_Pxn, dtype, n_ranks, axis=axis, seed=seed,
+                                      backend=c.backend, interpret=c.interpret)
+    if c.kind == "pallas" and _layout.num_elements(exp.shape):
+        full = decode_pallas(exp, payload_Pxn, dtype, backend=c.backend, interpret=c.interpret)
+        return full, checksum.checksum_shards(full, axis, n_ranks, seed=seed)
+    return decode_checksum_reference(exp, payload_Pxn, dtype, n_ranks, axis=axis, seed=seed)
