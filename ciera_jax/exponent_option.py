@@ -1,0 +1,119 @@
+"""Exponent mode: the payload (sign + mantissa) travels, the exponent stays in the cache.
+
+Sender (:func:`encode`, no collective): split the shard into exponent and payload planes, flag
+the exponents that differ from this rank's slice of the cache, and pack what locates them and
+their new values: the flags 32 to a uint32 word, the nonzero words in order with a summary bit
+per word, and the new exponents in position order, each at its top capacity.
+
+Receiver (:func:`exchange`): the payload plane and checksum arrive by one unconditional
+all-gather; the flag section and the exponents arrive at their agreed rungs
+(:mod:`ciera_jax.wire`); the flag words are rebuilt from the summary (escapes of escapes, the
+same expansion), one expansion puts every flagged exponent in place of the cached one, one
+decode merges exponents and payload, one self-check compares every rank's shard with the
+checksum it sent.
+
+Shape letters as in :mod:`ciera_jax.escapes`: N ranks, n elements per shard, P payload planes,
+W flag words, S summary words, C and K capacities.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ciera_jax import escapes, kernels, selfcheck, transfer
+from ciera_jax.layout import full_to_rows, gathered_shape, rows_to_full
+from ciera_jax.wire import ExponentWire, flag_words
+
+INT32_MAX = np.iinfo(np.int32).max
+CHANGED, NONZERO_WORDS = 0, 1  # the demand vector
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Encoded:
+    """What one rank sends for one exponent-mode tensor, made before the gather (it depends only
+    on the shard and the cache, so it can be made at the end of the previous step).
+
+    ``payload``: uint8 (P, *shard shape); ``flag_section``: uint32 (S + C,), the summary (a bit
+    per flag word: is it nonzero) and the nonzero flag words in order, at the top capacity;
+    ``patch_exp``: uint8 (K,), the new exponents of the flagged elements in position order, at
+    the top capacity; ``count``: exponents changed in this shard; ``demand``: int32 (2,),
+    changed exponents and nonzero flag words, or int32 max when the cache is unprimed;
+    ``checksum``: uint32 of the shard's true words.
+    """
+
+    payload: jax.Array
+    flag_section: jax.Array
+    patch_exp: jax.Array
+    count: jax.Array
+    demand: jax.Array
+    checksum: jax.Array
+    axis: int = dataclasses.field(metadata=dict(static=True))
+    n_ranks: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shard_shape(self) -> tuple[int, ...]:
+        return tuple(self.payload.shape[1:])
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        return gathered_shape(self.shard_shape, self.axis, self.n_ranks)
+
+    @property
+    def wire(self) -> ExponentWire:
+        n = int(np.prod(self.shard_shape))
+        return ExponentWire(n, self.payload.shape[0] + 1)
+
+
+def encode(x, cached_exp, primed, axis: int, n_ranks: int, csum, impl: str) -> Encoded:
+    """``x``: this rank's shard; ``cached_exp``: its slice of the cached exponents."""
+    exp, payload, changed = kernels.encode(x, cached_exp, impl=impl)
+    wire = ExponentWire(x.size, x.dtype.itemsize)
+    flags_W = escapes.pack_flags(changed.reshape(1, -1))[0]
+    summary_S = escapes.pack_flags((flags_W != 0)[None])[0]
+    listed_C = escapes.pack(flags_W, summary_S, wire.word_caps[-1])
+    patch_exp = escapes.pack(exp.reshape(-1), flags_W, wire.caps[-1])
+    # An unprimed cache knows no exponent: all of them count as changed.
+    count = jnp.where(primed, escapes.count(flags_W[None])[0], x.size).astype(jnp.int32)
+    counts = jnp.stack([count, escapes.count(summary_S[None])[0]])
+    demand = jnp.where(primed, counts, jnp.int32(INT32_MAX))
+    return Encoded(payload, jnp.concatenate([summary_S, listed_C]), patch_exp, count, demand,
+                   csum, axis, n_ranks)
+
+
+def exchange(e: Encoded, cache_exp, agreed, axis_name, dtype, impl: str):
+    """Returns ``(decoded full, failed shards, rung, overflow, section bytes sent)``; on
+    overflow the caller falls back to a plain gather (``decoded`` is then meaningless)."""
+    wire = e.wire
+    n, n_planes = wire.n, e.payload.shape[0]
+    main_NxL, sent_N = selfcheck.split_checksums(transfer.gather_rows(
+        selfcheck.with_checksum(e.payload.reshape(-1), e.checksum), axis_name))
+
+    rung, over = transfer.pick_rung(wire.caps, agreed[CHANGED])
+    word_rung, word_over = transfer.pick_rung(wire.word_caps, agreed[NONZERO_WORDS])
+    overflow = over | word_over
+    rung, word_rung = jnp.where(overflow, 0, rung), jnp.where(overflow, 0, word_rung)
+    patch_NxK = transfer.gather_section(e.patch_exp, wire.caps, rung, axis_name)
+    section_NxC = transfer.gather_section(e.flag_section, wire.flag_sizes, word_rung, axis_name)
+    summary_NxS = section_NxC[:, :wire.summary_words]
+    listed_NxC = section_NxC[:, wire.summary_words:]
+    n_words = flag_words(n)
+    flags_NxW = jnp.where(
+        escapes.unpack_flags(summary_NxS, n_words),
+        escapes.expand(listed_NxC, escapes.slots(summary_NxS, n_words, wire.word_caps[-1])),
+        jnp.uint32(0))
+    new_exp_Nxn = escapes.expand(patch_NxK, escapes.slots(flags_NxW, n, wire.caps[-1]))
+    changed_Nxn = escapes.unpack_flags(flags_NxW, n)
+    exp_Nxn = jnp.where(changed_Nxn, new_exp_Nxn,
+                        full_to_rows(cache_exp, e.shard_shape, e.axis, e.n_ranks))
+    payload_PxNxn = jnp.moveaxis(main_NxL.reshape(e.n_ranks, n_planes, n), 0, 1)
+    full_Nxn = kernels.decode(exp_Nxn, payload_PxNxn, dtype, impl=impl)
+    full = rows_to_full(full_Nxn, e.shard_shape, e.axis)
+    sent = (transfer.section_bytes(wire.caps, rung)
+            + 4 * transfer.section_bytes(wire.flag_sizes, word_rung))
+    return full, selfcheck.failed_shards(full, sent_N, e.axis), rung, overflow, sent

@@ -1,0 +1,122 @@
+"""Word mode: each element sends a ``b``-bit code of its word's move since the cached word.
+
+``d = ord(new) - ord(cached)`` (:mod:`ciera_jax.wordcodec`); ``|d| <= code_limit(b)`` travels
+in the code plane, anything else is an escape (the top code) whose value travels out of line in
+position order: level 1, an int8 ``d`` (or ``LEVEL2``: see level 2), level 2, the raw word.
+
+Sender (:func:`encode`, no collective): deltas, codes, both escape levels packed at their top
+capacities, the counts the agreement needs. Receiver (:func:`exchange`): the code plane and
+checksum arrive by one unconditional all-gather, the two levels at their agreed rungs
+(:mod:`ciera_jax.wire`); one dense decode against the cache, one escape expansion, one
+self-check.
+
+Shape letters: N ranks, n elements per shard, W flag words, C a capacity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ciera_jax import codec, escapes, kernels, selfcheck, transfer, wordcodec
+from ciera_jax.layout import full_to_rows, gathered_shape, rows_to_full
+from ciera_jax.wire import WordWire
+from ciera_jax.word_ladder import CODE_BITS, LEVEL1_LIMIT, LEVEL2, code_limit, escape_code
+
+INT32_MAX = np.iinfo(np.int32).max
+ESCAPES, RAW, EXP_CHANGED = 0, 1, 2  # the demand vector: escapes at b, raw words, exponents
+N_DEMANDS = 3
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class WordEncoded:
+    """What one rank sends for one word-mode tensor, made before the gather.
+
+    ``codes``: uint8, the packed ``b``-bit code plane; ``level1``: int8 (C1,), ``level2``: words
+    (C2,), both at their top capacities; ``counts``: int32 (3,): escapes, raw words (``|d| >
+    127``) and changed exponents in this shard; ``demand``: ``counts``, or int32 max when the
+    cache is unprimed; ``checksum``: uint32 of the shard's true words.
+    """
+
+    codes: jax.Array
+    level1: jax.Array
+    level2: jax.Array
+    counts: jax.Array
+    demand: jax.Array
+    checksum: jax.Array
+    axis: int = dataclasses.field(metadata=dict(static=True))
+    n_ranks: int = dataclasses.field(metadata=dict(static=True))
+    code_bits: int = dataclasses.field(metadata=dict(static=True))
+    shard_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        return gathered_shape(self.shard_shape, self.axis, self.n_ranks)
+
+    @property
+    def wire(self) -> WordWire:
+        return WordWire(int(np.prod(self.shard_shape)), self.level2.dtype.itemsize,
+                        self.code_bits)
+
+    @property
+    def count(self) -> jax.Array:
+        """Changed exponents in this shard (as :attr:`Encoded.count`)."""
+        return self.counts[..., EXP_CHANGED]
+
+
+def encode(x, cached_words, primed, axis: int, n_ranks: int, csum, impl: str,
+           code_bits: int) -> WordEncoded:
+    """``x``: this rank's shard; ``cached_words``: its slice of the cached words."""
+    wire = WordWire(x.size, x.dtype.itemsize, code_bits)
+    d, counts = kernels.word_encode(x, cached_words, impl=impl)
+    d = d.reshape(-1)
+    esc = escapes.pack_flags(wordcodec.beyond(d, code_limit(code_bits))[None])[0]
+    raw = wordcodec.beyond(d, LEVEL1_LIMIT)
+    level1 = jnp.where(raw, LEVEL2, d).astype(jnp.int8)
+    level1 = escapes.pack(level1, esc, wire.caps1[-1])
+    level2 = escapes.pack(codec.to_bits(x).reshape(-1), escapes.pack_flags(raw[None])[0],
+                          wire.caps2[-1])
+    codes = wordcodec.pack_codes(wordcodec.codes_of(d, code_bits), code_bits)
+    counts = jnp.stack([counts[CODE_BITS.index(code_bits)], counts[wordcodec.RAW],
+                        counts[wordcodec.EXP_CHANGED]])
+    demand = jnp.where(primed, counts, jnp.int32(INT32_MAX))
+    return WordEncoded(codes, level1, level2, counts, demand, csum, axis, n_ranks, code_bits,
+                       tuple(x.shape))
+
+
+def exchange(e: WordEncoded, cache_words, agreed, axis_name, dtype, impl: str):
+    """Returns ``(decoded full, failed shards, level-1 rung, overflow, escape bytes sent)``;
+    on overflow the caller falls back to a plain gather (``decoded`` is then meaningless)."""
+    wire, b = e.wire, e.code_bits
+    n = wire.n
+    main_NxL, sent_N = selfcheck.split_checksums(transfer.gather_rows(
+        selfcheck.with_checksum(e.codes, e.checksum), axis_name))
+    rung1, over1 = transfer.pick_rung(wire.caps1, agreed[ESCAPES])
+    rung2, over2 = transfer.pick_rung(wire.caps2, agreed[RAW])
+    overflow = over1 | over2
+    rung1, rung2 = jnp.where(overflow, 0, rung1), jnp.where(overflow, 0, rung2)
+    level1_NxC = transfer.gather_section(e.level1, wire.caps1, rung1, axis_name)
+    level2_NxC = transfer.gather_section(e.level2, wire.caps2, rung2, axis_name)
+
+    codes_Nxn = wordcodec.unpack_codes(main_NxL, b, n)
+    cached_Nxn = full_to_rows(cache_words, e.shard_shape, e.axis, e.n_ranks)
+    dense_Nxn = kernels.word_decode(cached_Nxn, codes_Nxn, b, impl=impl)
+    esc_Nxn = codes_Nxn == escape_code(b)
+    slot_Nxn = escapes.slots(escapes.pack_flags(esc_Nxn), n, wire.caps1[-1])
+    level1_Nxn = escapes.expand(level1_NxC, slot_Nxn)
+    # Level 2 holds the raw words of level 1's LEVEL2 entries, in their order.
+    is_raw_NxC = level1_NxC == LEVEL2
+    raw_slot_NxC = escapes.slots(escapes.pack_flags(is_raw_NxC), level1_NxC.shape[1],
+                                 wire.caps2[-1])
+    raw_Nxn = escapes.expand(escapes.expand(level2_NxC, raw_slot_NxC), slot_Nxn)
+    moved_Nxn = wordcodec.apply_delta(cached_Nxn, level1_Nxn.astype(jnp.int32))
+    escaped_Nxn = jnp.where(level1_Nxn == LEVEL2, raw_Nxn, moved_Nxn)
+    bits_Nxn = jnp.where(esc_Nxn, escaped_Nxn, dense_Nxn)
+    full = codec.from_bits(rows_to_full(bits_Nxn, e.shard_shape, e.axis), dtype)
+    sent = (transfer.section_bytes(wire.level1_sizes, rung1)
+            + transfer.section_bytes(wire.level2_sizes, rung2))
+    return full, selfcheck.failed_shards(full, sent_N, e.axis), rung1, overflow, sent
