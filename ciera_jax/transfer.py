@@ -26,9 +26,10 @@ def gather_rows(buf_L: jax.Array, axis_name) -> jax.Array:
 def _prefix(buf_C, *, cap: int, axis_name):
     n_ranks = lax.axis_size(axis_name)
     if cap == 0:
-        return jnp.zeros((n_ranks, buf_C.shape[0]), buf_C.dtype)
-    rows = gather_rows(buf_C[:cap], axis_name)
-    return jnp.pad(rows, ((0, 0), (0, buf_C.shape[0] - cap)))
+        rows = jnp.zeros((n_ranks, buf_C.shape[0]), buf_C.dtype)
+    else:
+        rows = jnp.pad(gather_rows(buf_C[:cap], axis_name), ((0, 0), (0, buf_C.shape[0] - cap)))
+    return varying_like(rows, buf_C, axis_name)  # every branch typed alike
 
 
 def gather_section(buf_C: jax.Array, caps: tuple[int, ...], rung: jax.Array, axis_name):

@@ -22,8 +22,9 @@ from jax.sharding import PartitionSpec as P
 import ciera_jax
 from bitdata import BF16, F32, WORD, adversarial, bits_of, from_bits, special_words, weights
 from ciera_jax import codec
-from ciera_jax.collective import MODE_EXPONENT, MODE_PLAIN, MODE_WORD, word_options
-from ciera_jax.costmodel import CHECKSUM_BYTES, DEFAULT_LADDER
+from ciera_jax.collective import MODE_EXPONENT, MODE_PLAIN, MODE_WORD
+from ciera_jax.wire import CHECKSUM_BYTES, DEFAULT_CODE_BITS, WordWire, agreement_bytes
+from ciera_jax.word_ladder import code_limit
 
 
 @functools.lru_cache(maxsize=None)
@@ -127,14 +128,16 @@ def test_twenty_steps_carried_cache_bitwise(dtype):
     modes = [int(s["mode"][0]) for s in stats]
     assert modes[0] == MODE_PLAIN, "a fresh cache primes with a plain gather"
     assert modes[12] == MODE_PLAIN and modes[13] == MODE_PLAIN
-    # step 7 moves 8x wider (peak LR): too many 4-bit escapes for the ladder, exponent mode
-    assert modes[7] == MODE_EXPONENT, modes
+    # step 7 moves 8x wider (peak LR): more escapes than the top rung holds, plain
+    assert modes[7] == MODE_PLAIN, modes
     assert all(m == MODE_WORD for i, m in enumerate(modes) if i not in (0, 7, 12, 13)), modes
+    for t in range(1, len(xs)):
+        assert_priced(stats[t], xs[t - 1], xs[t])
     for s in stats:  # rank-invariant choice
         for k in ("mode", "tier", "code_bits", "capacity", "sent_bytes"):
             assert (s[k] == s[k][0]).all(), k
     ratio = [s["sent_bytes"][0] / s["plain_bytes"][0] for s in stats]
-    assert max(ratio[i] for i in range(1, 7)) < 0.45, ratio
+    assert max(ratio[i] for i in range(1, 7)) < 0.35, ratio
 
 
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
@@ -160,15 +163,41 @@ def test_every_element_escaping_and_sign_flips_fall_back():
     x2 = from_bits(bits_of(x1) ^ np.uint16(0x8000), BF16)  # every sign flips: raw everywhere
     stats = run_exact([x0, x0, x1, x2, x2])
     modes = [int(s["mode"][0]) for s in stats]
-    assert modes[1] == MODE_WORD and modes[2] != MODE_WORD, modes
-    assert modes[3] == MODE_EXPONENT, "sign flips keep exponents: exponent mode serves"
-    assert modes[4] == MODE_WORD and int(stats[4]["code_bits"][0]) == 2
+    assert modes == [MODE_PLAIN, MODE_WORD, MODE_PLAIN, MODE_PLAIN, MODE_WORD], modes
+    assert int(stats[4]["code_bits"][0]) == DEFAULT_CODE_BITS
+    assert int(stats[4]["capacity"][0]) == 0, "nothing moved: no escape section"
 
 
 # ----------------------------------------------------------------------------- choice
 
 N_LOCAL = SHAPE[0] * SHAPE[1] // 8
-RUNGS, WIRE = word_options(N_LOCAL, 2, DEFAULT_LADDER.tiers(N_LOCAL))
+WIRE = WordWire(N_LOCAL, 2)
+AGREEMENT = agreement_bytes("word")
+
+
+def word_counts(x_prev, x, code_bits=DEFAULT_CODE_BITS):
+    """Per rank (escapes, raw words) of the move from ``x_prev`` to ``x`` (gather axis 0)."""
+    def signed(v):
+        w = ord_np(bits_of(v)).astype(np.int64)
+        return w
+    width = 1 << (8 * bits_of(x).dtype.itemsize)
+    d = (signed(x) - signed(x_prev)) % width
+    d = np.where(d >= width // 2, d - width, d)
+    out = []
+    for part in np.split(d, 8):
+        out.append((int((np.abs(part) > code_limit(code_bits)).sum()), int((np.abs(part) > 127).sum())))
+    return out
+
+
+def assert_priced(stats, x_prev, x):
+    """mode, capacity and sent_bytes are what the wire table says for the worst rank."""
+    counts = word_counts(x_prev, x)
+    escapes, raw = max(c[0] for c in counts), max(c[1] for c in counts)
+    wire = WordWire(x.size // 8, bits_of(x).dtype.itemsize)
+    plain = wire.sent_bytes(escapes, raw) == wire.n * wire.word_bytes
+    assert int(stats["mode"][0]) == (MODE_PLAIN if plain else MODE_WORD)
+    want = wire.sent_bytes(escapes, raw) + AGREEMENT + (wire.main_bytes if plain else 0)
+    assert int(stats["sent_bytes"][0]) == want, (escapes, raw, stats)
 
 
 def _on_rank(rank, d_rank):
@@ -179,7 +208,7 @@ def _on_rank(rank, d_rank):
     return d
 
 
-def _escapes(count, size, raw=0, far=2):
+def _escapes(count, raw=0, far=5):
     """``count`` elements moved by ``far`` (of which ``raw`` by 1000), at random places."""
     d = np.zeros(N_LOCAL, np.int64)
     pos = np.random.default_rng(count + raw).choice(N_LOCAL, count, replace=False)
@@ -188,49 +217,44 @@ def _escapes(count, size, raw=0, far=2):
     return d
 
 
-def _choice(d_rank, base=None):
+def _choice(d_rank):
     """Stats of the gather that moves rank 3's shard by ``d_rank`` after a primed step."""
     # Mantissa 0 everywhere: moves of < 128 ulps never change an exponent.
-    x0 = base if base is not None else from_bits(np.full(SHAPE, 0x3F80, np.uint16), BF16)
-    s = run_exact([x0, x0, moved(x0, _on_rank(3, d_rank))])[2]
+    x0 = from_bits(np.full(SHAPE, 0x3F80, np.uint16), BF16)
+    x1 = moved(x0, _on_rank(3, d_rank))
+    s = run_exact([x0, x0, x1])[2]
+    assert_priced(s, x0, x1)
     return {k: int(v[0]) for k, v in s.items()}
 
 
-def _rung(b, c1, c2):
-    return RUNGS.index((b, c1, c2))
-
-
-@pytest.mark.parametrize("case", ["b2_at", "b2_over", "raw_at", "raw_over", "top_at",
-                                  "top_over", "exp_over"])
-def test_capacity_boundaries_pick_the_next_option(case):
-    b2 = next(r for r in RUNGS if r[0] == 2)
-    top = RUNGS[-1]
-    if case == "b2_at":  # exactly the 2-bit rung's level-1 capacity: it still fits
-        s, want = _choice(_escapes(b2[1], N_LOCAL)), (MODE_WORD, 2, b2[1])
-    elif case == "b2_over":  # one more: the cheapest 3-bit rung (|d| = 2 fits 3 bits)
-        s = _choice(_escapes(b2[1] + 1, N_LOCAL))
-        want = (MODE_WORD, 3, min((r for r in RUNGS if r[0] == 3),
-                                  key=lambda r: WIRE[RUNGS.index(r)])[1])
+@pytest.mark.parametrize("case", ["l1_at", "l1_over", "raw_at", "raw_over", "top_at",
+                                  "top_over", "raw_top_over"])
+def test_capacity_boundaries_pick_the_next_rung(case):
+    caps1, caps2 = WIRE.caps1, WIRE.caps2
+    if case == "l1_at":  # exactly a level-1 capacity: it still fits
+        s, want = _choice(_escapes(caps1[3])), (MODE_WORD, caps1[3])
+    elif case == "l1_over":  # one more: the next rung
+        s, want = _choice(_escapes(caps1[3] + 1)), (MODE_WORD, caps1[4])
     elif case == "raw_at":
-        s, want = _choice(_escapes(b2[2], N_LOCAL, raw=b2[2])), (MODE_WORD, 2, b2[1])
-    elif case == "raw_over":  # one raw word over the 2-bit rung: a rung with more level 2
-        s = _choice(_escapes(b2[2] + 1, N_LOCAL, raw=b2[2] + 1))
-        fit = [i for i, r in enumerate(RUNGS) if r[2] >= b2[2] + 1]
-        best = RUNGS[min(fit, key=lambda i: WIRE[i])]
-        want = (MODE_WORD, best[0], best[1])
-    elif case == "top_at":  # the top rung's level-1 capacity of 4-bit escapes
-        s, want = _choice(_escapes(top[1], N_LOCAL, far=8)), (MODE_WORD, 4, top[1])
-    elif case == "top_over":  # above every rung: exponent mode, no exponent changed
-        s, want = _choice(_escapes(top[1] + 1, N_LOCAL, far=8)), (MODE_EXPONENT, 0, 0)
-    else:  # every exponent changes (256 ulps = 2 binades): plain
-        s, want = _choice(np.full(N_LOCAL, 256)), (MODE_PLAIN, 0, N_LOCAL)
-    assert (s["mode"], s["code_bits"], s["capacity"]) == want, s
-    assert s["sent_bytes"] == WIRE[s["tier"]] + 20
+        s, want = _choice(_escapes(caps2[2], raw=caps2[2])), (MODE_WORD, None)
+    elif case == "raw_over":
+        s, want = _choice(_escapes(caps2[2] + 1, raw=caps2[2] + 1)), (MODE_WORD, None)
+    elif case == "top_at":
+        s, want = _choice(_escapes(caps1[-1])), (MODE_WORD, caps1[-1])
+    elif case == "top_over":  # above every rung: plain
+        s, want = _choice(_escapes(caps1[-1] + 1)), (MODE_PLAIN, N_LOCAL)
+    else:  # more raw words than level 2's top: plain
+        s, want = _choice(_escapes(caps2[-1] + 1, raw=caps2[-1] + 1)), (MODE_PLAIN, N_LOCAL)
+    assert s["mode"] == want[0], s
+    if want[1] is not None:
+        assert s["capacity"] == want[1], s
     assert s["fallback"] == (s["mode"] == MODE_PLAIN)
+    assert s["code_bits"] == (DEFAULT_CODE_BITS if s["mode"] == MODE_WORD else 0)
 
 
 def test_wire_bytes_are_exact_per_branch():
-    """sent_bytes is the uint8 buffer each branch gathers (read from the lowered program)."""
+    """The lowered program gathers the code plane + checksum, each rung's level-1 prefix (int8)
+    and level-2 prefix (raw words), and in the fallback the bits; never bf16."""
     mesh = _mesh((8,), ("fsdp",))
     cache = ciera_jax.init_cache(SHAPE, BF16, mode="word")
 
@@ -241,11 +265,10 @@ def test_wire_bytes_are_exact_per_branch():
     text = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("fsdp"), P()),
                                  out_specs=P())).lower(x, cache).as_text()
     outs = re.findall(r"all_gather.*-> tensor<([\dx]+)x(\w+)>", text)
-    gathered = {int(shape.split("x")[1]) for shape, t in outs if t == "ui8"}
-    n_rungs = len(RUNGS)
-    assert set(WIRE[:n_rungs]) <= gathered, (WIRE[:n_rungs], gathered)
-    assert N_LOCAL + CHECKSUM_BYTES in gathered, \
-        "exponent tier 0 sends one payload byte per element and the checksum"
+    sizes = {t: {int(shape.split("x")[-1]) for shape, tt in outs if tt == t} for _, t in outs}
+    assert sizes["ui8"] == {WIRE.main_bytes}, sizes
+    assert sizes["i8"] == set(c for c in WIRE.caps1 if c), sizes
+    assert set(c for c in WIRE.caps2 if c) <= sizes["ui16"], sizes
     assert ("512x64", "ui16") in outs, "plain gathers the bits"
     assert not any(t == "bf16" for _, t in outs)
 
@@ -275,7 +298,7 @@ def test_agreement_spans_both_mesh_axes():
     rng = np.random.default_rng(4)
     x0 = weights(rng, shape, BF16)
     d = np.zeros(shape, np.int64)
-    d[1] = 5  # row 1: every element needs 4 bits; row 0 does not move at all
+    d[1, ::16] = 5  # row 1: 1/16 of its elements escape; row 0 does not move at all
     x1 = moved(x0, d)
     caches = jax.vmap(lambda _: ciera_jax.init_cache(shape[1:], BF16, mode="word"))(
         jnp.arange(2))
@@ -289,8 +312,8 @@ def test_agreement_spans_both_mesh_axes():
     for k in ("mode", "tier", "code_bits"):
         v = np.asarray(stats[k])
         assert (v == v[0, 0]).all(), (k, v)
-    # Row 0 alone would send 2-bit codes; row 1's moves of 5 need 4 bits, for both rows.
-    assert (np.asarray(stats["code_bits"]) == 4).all()
+    # Row 0 alone would send no escape section; row 1's escapes size it for both rows.
+    assert (np.asarray(stats["capacity"]) >= 64 * 32 // 4 // 16).all()
 
 
 # ----------------------------------------------------------------------------- hypothesis
