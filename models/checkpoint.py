@@ -20,9 +20,12 @@ good, :class:`~models.failures.NoGoodCheckpoint` says so.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -128,6 +131,33 @@ def check_meta(meta) -> dict:
     return meta
 
 
+def _drop_closed_loop_errors(previous):
+    def hook(kind, value, tb):
+        if not (kind is RuntimeError and str(value) == "Event loop is closed"):
+            previous(kind, value, tb)
+    return hook
+
+
+@contextlib.contextmanager
+def _orbax_quiet():
+    """A save that fails makes orbax's writer threads fail one after another: each logs its
+    traceback (absl), and tensorstore's callbacks into orbax's closed event loops print "Event
+    loop is closed" (through ``sys.excepthook``), some of them after the save returned. The
+    caller reports the failure in one line, so within the ``with`` both are silenced, and after
+    a failure they stay so (the run is ending)."""
+    logger = logging.getLogger("absl")
+    level, hook = logger.level, sys.excepthook
+    logger.setLevel(logging.CRITICAL)
+    sys.excepthook = _drop_closed_loop_errors(hook)
+    try:
+        yield
+    except BaseException:
+        raise  # a failed save: stay quiet
+    else:
+        logger.setLevel(level)
+        sys.excepthook = hook
+
+
 def _why(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     first = text[0] if text else ""
@@ -163,10 +193,10 @@ class Checkpointer:
         tree = {"params": params, "opt_state": opt_state}
         before = self.latest_step()
         try:
-            self._mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
-                                                         meta=ocp.args.JsonSave(meta)),
-                           force=True)
-            self._mgr.wait_until_finished()
+            with _orbax_quiet():  # a failed write: our one line, not orbax's thread tracebacks
+                self._mgr.save(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)), force=True)
+                self._mgr.wait_until_finished()
         except Exception as e:  # noqa: BLE001 - orbax and tensorstore wrap OSErrors their way
             raise WriteFailed(
                 f"checkpoint: saving step {step} to {self.directory} failed "
