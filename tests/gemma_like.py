@@ -184,10 +184,21 @@ def batches(mesh, steps, batch=8, sh: ShardingConfig = ShardingConfig()):
             for i in range(steps)]
 
 
-def train(build, mesh, tokens, mode=None, gather="ciera", lr=3e-3, traces=None):
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+def train(build, mesh, tokens, mode=None, gather="ciera", lr=3e-3):
     """``build(rngs)`` under the mesh, caches in ``mode`` (None: none), AdamW steps under
-    ``nnx.jit``; returns (model, stats per step, losses). ``traces``: a list that gets one
-    entry per trace of the step."""
+    ``nnx.jit`` inside ``fsdp.gather_mode(gather)``. Returns ``(model, history, counts)``:
+    stats per step, and ``counts`` with the losses, traces of the step and XLA compiles
+    during each step."""
+    counts = {"losses": [], "traces": 0, "compiles": []}
+    compiles = []
+
+    def listen(event, _secs, **_):
+        if event == COMPILE_EVENT:
+            compiles.append(1)
+
     with jax.set_mesh(mesh):
         model = build(nnx.Rngs(0))
         if mode is not None:
@@ -196,19 +207,24 @@ def train(build, mesh, tokens, mode=None, gather="ciera", lr=3e-3, traces=None):
 
         @nnx.jit
         def step(model, opt, toks):
-            if traces is not None:
-                traces.append(1)
+            counts["traces"] += 1
             loss, grads = nnx.value_and_grad(loss_fn)(model, toks)
             opt.update(model, grads)
             return loss, fsdp.gather_stats(model)
 
-        history, losses = [], []
-        with fsdp.gather_mode(gather):
-            for toks in tokens:
-                loss, stats = step(model, opt, toks)
-                history.append(jax.device_get(stats))
-                losses.append(float(loss))
-    return model, history, losses
+        history = []
+        jax.monitoring.register_event_duration_secs_listener(listen)
+        try:
+            with fsdp.gather_mode(gather):
+                for toks in tokens:
+                    before = len(compiles)
+                    loss, stats = step(model, opt, toks)
+                    history.append(jax.device_get(stats))
+                    counts["losses"].append(float(loss))
+                    counts["compiles"].append(len(compiles) - before)
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listen)
+    return model, history, counts
 
 
 def params_sha256(model) -> str:
@@ -219,3 +235,33 @@ def params_sha256(model) -> str:
         h.update(jax.tree_util.keystr(path).encode())
         h.update(np.ascontiguousarray(np.asarray(x)).view(np.uint8).tobytes())
     return h.hexdigest()
+
+
+class MoE(nnx.Module):
+    """Soft-routed experts: the expert kernels are split over an ``expert`` axis and
+    FSDP-sharded within it; the router stays whole."""
+
+    def __init__(self, rngs, experts: int = 2):
+        self.router = nnx.Linear(D, experts, kernel_init=nnx.with_partitioning(INIT, (None, None)),
+                                 rngs=rngs)
+        self.w_in = nnx.Param(nnx.with_partitioning(INIT, ("expert", "fsdp", None))(
+            rngs.params(), (experts, D, F)))
+        self.w_out = nnx.Param(nnx.with_partitioning(INIT, ("expert", None, "fsdp"))(
+            rngs.params(), (experts, F, D)))
+
+    def __call__(self, x):
+        gates = jax.nn.softmax(self.router(x), axis=-1)
+        h = jax.nn.gelu(jnp.einsum("BTD,EDF->BTEF", x, self.w_in[...]))
+        y = jnp.einsum("BTEF,EFD->BTED", h, self.w_out[...])
+        return x + jnp.einsum("BTED,BTE->BTD", y, gates)
+
+
+class MoEModel(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(VOCAB, D, embedding_init=nnx.with_partitioning(
+            INIT, (None, "fsdp")), rngs=rngs)
+        self.moe = MoE(rngs)
+        self.norm = nnx.RMSNorm(D, rngs=rngs)
+
+    def __call__(self, tokens):
+        return self.embed.attend(self.norm(self.moe(self.embed(tokens))))

@@ -53,12 +53,22 @@ def new_cache(layer_shape, dtype, layers: int = 0, mode: str = "exponent"):
     return cache_lib.init_cache(layer_shape, dtype, mode)
 
 
+def _concrete_mesh():
+    """The mesh ``jax.set_mesh`` set (None: none, or under a transform, where values are
+    traced and stay as made)."""
+    try:
+        mesh = jax.sharding.get_mesh()
+    except ValueError:  # inside a trace (e.g. a layer built under nnx.vmap)
+        return None
+    return None if mesh.empty else mesh
+
+
 def placer(spec_entries: tuple = (), layers: int = 0):
     """Puts a new cache or stats tree on the ambient mesh: leaves of the tensor's rank split
     like the gathered weight (``spec_entries``: one layer's spec without the FSDP axis), the
     rest replicated. Without a concrete mesh (or under a transform) values stay as made."""
-    mesh = jax.sharding.get_mesh()
-    if mesh.empty:
+    mesh = _concrete_mesh()
+    if mesh is None:
         return lambda tree: tree
     lead = (None,) * (1 if layers else 0)
     full = P(*lead, *spec_entries)
@@ -99,7 +109,7 @@ def _planned_modes(found, axis_size: int, memory_gb, profile) -> dict:
 
 
 def attach_caches(model: nnx.Module, mode: str = "exponent", *, memory_gb=None,
-                  profile=None) -> nnx.Module:
+                  profile=None, stats: bool | None = None) -> nnx.Module:
     """Give every gathered parameter an unprimed cache beside it and every gathering module
     its gather stats (zeros); name module paths. Returns the model.
 
@@ -112,10 +122,15 @@ def attach_caches(model: nnx.Module, mode: str = "exponent", *, memory_gb=None,
     not, after :func:`~ciera_jax.fsdp.shard`. Layers stacked with :func:`~ciera_jax.fsdp.stack`
     or with ``nnx.vmap`` get one cache per layer. Idempotent: a parameter that has a cache
     keeps it. Everything a step changes exists from here on, so ``nnx.jit`` traces once.
+
+    ``stats``: create the :class:`~ciera_jax.fsdp.GatherStats` variables now (True) or on
+    the first call (False: a state split as ``nnx.split(model, nnx.Param, GatherCacheVar)``
+    with no ``...`` then has no remainder). Default: when a mesh is set (``jax.set_mesh``,
+    the ``nnx.jit`` way, where a variable made on the first call would trace it again).
     """
     if mode not in CACHE_MODES:
         raise ValueError(f"attach_caches: unknown mode {mode!r}; choose one of {CACHE_MODES}")
-    mesh = jax.sharding.get_mesh()
+    mesh = jax.sharding.get_abstract_mesh()
     mods = dict(iter_modules(model))
     todo = []
     for path, module in mods.items():
@@ -158,7 +173,9 @@ def attach_caches(model: nnx.Module, mode: str = "exponent", *, memory_gb=None,
     per_module: dict = {}
     for path, module, spec, n, p in todo:
         per_module.setdefault(id(module), (module, n, []))[2].append(p.key)
-    for module, n, keys in per_module.values():
+    if stats is None:
+        stats = not mesh.empty
+    for module, n, keys in per_module.values() if stats else ():
         ensure_stats(module, keys, n, placer())
     return model
 

@@ -1,0 +1,183 @@
+"""FSDP beside tensor (and expert) parallelism on a Gemma-like model written as Flax's Gemma
+example writes it (``kernel_metadata={'out_sharding': ...}`` over ``('fsdp', 'tp')``, an
+Explicit mesh, ``nnx.jit``, ``jax.set_mesh``), wrapped by instance with ``fsdp.shard``.
+
+The gathers run over ``fsdp`` only; ``tp`` / ``expert`` stay split. Plain, exponent and word
+caches end bitwise equal after training, every step function is traced and compiled once,
+and the mode a step was traced with is the mode it runs."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from ciera_jax import fsdp
+from gemma_like import (Block, DecoratedBlock, DecoratedTransformer, MoEModel,
+                        ScannedTransformer, Transformer, batches, loss_fn, make_mesh,
+                        params_sha256, shard_gemma, train)
+
+STEPS = 5
+
+
+def wrapped(cls):
+    return lambda rngs: shard_gemma(cls(rngs))
+
+
+def primed(model) -> bool:
+    caches = fsdp.cache_dict(nnx.state(model, fsdp.GatherCacheVar))
+    return bool(caches) and all(np.all(np.asarray(c.primed)) for c in caches.values())
+
+
+def check_run(model, history, counts):
+    """Traced once, compiled during the first step only; caches filled; wire below plain."""
+    assert counts["traces"] == 1, counts
+    assert counts["compiles"][0] >= 1 and sum(counts["compiles"][1:]) == 0, counts
+    assert primed(model)
+    assert fsdp.wire_ratio(history[-1]) < 1.0, fsdp.wire_ratio(history[-1])
+
+
+@functools.cache
+def gemma_runs(mesh_shape, explicit, modes=("plain", "exponent", "word")):
+    mesh = make_mesh(mesh_shape, explicit_axes=explicit)
+    toks = batches(mesh, STEPS)
+    return {m: train(wrapped(Transformer), mesh, toks, mode=None if m == "plain" else m,
+                     gather="plain" if m == "plain" else "ciera") for m in modes}
+
+
+def test_fsdp_beside_tp_explicit_mesh_all_modes_bitwise():
+    runs = gemma_runs((4, 2), True)
+    sha = {m: params_sha256(r[0]) for m, r in runs.items()}
+    assert sha["exponent"] == sha["plain"] and sha["word"] == sha["plain"], sha
+    assert runs["exponent"][2]["losses"] == runs["plain"][2]["losses"]
+    model = runs["word"][0]
+    # tp shardings are kept: the params, and the caches split like the gathered weights
+    assert model.blocks[0].ffw.down.kernel[...].sharding.spec == jax.P("tp", "fsdp")
+    assert model.blocks[0].attn.q.kernel[...].sharding.spec == jax.P("fsdp", "tp", None)
+    cache = model.blocks[0].ffw.down.kernel_gather_cache[...]
+    assert cache.words.shape == (32, 16) and cache.words.sharding.spec == jax.P("tp", None)
+    for m in ("exponent", "word"):
+        check_run(*runs[m])
+    # word caches send less than exponent caches; stats count the whole tensor
+    assert fsdp.wire_ratio(runs["word"][1][-1]) < fsdp.wire_ratio(runs["exponent"][1][-1])
+    st = runs["plain"][1][-1]["blocks/0/ffw/down/kernel"]
+    assert int(st["elements"]) == 32 * 16 and int(st["tier"]) == -1
+    assert runs["plain"][2]["traces"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh_shape,explicit", [((8, 1), True), ((4, 2), False)],
+                         ids=["explicit-tp1", "auto-tp2"])
+def test_fsdp_beside_tp_other_meshes(mesh_shape, explicit):
+    runs = gemma_runs(mesh_shape, explicit, ("plain", "exponent"))
+    assert params_sha256(runs["exponent"][0]) == params_sha256(runs["plain"][0])
+    check_run(*runs["exponent"])
+
+
+@pytest.mark.slow
+def test_experts_split_over_an_expert_axis():
+    mesh = make_mesh((2, 4), ("expert", "fsdp"), explicit_axes=False)
+    toks = batches(mesh, STEPS)
+    build = lambda r: fsdp.shard(MoEModel(r))  # noqa: E731
+    plain, ciera = (train(build, mesh, toks, mode="exponent", gather=g)
+                    for g in ("plain", "ciera"))
+    assert params_sha256(ciera[0]) == params_sha256(plain[0])
+    check_run(*ciera)
+    cache = ciera[0].moe.w_in_gather_cache[...]
+    assert cache.exp.shape == (2, 16, 32) and cache.exp.sharding.spec == jax.P("expert")
+
+
+def test_stacked_scanned_layers_wrapped_equal_decorated():
+    """nnx.vmap-stacked blocks run with nnx.scan: attach_caches on the whole model gives each
+    layer its own cache and stats; wrapping by instance equals the decorator, bitwise."""
+    mesh = make_mesh((4, 2))
+    toks = batches(mesh, 3)
+
+    def decorated(rngs):
+        class Scanned(ScannedTransformer):
+            def __init__(self, rngs):
+                nnx.Module.__init__(self)
+                ScannedTransformer.__init__(self, rngs)
+
+            @fsdp.gathered()
+            def __call__(self, tokens):
+                return super().__call__(tokens)
+
+        model = Scanned(rngs)
+        fsdp.shard(model.layers)  # the stacked Block instance (its class is Block)
+        return model
+
+    runs = {"wrapped": train(wrapped(ScannedTransformer), mesh, toks, mode="exponent"),
+            "decorated": train(decorated, mesh, toks, mode="exponent")}
+    model, history, counts = runs["wrapped"]
+    assert params_sha256(model) == params_sha256(runs["decorated"][0])
+    check_run(model, history, counts)
+    assert np.asarray(history[0]["layers/ffw/down/kernel"]["tier"]).shape == (2,)
+    assert model.layers.ffw.down.kernel_gather_cache[...].exp.shape == (2, 32, 16)
+
+
+def test_nnx_list_wrapped_equals_decorated():
+    mesh = make_mesh((4, 2))
+    toks = batches(mesh, 2)
+    a = train(wrapped(Transformer), mesh, toks, mode="exponent")
+    b = train(DecoratedTransformer, mesh, toks, mode="exponent")
+    assert params_sha256(a[0]) == params_sha256(b[0])
+    assert type(a[0].blocks[0]).__name__ == "ShardedBlock" and isinstance(a[0].blocks[0], Block)
+    assert isinstance(b[0].blocks[0], DecoratedBlock)
+
+
+def test_a_step_traced_under_one_mode_never_runs_it_under_another():
+    mesh = make_mesh((8, 1))
+    toks = batches(mesh, 2)
+    with jax.set_mesh(mesh):
+        model = fsdp.attach_caches(shard_gemma(Transformer(nnx.Rngs(0), layers=1)))
+        traces = []
+
+        @nnx.jit
+        def step(model, toks):
+            traces.append(1)
+            return fsdp.gather_stats(model), loss_fn(model, toks)
+
+        with fsdp.gather_mode("ciera"):
+            step(model, toks[0])
+            ciera, _ = step(model, toks[1])
+        with fsdp.gather_mode("plain"):
+            plain, _ = step(model, toks[1])
+    assert len(traces) == 2
+    assert all(int(s["tier"]) >= 0 for s in ciera.values())  # compressed
+    assert all(int(s["tier"]) == -1 for s in plain.values())  # really plain
+    assert all(int(s["sent_bytes"]) == int(s["plain_bytes"]) for s in plain.values())
+
+
+def test_default_engine_has_no_silent_stats():
+    with fsdp.gather_mode("ciera") as engine:
+        with pytest.raises(RuntimeError, match="fsdp.gather_stats"):
+            engine.stats  # noqa: B018
+
+
+def test_auto_mode_plans_per_tensor_within_memory():
+    mesh = make_mesh((4, 2))
+    with jax.set_mesh(mesh):
+        unlimited = fsdp.attach_caches(shard_gemma(Transformer(nnx.Rngs(0))), mode="auto")
+        none = fsdp.attach_caches(shard_gemma(Transformer(nnx.Rngs(0))), mode="auto",
+                                  memory_gb=0)
+    kinds = {type(c).__name__ for c in fsdp.cache_dict(
+        nnx.state(unlimited, fsdp.GatherCacheVar)).values()}
+    assert kinds <= {"ExponentCache", "WordCache"}
+    # no memory for caches: every tensor gathers plain (no cache), and stats exist already
+    assert not fsdp.cache_dict(nnx.state(none, fsdp.GatherCacheVar))
+    assert sorted(fsdp.gather_stats(none)) == sorted(fsdp.gather_stats(unlimited))
+
+
+def test_misuse_names_the_fix():
+    with jax.set_mesh(make_mesh((4, 2))):
+        one, two = (Transformer(nnx.Rngs(0), layers=1) for _ in range(2))
+        model = DecoratedTransformer(nnx.Rngs(0), layers=1)
+    with pytest.raises(ValueError, match="attach_caches: unknown mode 'bits'"):
+        fsdp.attach_caches(one, mode="bits")
+    with pytest.raises(ValueError, match="selected no module"):
+        fsdp.shard(two, where=lambda p, m: False)
+    with pytest.raises(ValueError, match="gathers already"):
+        fsdp.shard(model.blocks[0])
+    assert fsdp.is_sharded(model.blocks[0]) and not fsdp.is_sharded(model.final_norm)
