@@ -1,0 +1,67 @@
+"""The fused decode + per-rank checksum kernel vs ``codec.merge`` + ``checksum.checksum_shards``
+(bit for bit, both Pallas backends, interpreted on CPU), and the dispatch's unfused fallback."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ciera_jax import checksum, codec
+from ciera_jax import kernels as K
+from test_kernels import BACKENDS, ON_GPU, WORDS, adversarial_bits, bits_of, make_x
+
+N = 8
+
+
+def split_of(dtype, shape, seed=0):
+    x = make_x(adversarial_bits(dtype, int(np.prod(shape)), seed=seed), dtype, shape)
+    exp, payload = codec.split(x)
+    return x, exp, payload
+
+
+# (shape, how the bf16 pairing goes): pairs along the last dim, along the shard axis, none.
+SHAPES = [((N * 4, 1024), "last dim"), ((N * 512, 3), "shard axis"),
+          ((N * 2, 256 * 3), "last dim, 3 blocks a row")]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", list(WORDS), ids=["bf16", "f32"])
+@pytest.mark.parametrize("shape", [s for s, _ in SHAPES], ids=[why for _, why in SHAPES])
+def test_fused_matches_reference(shape, dtype, backend):
+    x, exp, payload = split_of(dtype, shape, seed=len(shape) + shape[-1])
+    assert K.fusable(shape, dtype, N) is not None
+    full, sums = K.decode_checksum_pallas(exp, payload, dtype, N, seed=11, backend=backend,
+                                          interpret=not ON_GPU)
+    full_ref, sums_ref = K.decode_checksum_reference(exp, payload, dtype, N, seed=11)
+    np.testing.assert_array_equal(bits_of(full), bits_of(x))
+    np.testing.assert_array_equal(bits_of(full), bits_of(full_ref))
+    np.testing.assert_array_equal(np.asarray(sums), np.asarray(sums_ref))
+    # and what each sender would have sent for its own shard
+    shards = np.split(bits_of(x), N, axis=0)
+    want = [checksum.checksum_np(s, r * s.size, seed=11) for r, s in enumerate(shards)]
+    np.testing.assert_array_equal(np.asarray(sums), np.asarray(want, np.uint32))
+
+
+def test_a_flipped_bit_changes_only_its_rank():
+    dtype, shape = jnp.bfloat16, (N * 4, 1024)
+    _, exp, payload = split_of(dtype, shape)
+    _, clean = K.decode_checksum(exp, payload, dtype, N, impl="pallas")
+    payload = payload.at[0, 3 * 4 + 1, 77].set(payload[0, 3 * 4 + 1, 77] ^ 1)  # rank 3's shard
+    _, dirty = K.decode_checksum(exp, payload, dtype, N, impl="pallas")
+    assert (np.asarray(clean) != np.asarray(dirty)).tolist() == [r == 3 for r in range(N)]
+
+
+@pytest.mark.parametrize("shape,axis", [((N * 3, 5), 0), ((4, N * 256), 1)])
+def test_unfusable_shapes_fall_back(shape, axis):
+    """Odd sizes and other gather axes: the dispatch decodes, then checksums in jnp."""
+    for dtype in WORDS:
+        x, exp, payload = split_of(dtype, shape)
+        assert K.fusable(shape, dtype, N, axis=axis) is None
+        with pytest.raises(ValueError, match="fused blocks"):
+            K.decode_checksum_pallas(exp, payload, dtype, N, axis=axis, interpret=True)
+        for impl in ("pallas", "xla"):
+            full, sums = K.decode_checksum(exp, payload, dtype, N, axis=axis, impl=impl)
+            np.testing.assert_array_equal(bits_of(full), bits_of(x))
+            np.testing.assert_array_equal(np.asarray(sums),
+                                          np.asarray(checksum.checksum_shards(x, axis, N)))
