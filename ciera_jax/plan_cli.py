@@ -37,9 +37,12 @@ def _memory_gb(text, profile):
     if str(text).strip().lower() in ("inf", "unlimited", "none"):
         return None
     try:
-        return float(text)
+        gb = float(text)
     except ValueError:
         raise ValueError(f"--memory-gb must be a number of GB or 'inf', got {text!r}") from None
+    if not gb > 0:
+        raise ValueError(f"--memory-gb must be a positive number of GB (or 'inf'), got {text}")
+    return gb
 
 
 def _row_groups(choices):
@@ -70,8 +73,11 @@ def run(args: argparse.Namespace) -> int:
     # Imported here, not at the top: they load JAX and Flax, and building the `ciera` parser
     # (which imports this module) must not.
     from ciera_jax import memory
+    from ciera_jax.outputs import check_output_file
     from ciera_jax.planner import cache_budget, modes_summary, plan_model_modes
 
+    if args.json:
+        check_output_file(args.json, "--json")
     cfg = get_config(args.config)
     if args.gpus < 1:
         raise ValueError("--gpus must be positive")

@@ -103,8 +103,14 @@ def run(args: argparse.Namespace) -> int:
     from ciera_jax.sim.cluster import get_cluster
     from ciera_jax.sim.step import sweep
     from ciera_jax.sim.trace import default_trace, default_word_trace, load_trace, load_word_trace
+    from ciera_jax.outputs import check_output_file
     from ciera_jax.shapes import get_config
 
+    for flag, path in (("--json", args.json), ("--png", args.png)):
+        if path:
+            check_output_file(path, flag)
+    if args.mfu is not None and not 0 < args.mfu <= 1:
+        raise ValueError(f"--mfu must be a fraction in (0, 1], got {args.mfu:g}")
     cfg = get_config(args.model)
     gpus = parse_gpus(args.gpus)
     if args.tokens_per_gpu < 1:

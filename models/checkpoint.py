@@ -131,31 +131,47 @@ def check_meta(meta) -> dict:
     return meta
 
 
-def _drop_closed_loop_errors(previous):
-    def hook(kind, value, tb):
-        if not (kind is RuntimeError and str(value) == "Event loop is closed"):
-            previous(kind, value, tb)
-    return hook
+def _closed_loop(kind, value) -> bool:
+    return kind is RuntimeError and str(value) == "Event loop is closed"
+
+
+def _drop_closed_loop_errors() -> None:
+    """Once, for the process: tensorstore callbacks into an event loop that orbax closed after
+    a failed read or write print "Event loop is closed" (through ``sys.excepthook`` or
+    ``sys.unraisablehook``); that is noise after a failure already reported in one line."""
+    if getattr(sys.excepthook, "ciera_quiet", False):
+        return
+    excepthook, unraisablehook = sys.excepthook, sys.unraisablehook
+
+    def on_except(kind, value, tb):
+        if not _closed_loop(kind, value):
+            excepthook(kind, value, tb)
+
+    def on_unraisable(u):
+        if not _closed_loop(u.exc_type, u.exc_value):
+            unraisablehook(u)
+
+    on_except.ciera_quiet = True
+    sys.excepthook, sys.unraisablehook = on_except, on_unraisable
 
 
 @contextlib.contextmanager
-def _orbax_quiet():
-    """A save that fails makes orbax's writer threads fail one after another: each logs its
-    traceback (absl), and tensorstore's callbacks into orbax's closed event loops print "Event
-    loop is closed" (through ``sys.excepthook``), some of them after the save returned. The
-    caller reports the failure in one line, so within the ``with`` both are silenced, and after
-    a failure they stay so (the run is ending)."""
+def _orbax_quiet(after_error: bool = False):
+    """Orbax's own error logs off for the ``with`` (a failure is reported in one line by the
+    caller). A save that fails makes orbax's writer threads fail one after another, and log a
+    traceback each, some after the save returned: ``after_error`` keeps them off after one."""
     logger = logging.getLogger("absl")
-    level, hook = logger.level, sys.excepthook
+    level = logger.level
     logger.setLevel(logging.CRITICAL)
-    sys.excepthook = _drop_closed_loop_errors(hook)
+    _drop_closed_loop_errors()
     try:
         yield
     except BaseException:
-        raise  # a failed save: stay quiet
+        if not after_error:
+            logger.setLevel(level)
+        raise
     else:
         logger.setLevel(level)
-        sys.excepthook = hook
 
 
 def _why(e: BaseException) -> str:
@@ -193,7 +209,7 @@ class Checkpointer:
         tree = {"params": params, "opt_state": opt_state}
         before = self.latest_step()
         try:
-            with _orbax_quiet():  # a failed write: our one line, not orbax's thread tracebacks
+            with _orbax_quiet(after_error=True):  # one line, not a traceback per thread
                 self._mgr.save(step, args=ocp.args.Composite(
                     state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)), force=True)
                 self._mgr.wait_until_finished()
@@ -213,7 +229,9 @@ class Checkpointer:
     def read_meta(self, step: int) -> dict:
         """Step ``step``'s metadata, checked (:class:`Damaged` if it is not intact)."""
         try:
-            got = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+            with _orbax_quiet():
+                got = self._mgr.restore(step, args=ocp.args.Composite(
+                    meta=ocp.args.JsonRestore()))
             meta = got["meta"]
         except Exception as e:  # noqa: BLE001 - a missing or cut file: each its own error
             raise Damaged(f"its metadata cannot be read ({_why(e)})") from None
@@ -272,8 +290,9 @@ class Checkpointer:
     def _restore_checked(self, step: int, abstract, log):
         meta = self.read_meta(step)
         try:
-            got = self._mgr.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract)))["state"]
+            with _orbax_quiet():
+                got = self._mgr.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract)))["state"]
         except Exception as e:  # noqa: BLE001 - a cut or garbled array file: tensorstore's
             raise Damaged(f"its arrays cannot be read ({_why(e)})") from None
         params, opt_state = got["params"], got["opt_state"]

@@ -15,12 +15,12 @@ import dataclasses
 import json
 import math
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
 
 from ciera_jax.devices import make_mesh
+from ciera_jax.outputs import check_output_file
 from models import checkpoint as ckpt
 from models import faults, metrics, run_lock
 from models.failures import WriteFailed, describe_os_error
@@ -75,29 +75,8 @@ def check_inputs(tc: TrainConfig, run: RunConfig) -> None:
     if run.checkpoint_dir:
         ckpt.check_dir(run.checkpoint_dir)
     if run.metrics_out:
-        check_output_file(run.metrics_out, "--metrics-out", append=run.resume)
+        check_output_file(run.metrics_out, "--metrics-out")
     faults.parse_fault(run.inject_cache_fault)  # the format; step, rank, tensor: in train()
-
-
-def check_output_file(path: str, flag: str, append: bool = False) -> None:
-    """ValueError in one line unless ``path`` can be written as a file (its folder exists and
-    is writable; it is not a folder). Nothing is left behind; an existing file is untouched."""
-    p = Path(path)
-    if p.is_dir():
-        raise ValueError(f"{flag} {path} is a directory; pass a file path")
-    folder = p.parent
-    if not folder.is_dir():
-        raise ValueError(f"{flag} {path}: the folder {folder} does not exist")
-    try:
-        if p.exists():
-            with open(p, "ab"):
-                pass
-        else:
-            with tempfile.TemporaryFile(dir=folder):
-                pass
-    except OSError as e:
-        raise ValueError(f"{flag} {path} is not writable ({e.strerror}); pass a path you can "
-                         "write to") from None
 
 
 def train(tc: TrainConfig, run: RunConfig | None = None, *, mesh=None,
