@@ -81,3 +81,28 @@ def churn(rng, x: np.ndarray, exp_frac: float, flip_signs: float = 0.0) -> np.nd
 
 def exponents(x: np.ndarray) -> np.ndarray:
     return ((bits_of(x) >> MANT[x.dtype]) & 0xFF).astype(np.uint8)
+
+
+def ord_np(bits):
+    top = np.array(1 << (bits.dtype.itemsize * 8 - 1), bits.dtype)
+    return np.where(bits & top, bits ^ (top - np.array(1, bits.dtype)), bits)
+
+
+def moved(x, d):
+    """``x`` with every word moved by ``d`` (int64) ulps in ord space, modulo the width."""
+    bits = bits_of(x)
+    wide = ord_np(bits).astype(np.int64) + d
+    return from_bits(ord_np((wide % (1 << (8 * bits.dtype.itemsize))).astype(bits.dtype)),
+                     x.dtype)
+
+
+def word_deltas(rng, shape, scale=1.0):
+    """A steady-state-like move per word (word_delta study: |d|<=1 ~80%, <=7 ~95%,
+    |d|>127 ~0.3%), widened by ``scale``."""
+    u = rng.random(shape)
+    small = rng.integers(-1, 2, shape)
+    mid = rng.integers(-7, 8, shape)
+    far = rng.integers(-127, 128, shape)
+    raw = rng.integers(-(1 << 20), 1 << 20, shape)
+    d = np.where(u < 0.8, small, np.where(u < 0.95, mid, np.where(u < 0.997, far, raw)))
+    return np.round(d * scale).astype(np.int64)

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import ciera_jax
 from ciera_jax import faults, heal
-from bitdata import BF16, adversarial, bits_of, churn, weights
+from bitdata import BF16, adversarial, bits_of, churn, from_bits, moved, weights, word_deltas
 from harness import mesh_of
 
 SHAPE = (64, 128)
@@ -68,6 +68,16 @@ def _run(fn_mesh, x, cache):
     return np.asarray(full).reshape((N,) + SHAPE), new_cache, jax.tree.map(np.asarray, st)
 
 
+def next_step(rng, x, mode, flip_signs=0.0):
+    """Training-like churn for the mode: 1% of exponents change (exponent mode), or words move
+    a few ulps with a tail of far moves (word mode), both with optional sign flips."""
+    if mode == "exponent":
+        return churn(rng, x, 0.01, flip_signs=flip_signs)
+    bits = bits_of(moved(x, word_deltas(rng, x.shape)))
+    bits = np.where(rng.random(x.shape) < flip_signs, bits ^ np.uint16(0x8000), bits)
+    return from_bits(bits, x.dtype)
+
+
 def _primed(mode, x):
     _, cache, st = _run(_gather(mode), x, ciera_jax.init_cache(SHAPE, BF16, mode=mode))
     assert (st["mode"] == 0).all() and (st["verify_failed"] == 0).all()
@@ -93,7 +103,7 @@ def test_clean_gathers_never_fail(mode):
     x = adversarial(rng, SHAPE, BF16)
     cache = _primed(mode, x)
     for _ in range(3):
-        x = churn(rng, x, 0.01, flip_signs=0.01)
+        x = next_step(rng, x, mode, flip_signs=0.01)
         full, cache, st = _run(_gather(mode), x, cache)
         assert (st["mode"] != 0).all() and (st["verify_failed"] == 0).all(), st
         for r in range(N):
@@ -145,22 +155,65 @@ def _zero_others_parts(a):
     return out
 
 
+def _outside_own_slice(fn):
+    """``fn`` applied to every part of a cache but BAD_RANK's own slice (which it encodes
+    against)."""
+    rows = SHAPE[0] // N
+    own = slice(BAD_RANK * rows, (BAD_RANK + 1) * rows)
+
+    def apply(a):
+        out = np.array(fn(a))
+        out[own] = a[own]
+        return out
+
+    return apply
+
+
 @pytest.mark.parametrize("mode", ["exponent", "word"])
 def test_random_flips_zeroed_and_stale_caches_are_caught(mode):
     rng = np.random.default_rng(2)
     x0 = weights(rng, SHAPE, BF16)
-    x1 = churn(rng, x0, 0.01)
-    x2 = churn(rng, x1, 0.01)
+    x1 = next_step(rng, x0, mode)
+    x2 = next_step(rng, x1, mode)
     cache0 = _primed(mode, x0)
     _, cache1, _ = _run(_gather(mode), x1, cache0)
     bad = _device(BAD_RANK)
-    for broken in (faults.flip_cache_bits(cache1, bad, seed=3, n_bits=40),
-                   faults.corrupt_cache(cache1, bad, _zero_others_parts),
-                   # a cache from an older step, restored on one rank only
-                   faults.corrupt_cache(cache1, bad, lambda a: np.asarray(
-                       getattr(cache0, faults.cache_data(cache0))))):
+    flips = np.random.default_rng(3)
+    stale = np.asarray(getattr(cache0, faults.cache_data(cache0)))
+    for damage in (lambda a: faults.flip_bits(a, flips, 40),
+                   _zero_others_parts,
+                   lambda a: stale):  # a cache from an older step, restored on one rank only
+        broken = faults.corrupt_cache(cache1, bad, _outside_own_slice(damage))
         full, _, st = _run(_gather(mode), x2, broken)
         _check_only_bad_rank_failed(full, st, x2)
+
+
+def test_word_mode_damage_in_the_senders_own_slice_fails_on_every_rank():
+    """A word-mode sender encodes its moves against its own slice of the cache: damage there
+    corrupts what it sends, so every rank fails that shard (the trainer then resets every
+    cache, and the next gather re-primes them all). Exponent mode sends the true exponent of
+    every element whose cached one differs, so damage there stays harmless."""
+    rng = np.random.default_rng(9)
+    x0 = weights(rng, SHAPE, BF16)
+    x1 = next_step(rng, x0, "word")
+    cache = _primed("word", x0)
+    rows = SHAPE[0] // N
+    own = BAD_RANK * rows * SHAPE[1] + 17  # an element in BAD_RANK's own slice
+
+    def damage(a):
+        a = a.copy()
+        a.reshape(-1)[own] ^= np.uint16(1 << 3)
+        return a
+
+    full, cache1, st = _run(_gather("word"), x1, faults.corrupt_cache(cache, _device(BAD_RANK),
+                                                                      damage))
+    others = [r for r in range(N) if r != BAD_RANK]
+    # The sender's own copy cancels its wrong move; every other rank fails that one shard.
+    assert (st["verify_failed"][others] == 1).all() and st["verify_failed"][BAD_RANK] == 0, \
+        st["verify_failed"]
+    healed = heal.reset_failed(cache1, jnp.int32(1))
+    full, _, st = _run(_gather("word"), next_step(rng, x1, "word"), healed)
+    assert (st["mode"] == 0).all() and (st["verify_failed"] == 0).all()
 
 
 @pytest.mark.parametrize("mode", ["exponent", "word"])

@@ -20,7 +20,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ciera_jax
-from bitdata import BF16, F32, WORD, adversarial, bits_of, from_bits, special_words, weights
+from bitdata import (BF16, F32, WORD, adversarial, bits_of, from_bits, moved, ord_np,
+                     special_words, weights, word_deltas)
 from ciera_jax import codec
 from ciera_jax.collective import MODE_EXPONENT, MODE_PLAIN, MODE_WORD
 from ciera_jax.wire import CHECKSUM_BYTES, DEFAULT_CODE_BITS, WordWire, agreement_bytes
@@ -77,31 +78,6 @@ def run_exact(xs, **kw):
 
 
 # ----------------------------------------------------------------------------- data
-
-
-def ord_np(bits):
-    top = np.array(1 << (bits.dtype.itemsize * 8 - 1), bits.dtype)
-    return np.where(bits & top, bits ^ (top - np.array(1, bits.dtype)), bits)
-
-
-def moved(x, d):
-    """``x`` with every word moved by ``d`` (int64) ulps in ord space, modulo the width."""
-    bits = bits_of(x)
-    wide = ord_np(bits).astype(np.int64) + d
-    return from_bits(ord_np((wide % (1 << (8 * bits.dtype.itemsize))).astype(bits.dtype)),
-                     x.dtype)
-
-
-def word_deltas(rng, shape, scale=1.0):
-    """A steady-state-like move per word (word_delta study: |d|<=1 ~80%, <=7 ~95%,
-    |d|>127 ~0.3%), widened by ``scale``."""
-    u = rng.random(shape)
-    small = rng.integers(-1, 2, shape)
-    mid = rng.integers(-7, 8, shape)
-    far = rng.integers(-127, 128, shape)
-    raw = rng.integers(-(1 << 20), 1 << 20, shape)
-    d = np.where(u < 0.8, small, np.where(u < 0.95, mid, np.where(u < 0.997, far, raw)))
-    return np.round(d * scale).astype(np.int64)
 
 
 def trajectory(rng, x0, scales):
