@@ -34,8 +34,9 @@ xla         xla                    xla                       xla
 Lowering for a GPU from a host without one (``jax.export`` for ``platforms=["cuda"]``): inside
 ``with lowering_for("cuda", capability="9.0"):`` the table's GPU column applies (no
 interpretation) whatever the local devices are. The choice is made at trace time and is not
-part of ``jax.jit``'s cache key: trace a fresh ``jax.jit`` inside the block (``jax.export``
-does), never one already traced outside it.
+part of ``jax.jit``'s cache key, so entering and leaving the block clears JAX's caches
+(``jax.clear_caches()``): a function traced before is traced again inside, and nothing traced
+inside leaks out.
 """
 
 from __future__ import annotations
@@ -82,10 +83,12 @@ def lowering_for(platform: str = "cuda", *, capability: str | tuple[int, int] = 
         raise ValueError(f"lowering_for: only CUDA GPUs have Pallas kernels here, got {platform!r}")
     prev = getattr(_target, "capability", None)
     _target.capability = _parse_capability(capability)
+    jax.clear_caches()
     try:
         yield
     finally:
         _target.capability = prev
+        jax.clear_caches()
 
 
 def gpu_capability() -> tuple[int, int] | None:

@@ -1,0 +1,147 @@
+"""Every kernel on every Pallas backend, the compressed gather and the whole train step lower
+for CUDA on this CPU-only host.
+
+``jax.export.export(jax.jit(f), platforms=["cuda"])`` runs JAX's real CUDA lowering: Pallas
+builds each kernel (the Mosaic GPU module, or the Triton IR) and embeds it in a custom call
+(``mosaic_gpu_v2``, ``__gpu$xla.gpu.triton``); the export then stops only at its safety check
+for custom calls, which ``DisabledSafetyCheck.custom_call(name)`` lifts. So lowering gaps
+(unsupported ops, layouts, casts, block shapes) fail here without a GPU. What this cannot
+catch: PTX generation and runtime behaviour (``benchmarks/gpu_check.sh`` on a GPU).
+
+Sharded programs export from the emulated 8-device CPU mesh as they are: ``jax.export`` keeps
+the device count and the shardings, not the devices. ``kernels.lowering_for("cuda", ...)`` makes
+``impl`` resolve as on that GPU (no interpreter), so ``"auto"`` and ``"pallas"`` pick the
+kernels they would pick there.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import export
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ciera_jax
+from ciera_jax import codec
+from ciera_jax import kernels as K
+from test_kernels import BACKENDS, BLOCK, WORDS
+
+SHAPE = (3, BLOCK + 7)  # ragged: padding and unpadding are part of what lowers
+ALL_CHECKS = [export.DisabledSafetyCheck.custom_call(name) for name in K.CUSTOM_CALL.values()]
+
+
+def lower_for_cuda(fn, *args, capability="9.0") -> str:
+    """The exported module's text for CUDA, with the kernels' custom calls allowed."""
+    with K.lowering_for("cuda", capability=capability):
+        return export.export(jax.jit(fn), platforms=["cuda"],
+                             disabled_checks=ALL_CHECKS)(*args).mlir_module()
+
+
+def kernel_calls(dtype, backend):
+    """(name, fn, abstract args) for every kernel on ``backend``."""
+    P_ = codec.word_format(dtype).payload_bytes
+    x = jax.ShapeDtypeStruct(SHAPE, dtype)
+    u8 = jax.ShapeDtypeStruct(SHAPE, jnp.uint8)
+    planes = jax.ShapeDtypeStruct((P_, *SHAPE), jnp.uint8)
+    words = jax.ShapeDtypeStruct(SHAPE, WORDS[dtype])
+    full = (8 * 4, 1024)  # 8 ranks' shards, fusable for the checksum kernel
+    kw = dict(backend=backend)
+    return [
+        ("encode", lambda x, c: K.encode_pallas(x, c, **kw), (x, u8)),
+        ("decode", lambda e, p: K.decode_pallas(e, p, dtype, **kw), (u8, planes)),
+        ("word_encode", lambda x, w: K.word_encode_pallas(x, w, **kw), (x, words)),
+        ("word_decode", lambda w, c: K.word_decode_pallas(w, c, 3, **kw), (words, u8)),
+        ("decode_checksum", lambda e, p: K.decode_checksum_pallas(e, p, dtype, 8, **kw),
+         (jax.ShapeDtypeStruct(full, jnp.uint8), jax.ShapeDtypeStruct((P_, *full), jnp.uint8))),
+    ]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", list(WORDS), ids=["bf16", "f32"])
+def test_every_kernel_lowers_for_cuda(dtype, backend):
+    for name, fn, args in kernel_calls(dtype, backend):
+        module = lower_for_cuda(fn, *args)
+        assert module.count(K.CUSTOM_CALL[backend]) == 1, name
+        other = [c for b, c in K.CUSTOM_CALL.items() if b != backend]
+        assert not any(c in module for c in other), name
+
+
+def test_mosaic_kernels_are_named():
+    """The Mosaic GPU modules carry our kernel names (for profiles and HLO dumps)."""
+    module = lower_for_cuda(lambda x, c: K.encode_pallas(x, c, backend="mosaic"),
+                            jax.ShapeDtypeStruct(SHAPE, jnp.bfloat16),
+                            jax.ShapeDtypeStruct(SHAPE, jnp.uint8))
+    assert "ciera_encode_bfloat16" in module
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.make_mesh((8,), ("fsdp",))
+
+
+def gather_fn(mesh, impl):
+    def body(x, cache):
+        return ciera_jax.all_gather(x, cache, "fsdp", impl=impl)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(P("fsdp"), P()), out_specs=(P(), P(), P()),
+                         check_vma=False)
+
+
+def gather_module(mesh, mode, dtype, impl, capability="9.0") -> str:
+    shape = (8 * 64, 256)
+    x = jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P("fsdp")))
+    cache = ciera_jax.init_cache(shape, dtype, mode=mode)
+    return lower_for_cuda(gather_fn(mesh, impl), x, cache, capability=capability)
+
+
+@pytest.mark.parametrize("mode", ["exponent", "word"])
+@pytest.mark.parametrize("dtype", list(WORDS), ids=["bf16", "f32"])
+def test_gather_with_pallas_lowers_for_cuda(mesh, mode, dtype):
+    module = gather_module(mesh, mode, dtype, "pallas")
+    assert module.count(K.CUSTOM_CALL["mosaic"]) >= 2  # the encode and the decode, at least
+    kernels = set(re.findall(r"ciera_(?:word_)?(?:en|de)code", module))
+    want = {"ciera_word_encode", "ciera_word_decode"} if mode == "word" else {
+        "ciera_encode", "ciera_decode"}
+    assert want <= kernels, kernels
+    assert "all_gather" in module
+
+
+@pytest.mark.parametrize("capability,backend", [("9.0", "mosaic"), ("10.0", "mosaic"),
+                                                ("8.0", None)])
+def test_gather_auto_per_gpu(mesh, capability, backend):
+    """``impl="auto"``: Mosaic GPU kernels on Hopper and Blackwell, fused jnp on Ampere."""
+    module = gather_module(mesh, "exponent", jnp.bfloat16, "auto", capability=capability)
+    for b, call in K.CUSTOM_CALL.items():
+        assert (call in module) == (b == backend), (capability, b)
+
+
+@pytest.mark.skipif("triton" not in K.available_backends(), reason="no Pallas Triton")
+def test_gather_with_triton_lowers_for_cuda(mesh):
+    module = gather_module(mesh, "word", jnp.bfloat16, "triton", capability="8.0")
+    assert module.count(K.CUSTOM_CALL["triton"]) >= 2
+
+
+def test_train_step_lowers_for_cuda():
+    """The compiled ``ciera train`` step (tiny config, 8 ranks), its gathers with
+    ``impl="auto"`` resolved as on an H100/H200: Mosaic GPU kernels inside."""
+    from models import data
+    from models.train import TrainConfig, build_trainer, make_mesh
+
+    tc = TrainConfig(config="tiny", schedule_steps=20)  # test_train's: a shared trainer
+    tr = build_trainer(tc, make_mesh(8))
+    assert any(tr.compress.values())
+    state = tr.prepare(tr.init_state(0))
+    batch = tr.batch(data.load_dataset(None, 256, tc.length), 0, 0)
+    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                        (state.params, state.caches, state.opt_state, state.ahead, batch))
+    with K.lowering_for("cuda", capability="9.0"):
+        exported = export.export(tr.step_fn, platforms=["cuda"],
+                                 disabled_checks=ALL_CHECKS)(*args)
+    module = exported.mlir_module()
+    assert exported.platforms == ("cuda",) and exported.nr_devices == 8
+    assert module.count(K.CUSTOM_CALL["mosaic"]) >= 2
+    assert {"ciera_encode", "ciera_decode"} <= set(re.findall(r"ciera_(?:en|de)code", module))
