@@ -5,16 +5,21 @@ ranks. Every method is described by two numbers per tensor, its wire bytes and i
 seconds; the time is the collective's time on the link plus the codec time:
 
     t_plain  = (N-1)*alpha + (N-1)/N * n*b / beta
-    t_ciera  = (N-1)*alpha + (N-1)/N * (n*payload + patches) / beta + n*b / codec_rate
-               + codec launch + agreement share
+    t_ciera  = (N-1)*alpha + (N-1)/N * (n*payload + escape sections) / beta + codec
+               + agreement share
     t_int8   = (N-1)*alpha + (N-1)/N * n*(1 + 4/256) / beta + (de)quantize at HBM rate
     t_entropy= (N-1)*alpha + (N-1)/N * n*b/1.5 / beta + encode + decode at entropy-codec rate
     t_word   = (N-1)*alpha + (N-1)/N * n*word_bytes_per_weight / beta + word codec
 
-Wire bytes are what the gathers send (``sent_bytes`` in their stats, tested equal): the exponent
-tiers of ``DEFAULT_LADDER``, int8 codes in whole blocks plus one float32 scale per block (as
-``quantized.py`` sends), word mode's rungs from :mod:`ciera_jax.word_ladder`. Word mode gathers
-once per step (the backward reads the cache); every other method gathers twice.
+Wire bytes are what the gathers send (``sent_bytes`` in their stats, tested equal): the rungs of
+:mod:`ciera_jax.wire` for both CIERA modes, int8 codes in whole blocks plus one float32 scale per
+block (as ``quantized.py`` sends). Word mode gathers once per step (the backward reads the
+cache); every other method gathers twice.
+
+Codec time is counted, not assumed: the bytes each pass reads and writes per element
+(:data:`CODEC_PASS_BYTES`: the sender's encode over its shard, the receiver's decode and
+self-check over the full tensor) at :data:`CODEC_HBM_FRACTION` of the device's memory
+bandwidth, plus a launch cost per gather.
 
 ``n`` is the element count of the FULL tensor, ``b`` its bytes per element. The link is a
 :class:`Profile` (one flat ring) or a :class:`Topology` (NVLink ring inside a node, then a
@@ -29,15 +34,20 @@ import math
 from pathlib import Path
 from typing import Union
 
-from ciera_jax.word_ladder import WORD_LADDER
+from ciera_jax.wire import CHECKSUM_BYTES, DEFAULT_CODE_BITS, ExponentWire, WordWire, flag_words
 
-PATCH_BYTES = 5  # a sparse patch: int32 position + uint8 exponent
-CHECKSUM_BYTES = 4  # every compressed gather sends a uint32 checksum of the shard's words
 INT8_BLOCK = 256  # ZeRO++ qwZ-style blockwise absmax int8; one float32 scale per block
 INT8_SCALE_BYTES = 4  # what quantized.py sends (float32)
-# Word-mode codec time relative to exponent mode's: its decode moves ~6.5 B of HBM traffic per
-# element (read ~0.5 B code + 2 B cached word, write 2 B bf16 + 2 B cache) against ~5 B.
-WORD_CODEC_FACTOR = 1.3
+# Memory traffic of each codec pass per element of bf16 (b = 2 bytes a word), counted from
+# what it reads and writes; escapes and flags are small and counted at their steady-state size.
+#   exponent encode (shard): read word 2 + cached exponent 1; write payload 1 + flags 1/8
+#   exponent decode (full):  read payload 1 + cached exponent 1 + flags 1/8; write word 2 +
+#                            new cache 1; the self-check re-reads nothing (same pass)
+#   word encode (shard):     read word 2 + cached word 2; write codes b/8 (3-bit: 3/8)
+#   word decode (full):      read codes 3/8 + cached word 2; write word 2 + new cache 2
+CODEC_PASS_BYTES = {"ciera": (3 + 1 + 1 / 8, 2 + 1 / 8 + 3),
+                    "word": (4 + DEFAULT_CODE_BITS / 8, DEFAULT_CODE_BITS / 8 + 6)}
+CODEC_HBM_FRACTION = 0.8  # of peak bandwidth: a streaming elementwise kernel (gpu_check measures it)
 ENTROPY_RATIO = 1.5  # single-pass lossless entropy coding of bf16 (ZipNN / DietGPU class)
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
@@ -50,7 +60,8 @@ class Profile:
 
     alpha_s     latency per ring hop (s)
     beta_Bps    bytes/s per link per direction as a ring collective achieves it (bus bandwidth)
-    codec_Bps   CIERA encode+decode rate, in bytes of bf16 input per second
+    codec_Bps   CIERA encode+decode rate a calibration measured, bytes of bf16 input per second
+                (reported; the cost model counts the codec's bytes at hbm_Bps instead)
     agreement_s one tiny pmax over the mesh (s)
     hbm_Bps     achievable device-memory bandwidth (int8 quantize/dequantize run at this rate)
     entropy_Bps encode+decode rate of a single-pass entropy codec, bytes of input per second
@@ -180,55 +191,26 @@ def agreement_time(N: int, link: Link) -> float:
     return link.agreement(N) if isinstance(link, Topology) else link.agreement_s
 
 
-# ----------------------------------------------------------------------------- patch tiers
-
-@dataclasses.dataclass(frozen=True)
-class Tier:
-    """A static patch capacity ``capacity`` (changed exponents one rank may send) and how the
-    patches travel: sparse, an (int32 position, exponent) pair each, or ``bitmap``, one
-    changed-bit per element plus one exponent per change, which is cheaper above n/32."""
-
-    capacity: int
-    bitmap: bool = False
-
-    def patch_bytes(self, n_local: int) -> int:
-        if self.bitmap:
-            return math.ceil(n_local / 8) + self.capacity
-        return PATCH_BYTES * self.capacity
-
-
-@dataclasses.dataclass(frozen=True)
-class Ladder:
-    """The tiers a compressed gather may pick, as fractions of the local shard's size.
-
-    Warm-up churn (5-15% of exponents per step) lands on the bitmap tiers, so it still
-    travels at 1.2-1.6 bytes per bf16 element instead of falling back to 2.
-    """
-
-    sparse: tuple[float, ...] = (1 / 4096, 1 / 1024, 1 / 256, 1 / 32)
-    bitmap: tuple[float, ...] = (1 / 8, 1 / 4, 1 / 2)
-
-    def tiers(self, n_local: int) -> tuple[Tier, ...]:
-        """0 first, then increasing capacities, deduplicated; above the last: plain."""
-        tiers = [Tier(0)]
-        for fractions, bitmap in ((self.sparse, False), (self.bitmap, True)):
-            for f in fractions:
-                c = min(n_local, math.ceil(n_local * f))
-                if c > tiers[-1].capacity:
-                    tiers.append(Tier(c, bitmap))
-        return tuple(tiers)
-
-    def tier_for(self, n_local: int, count: int) -> Tier | None:
-        """Smallest tier that holds ``count`` changes; None above the top (plain fallback)."""
-        return next((t for t in self.tiers(n_local) if count <= t.capacity), None)
-
-
-DEFAULT_LADDER = Ladder()
-
+# ----------------------------------------------------------------------------- codec
 
 def expected_change_count(n_local: int, change_rate: float) -> int:
-    """Changed exponents in one shard per step (the agreed max is rounded up to a tier anyway)."""
+    """Changed exponents in one shard per step (the agreed max is rounded up to a rung)."""
     return math.ceil(max(change_rate, 0.0) * n_local)
+
+
+def expected_nonzero_words(n_local: int, change_rate: float) -> int:
+    """Flag words (32 elements) holding at least one change, changes at random places."""
+    p = min(max(change_rate, 0.0), 1.0)
+    return math.ceil(flag_words(n_local) * (1.0 - (1.0 - p) ** 32))
+
+
+def codec_time(method: str, n: int, N: int, bytes_per_elem: int, link) -> float:
+    """Encode of one shard + decode of the full tensor, from the bytes each pass moves (scaled
+    by the word width: float32 moves twice bf16's bytes) at a fraction of HBM bandwidth."""
+    enc, dec = CODEC_PASS_BYTES[method]
+    scale = bytes_per_elem / 2
+    moved = scale * (enc * n / max(N, 1) + dec * n)
+    return moved / (link.hbm_Bps * CODEC_HBM_FRACTION) + link.codec_launch_s
 
 
 # ----------------------------------------------------------------------------- methods
@@ -251,14 +233,14 @@ def int8_wire_bytes(n_local: int) -> int:
 
 
 def gather_cost(method: str, n: int, N: int, bytes_per_elem: int, link: Link,
-                change_rate: float = 0.0, patch_bytes: int = PATCH_BYTES, *,
-                word_bpw: float | None = None, word_rung: int | None = None) -> GatherCost:
+                change_rate: float = 0.0, *, word_bpw: float | None = None,
+                word_rates: tuple[float, float] | None = None) -> GatherCost:
     """Wire bytes and codec time of ``method`` for a tensor of ``n`` elements on ``N`` ranks.
 
-    ``ciera`` (exponent mode) takes its tier from ``change_rate``; ``word`` takes either a
-    measured ``word_bpw`` (bytes per weight, a trace's figure for a phase: rung choice and
-    exponent-mode fallback included) or a ``word_rung`` (index into ``WORD_LADDER``: exactly
-    the bytes that rung sends).
+    ``ciera`` (exponent mode) takes its rungs from ``change_rate`` (changes at random places);
+    ``word`` takes either a measured ``word_bpw`` (bytes per weight, a trace's figure for a
+    phase, fallbacks included) or ``word_rates``: the shares of elements that escape the code
+    and that travel raw, priced exactly as :class:`ciera_jax.wire.WordWire` sends them.
     """
     b = bytes_per_elem
     n_local = math.ceil(n / max(N, 1))
@@ -275,22 +257,26 @@ def gather_cost(method: str, n: int, N: int, bytes_per_elem: int, link: Link,
         dec = n * b / link.entropy_Bps
         return GatherCost("entropy", n * b / ENTROPY_RATIO, enc + dec + link.codec_launch_s)
     if method == "ciera":
-        payload = b - 1  # the exponent byte stays home
-        tier = DEFAULT_LADDER.tier_for(n_local, expected_change_count(n_local, change_rate))
-        if tier is None:
-            return GatherCost("ciera", n * b, 0.0, fallback=True)
-        patches = (tier.patch_bytes(n_local) if tier.bitmap
-                   else tier.capacity * patch_bytes)
-        return GatherCost("ciera", n * payload + N * (patches + CHECKSUM_BYTES),
-                          n * b / link.codec_Bps + link.codec_launch_s,
-                          patch_capacity=tier.capacity)
+        wire = ExponentWire(n_local, b)
+        sent = wire.sent_bytes(expected_change_count(n_local, change_rate),
+                               expected_nonzero_words(n_local, change_rate))
+        changed = expected_change_count(n_local, change_rate)
+        fallback = changed > wire.caps[-1] or (expected_nonzero_words(n_local, change_rate)
+                                               > wire.word_caps[-1])
+        cap = 0 if fallback else next(c for c in wire.caps if c >= changed)
+        return GatherCost("ciera", N * sent, codec_time("ciera", n, N, b, link),
+                          fallback=fallback, patch_capacity=cap)
     if method == "word":
-        codec = WORD_CODEC_FACTOR * n * b / link.codec_Bps + link.codec_launch_s
-        if word_rung is not None:
-            return GatherCost("word", N * (WORD_LADDER[word_rung].wire_bytes(n_local, b)
-                                           + CHECKSUM_BYTES), codec)
+        codec = codec_time("word", n, N, b, link)
+        if word_rates is not None:
+            escape_rate, raw_rate = word_rates
+            wire = WordWire(n_local, b)
+            escapes, raw = math.ceil(escape_rate * n_local), math.ceil(raw_rate * n_local)
+            fallback = escapes > wire.caps1[-1] or raw > wire.caps2[-1]
+            return GatherCost("word", N * wire.sent_bytes(escapes, raw), codec,
+                              fallback=fallback)
         if word_bpw is None or word_bpw <= 0:
-            raise ValueError("word mode is priced from a rung (word_rung=) or a measured "
+            raise ValueError("word mode is priced from escape rates (word_rates=) or a measured "
                              f"bytes-per-weight (word_bpw= > 0), got word_bpw={word_bpw!r}")
         return GatherCost("word", n * word_bpw + N * CHECKSUM_BYTES, codec)
     raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
@@ -305,11 +291,12 @@ def t_plain(n: int, N: int, bytes_per_elem: int, p: Link) -> float:
 
 
 def t_ciera(n: int, N: int, payload_bytes_per_elem: int, change_rate: float, p: Link,
-            patch_bytes: int = PATCH_BYTES, agreement_share_s: float | None = None) -> float:
-    """Compressed gather: payload + tier-rounded patches + codec + agreement share. Above the
-    top tier it is the plain gather (the implementation's fallback) plus the agreement share."""
+            agreement_share_s: float | None = None) -> float:
+    """Compressed gather: payload + rung-rounded escape sections + codec + agreement share.
+    Above the top rung it is the plain gather (the implementation's fallback) plus the
+    agreement share."""
     share = agreement_time(N, p) if agreement_share_s is None else agreement_share_s
-    c = gather_cost("ciera", n, N, payload_bytes_per_elem + 1, p, change_rate, patch_bytes)
+    c = gather_cost("ciera", n, N, payload_bytes_per_elem + 1, p, change_rate)
     return _time(c, N, p) + share
 
 

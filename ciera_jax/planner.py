@@ -69,8 +69,7 @@ def _bytes_per_elem(dtype: str) -> int:
 
 
 def plan_tensor(spec_or_shape: Any, dtype: Any, N: int, profile: Union[str, cm.Link],
-                change_rate: float, agreement_share_s: float | None = None,
-                patch_bytes: int = cm.PATCH_BYTES) -> Decision:
+                change_rate: float, agreement_share_s: float | None = None) -> Decision:
     """Decide one tensor. ``spec_or_shape`` is a :class:`ciera_jax.shapes.TensorSpec` or a shape."""
     link = cm.get_link(profile)
     name, kind, layer = "", "", None
@@ -89,10 +88,10 @@ def plan_tensor(spec_or_shape: Any, dtype: Any, N: int, profile: Union[str, cm.L
     if N <= 1:
         return Decision(False, tp, tp, "single rank: nothing to gather", **meta)
     payload = CODEC_DTYPES[dt][1]
-    tc = cm.t_ciera(n, N, payload, change_rate, link, patch_bytes, agreement_share_s)
-    cost = cm.gather_cost("ciera", n, N, b, link, change_rate, patch_bytes)
+    tc = cm.t_ciera(n, N, payload, change_rate, link, agreement_share_s)
+    cost = cm.gather_cost("ciera", n, N, b, link, change_rate)
     if cost.fallback:
-        return Decision(False, tp, tc, "change rate above the top patch tier: plain", **meta)
+        return Decision(False, tp, tc, "change rate above the top escape rung: plain", **meta)
     if tc < tp:
         return Decision(True, tp, tc, f"saves {(tp - tc) * 1e6:.1f} us", **meta)
     return Decision(False, tp, tc, "latency + codec overhead exceeds the byte saving", **meta)

@@ -16,7 +16,8 @@ Every compressed gather has two parts (:mod:`ciera_jax.collective`):
   escape).
 
 Above the top rung, or on an unprimed cache, the gather falls back to a plain all-gather of the
-bits (the one conditional with a large transfer, taken on rare steps).
+bits (the one conditional with a large transfer, taken on rare steps); the main plane has
+travelled by then, so such a step sends ``main + plain`` bytes.
 
 Capacities are fractions of the shard's ``n`` elements. This module is pure Python: the
 collective, the cost model, the simulator and the benchmarks all price these numbers.
@@ -101,10 +102,11 @@ class ExponentWire:
 
     def sent_bytes(self, changed: int, nonzero_words: int) -> int:
         """Bytes one rank sends when the most changed exponents on any rank is ``changed`` and
-        the most nonzero flag words is ``nonzero_words`` (plain above the top rungs)."""
+        the most nonzero flag words is ``nonzero_words``. Above the top rungs the main plane
+        has travelled too, then the plain fallback."""
         k, kw = rung_for(self.caps, changed), rung_for(self.word_caps, nonzero_words)
         if k is None or kw is None:
-            return self.n * self.word_bytes
+            return self.main_bytes + self.n * self.word_bytes
         return self.main_bytes + 4 * self.flag_sizes[kw] + self.caps[k]
 
 
@@ -149,10 +151,11 @@ class WordWire:
 
     def sent_bytes(self, escapes: int, raw: int) -> int:
         """Bytes one rank sends when the most escapes (``|d| > code limit``) on any rank is
-        ``escapes`` and the most raw words (``|d| > 127``) is ``raw``."""
+        ``escapes`` and the most raw words (``|d| > 127``) is ``raw`` (above the top rungs:
+        the main plane, then the plain fallback)."""
         k1, k2 = rung_for(self.caps1, escapes), rung_for(self.caps2, raw)
         if k1 is None or k2 is None:
-            return self.n * self.word_bytes
+            return self.main_bytes + self.n * self.word_bytes
         return self.main_bytes + self.level1_bytes(k1) + self.level2_bytes(k2)
 
 
