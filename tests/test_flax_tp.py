@@ -42,7 +42,8 @@ def check_run(model, history, counts):
 def gemma_runs(mesh_shape, explicit, modes=("plain", "exponent", "word")):
     mesh = make_mesh(mesh_shape, explicit_axes=explicit)
     toks = batches(mesh, STEPS)
-    return {m: train(wrapped(Transformer), mesh, toks, mode=None if m == "plain" else m,
+    # the plain baseline: the same model and caches (unused), gathered plain
+    return {m: train(wrapped(Transformer), mesh, toks, mode="exponent" if m == "plain" else m,
                      gather="plain" if m == "plain" else "ciera") for m in modes}
 
 
@@ -55,7 +56,7 @@ def test_fsdp_beside_tp_explicit_mesh_all_modes_bitwise():
     # tp shardings are kept: the params, and the caches split like the gathered weights
     assert model.blocks[0].ffw.down.kernel[...].sharding.spec == jax.P("tp", "fsdp")
     assert model.blocks[0].attn.q.kernel[...].sharding.spec == jax.P("fsdp", "tp", None)
-    cache = model.blocks[0].ffw.down.kernel_gather_cache[...]
+    cache = model.blocks[0].ffw.down.kernel_gather_cache.get_value()
     assert cache.words.shape == (32, 16) and cache.words.sharding.spec == jax.P("tp", None)
     for m in ("exponent", "word"):
         check_run(*runs[m])
@@ -84,7 +85,7 @@ def test_experts_split_over_an_expert_axis():
                     for g in ("plain", "ciera"))
     assert params_sha256(ciera[0]) == params_sha256(plain[0])
     check_run(*ciera)
-    cache = ciera[0].moe.w_in_gather_cache[...]
+    cache = ciera[0].moe.w_in_gather_cache.get_value()
     assert cache.exp.shape == (2, 16, 32) and cache.exp.sharding.spec == jax.P("expert")
 
 
@@ -114,7 +115,7 @@ def test_stacked_scanned_layers_wrapped_equal_decorated():
     assert params_sha256(model) == params_sha256(runs["decorated"][0])
     check_run(model, history, counts)
     assert np.asarray(history[0]["layers/ffw/down/kernel"]["tier"]).shape == (2,)
-    assert model.layers.ffw.down.kernel_gather_cache[...].exp.shape == (2, 32, 16)
+    assert model.layers.ffw.down.kernel_gather_cache.get_value().exp.shape == (2, 32, 16)
 
 
 def test_nnx_list_wrapped_equals_decorated():
@@ -137,7 +138,8 @@ def test_a_step_traced_under_one_mode_never_runs_it_under_another():
         @nnx.jit
         def step(model, toks):
             traces.append(1)
-            return fsdp.gather_stats(model), loss_fn(model, toks)
+            loss = loss_fn(model, toks)
+            return fsdp.gather_stats(model), loss
 
         with fsdp.gather_mode("ciera"):
             step(model, toks[0])
@@ -181,3 +183,18 @@ def test_misuse_names_the_fix():
     with pytest.raises(ValueError, match="gathers already"):
         fsdp.shard(model.blocks[0])
     assert fsdp.is_sharded(model.blocks[0]) and not fsdp.is_sharded(model.final_norm)
+
+
+def test_state_specs_keep_tp_for_params_and_caches():
+    """The shard_map programming model: params keep their whole spec, caches are split like
+    the gathered weight (per leaf: the flag is replicated)."""
+    with jax.set_mesh(make_mesh((4, 2))):
+        model = fsdp.attach_caches(shard_gemma(Transformer(nnx.Rngs(0), layers=1)))
+    _, params, caches, _ = nnx.split(model, nnx.Param, fsdp.GatherCacheVar, ...)
+    p_specs = fsdp.state_specs(model, params, n=4)
+    c_specs = fsdp.state_specs(model, caches)
+    assert p_specs["blocks"][0]["ffw"]["down"]["kernel"] == jax.P("tp", "fsdp")
+    assert p_specs["blocks"][0]["pre_ffw"]["scale"] == jax.P()
+    cache = c_specs["blocks"][0]["ffw"]["down"]["kernel_gather_cache"].get_value()
+    assert cache.exp == jax.P("tp", None) and cache.primed == jax.P()
+    assert fsdp.gathered_tensors(model)["blocks/0/ffw/down/kernel"].spec == ("tp", "fsdp")

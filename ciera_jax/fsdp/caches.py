@@ -20,10 +20,10 @@ import ciera_jax.cache as cache_lib
 from ciera_jax.fsdp.discovery import (gather_spec, iter_modules, path_key, set_module_path,
                                       sharded_params)
 from ciera_jax.fsdp.rules import without_axis
+from ciera_jax.fsdp.specs import CACHE_SUFFIX
 from ciera_jax.fsdp.stacking import stack_of, stack_size
 from ciera_jax.fsdp.stats import ensure_stats
 
-CACHE_SUFFIX = "_gather_cache"
 CACHE_MODES = ("exponent", "word", "auto")
 PLAIN_ATTR = "ciera_plain"  # on a module: keys of params the plan gathers plain (no cache)
 

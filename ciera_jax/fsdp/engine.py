@@ -6,8 +6,12 @@ A *default* engine (built per call, or by :func:`gather_mode`) encodes and agree
 (one agreement collective per decorated call) and differentiates through the gather (its
 backward is a ``psum_scatter``). A *prepared* engine (the trainer's: the step's inventory,
 the ``Encoded`` made at the end of the previous step and the step's one agreement) gathers
-layer l+1 while layer l computes and re-gathers in backward instead of keeping gathered weights
-as residuals.
+layer l+1 while layer l computes. Its backward keeps no gathered weights as residuals: a tensor
+with a word cache reads this step's full words from the cache the forward left (no second gather,
+no second copy); every other tensor is gathered again (the same exact, pure function). Either
+way the layer's compute sees its weights through one ``optimization_barrier``, forward and
+backward, in every mode, so XLA compiles the same matmuls whichever path delivered them and the
+parameters stay bitwise those of a plain gather.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import ciera_jax.codec as codec
 import ciera_jax.collective as collective
 import ciera_jax.quantized as quantized
 from ciera_jax.fsdp.axes import (AXIS, MANUAL, REGION, UNSHARDED, axis_bound, axis_size,
-                                 invariant, placement)
+                                 invariant, placement, varying_axes)
 from ciera_jax.fsdp.caches import PLAIN_ATTR, GatherCacheVar, cache_attr
 from ciera_jax.fsdp.context import activate, check_mode
 from ciera_jax.fsdp.discovery import (GatherSpec, ShardedParam, iter_params, module_name,
@@ -46,11 +50,11 @@ def _float0_like(tree):
     return jax.tree.map(one, tree)
 
 
-# How a prepared engine's backward gets a word-mode tensor's full weights: "regather" (the same
-# exact gather again, so the step compiles like plain FSDP and its params stay bitwise plain's)
-# or "cache" (read the full words the forward left: no backward gather; XLA then compiles the
-# backward's reductions differently, so params match plain only up to float summation order).
-WORD_BACKWARDS = ("regather", "cache")
+# How a prepared engine's backward gets a word-mode tensor's full weights: "cache" (default: read
+# the full words the forward's gather left in the word cache; no backward gather) or "regather"
+# (the same exact gather again). Both give parameters bitwise equal to a plain gather's.
+WORD_BACKWARDS = ("cache", "regather")
+DEFAULT_WORD_BACKWARD = "cache"
 
 
 class Engine:
@@ -68,7 +72,7 @@ class Engine:
     def __init__(self, mode: str = "ciera", tensors: dict | None = None, *,
                  caches: dict | None = None, encoded: dict | None = None,
                  agreed: dict | None = None, axis_name: str = AXIS, impl: str = "auto",
-                 word_backward: str = "regather"):
+                 word_backward: str = DEFAULT_WORD_BACKWARD):
         self.mode, self.tensors, self.axis_name, self.impl = check_mode(mode), tensors, \
             axis_name, impl
         if word_backward not in WORD_BACKWARDS:
@@ -264,43 +268,53 @@ class Engine:
                              out_specs=(full_specs, cache_specs, P()),
                              check_vma=False)(shards, caches)
 
-    # -- prepared: gathered compute with re-gather in backward --------------------------------
+    # -- prepared: gathered compute; the backward reads word caches or gathers again ----------
+
+    def _held(self, inputs: dict) -> set:
+        """Keys whose backward reads the word cache the forward's gather left (``cache``)."""
+        if self.word_backward != "cache":
+            return set()
+        return {k for k, gin in inputs.items() if gin is not None and _is_word_cache(gin[1])}
+
+    def _backward_fulls(self, tensors: dict, shards: dict, inputs: dict, held_caches: dict):
+        """The full weights a backward computes with: held keys from their (new) word cache,
+        the rest gathered again from the shard and the step's gather inputs."""
+        return {k: _typed_like_gather(cache_lib.cached_full(held_caches[k]), shards[k],
+                                      self.axis_name) if k in held_caches else
+                self.gather_one(tensors[k], lax.stop_gradient(shards[k]), inputs[k])[0]
+                for k in shards}
+
+    def _scatter(self, tensors: dict, ct_fulls: dict, shards: dict) -> dict:
+        """Weight cotangents: the transpose of the all-gather (``psum_scatter``) per tensor."""
+        return {k: lax.psum_scatter(ct_fulls[k], self.axis_name,
+                                    scatter_dimension=tensors[k].axis, tiled=True
+                                    ).astype(shards[k].dtype) for k in shards}
 
     def _apply(self, compute, tensors: dict, shards: dict, others, inputs: dict, fulls: dict,
-               call_args):
+               held_caches: dict, call_args):
         """``compute(fulls, others, call_args)``, differentiable to shards, others and call_args;
         ``inputs``: each shard's gather inputs (Encoded, cache, agreed) or None; ``fulls``
-        are the prefetched gathers of ``shards`` (no gradient of their own)."""
-        ax = self.axis_name
+        are the gathers of ``shards`` (no gradient of their own); ``held_caches``: the new
+        word caches of the keys whose backward reads them (the residual is the cache itself)."""
 
         @jax.custom_vjp
-        def f(shards, others, inputs, fulls, call_args):
+        def f(shards, others, inputs, fulls, held_caches, call_args):
             return compute(fulls, others, call_args)
 
-        # word_backward="cache": a word-cache gather left this step's full words behind, so
-        # the backward reads them (a residual) instead of gathering again.
-        held = [k for k in shards if self.word_backward == "cache" and inputs[k] is not None
-                and _is_word_cache(inputs[k][1])]
-
-        def fwd(shards, others, inputs, fulls, call_args):
-            kept = {k: fulls[k] for k in held}
-            return compute(fulls, others, call_args), (shards, others, inputs, call_args, kept)
+        def fwd(shards, others, inputs, fulls, held_caches, call_args):
+            return (compute(fulls, others, call_args),
+                    (shards, others, inputs, held_caches, call_args))
 
         def bwd(res, ct):
-            shards, others, inputs, call_args, kept = res
-            re = {k: kept[k] if k in kept else
-                  self.gather_one(tensors[k], lax.stop_gradient(shards[k]), inputs[k])[0]
-                  for k in shards}
+            shards, others, inputs, held_caches, call_args = res
+            re = self._backward_fulls(tensors, shards, inputs, held_caches)
             _, vjp = jax.vjp(compute, re, others, call_args)
             ct_fulls, ct_others, ct_call_args = vjp(ct)
-            ct_shards = {k: lax.psum_scatter(ct_fulls[k], ax, scatter_dimension=tensors[k].axis,
-                                             tiled=True).astype(shards[k].dtype)
-                         for k in shards}
-            return (ct_shards, ct_others, _float0_like(inputs), _float0_like(ct_fulls),
-                    ct_call_args)
+            return (self._scatter(tensors, ct_fulls, shards), ct_others, _float0_like(inputs),
+                    _float0_like(ct_fulls), _float0_like(held_caches), ct_call_args)
 
         f.defvjp(fwd, bwd)
-        return f(shards, others, inputs, fulls, call_args)
+        return f(shards, others, inputs, fulls, held_caches, call_args)
 
     @staticmethod
     def _split(module):
@@ -311,10 +325,16 @@ class Engine:
         return graphdef, keys, leaves, treedef, dummy, rest
 
     def _compute(self, graphdef, keys, treedef, dummy, call):
-        """compute(fulls, others, (rest, args)) -> call(module with those values, *args)."""
+        """compute(fulls, others, (rest, args)) -> call(module with those values, *args).
+
+        The full weights pass one ``optimization_barrier`` before the layer's compute, in the
+        forward and in the backward's recomputation, whatever delivered them (a gather's
+        decode, a plain all-gather, a word cache): XLA then compiles the same matmuls in every
+        mode and path, which keeps the parameters bitwise those of a plain gather."""
 
         def compute(fulls, others, call_args):
             rest, args = call_args
+            fulls = lax.optimization_barrier(fulls)
             leaves = [fulls[k] if k in fulls else others[k] for k in keys]
             module = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves), dummy, rest)
             with self.active(), self.holding():
@@ -340,15 +360,21 @@ class Engine:
                 t, lax.stop_gradient(shards[k]), inputs[k])
             if new_cache is not None:
                 self.new_caches[t.key] = new_cache
+        held = {k: self.new_caches[tensors[k].key] for k in self._held(inputs)}
         others = {k: v for k, v in values.items() if k not in tensors}
         compute = self._compute(graphdef, keys, treedef, dummy, call0)
-        out = self._apply(compute, tensors, shards, others, inputs, fulls, (rest, tuple(args)))
+        out = self._apply(compute, tensors, shards, others, inputs, fulls, held,
+                          (rest, tuple(args)))
         _leave_state(module, params, {k: self.new_caches.get(t.key) for k, t in tensors.items()},
                      {k: self._stats[t.key] for k, t in tensors.items()})
         return out
 
     def scan(self, stack_module, x, *args):
-        """Run a layer stack: layer l computes on weights gathered during layer l-1."""
+        """Run a layer stack: layer l computes on weights gathered during layer l-1.
+
+        Differentiated as one unit (:meth:`_stack_vjp`): the forward keeps each layer's input
+        activation and nothing gathered; the backward runs the layers in reverse, each on
+        weights read from its word cache (``word_backward="cache"``) or gathered again."""
         n = stack_size(stack_module)
         graphdef, keys, leaves, treedef, dummy, rest = self._split(stack_module)
         values = dict(zip(keys, leaves))
@@ -358,45 +384,9 @@ class Engine:
         shards = {k: values[k].astype(t.dtype) for k, t in tensors.items()}
         others = {k: v for k, v in values.items() if k not in tensors}
         inputs = {k: self._gather_inputs(t.key) for k, t in tensors.items()}
-        at = lambda tree, i: jax.tree.map(  # noqa: E731
-            lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
-        frozen = lax.stop_gradient(shards)
-
-        def fetch(i):
-            out = {k: self.gather_one(t, at(frozen[k], i), at(inputs[k], i))
-                   for k, t in tensors.items()}
-            return ({k: o[0] for k, o in out.items()},
-                    {k: o[1] for k, o in out.items() if o[1] is not None},
-                    {k: o[2] for k, o in out.items()})
-
         compute = self._compute(graphdef, keys, treedef, dummy, lambda m, *a: m(*a))
-
-        def layer(i, fulls, x, layer_shards, layer_others, layer_rest):
-            return self._apply(compute, tensors, layer_shards, layer_others,
-                               at(inputs, i), fulls, (layer_rest, (x, *args)))
-
-        fulls, c0, s0 = fetch(0)
-        first = lambda tree: jax.tree.map(lambda a: a[None], tree)  # noqa: E731
-        if n == 1:
-            x, y = layer(0, fulls, x, at(shards, 0), at(others, 0), at(rest, 0))
-            ys, cs, ss = first(y), first(c0), first(s0)
-        else:
-            head = lambda tree: jax.tree.map(lambda a: a[:-1], tree)  # noqa: E731
-
-            def body(carry, xs):
-                x, fulls = carry
-                i, layer_shards, layer_others, layer_rest = xs
-                nxt, c, s = fetch(i + 1)  # prefetch: independent of this layer's compute
-                x, y = layer(i, fulls, x, layer_shards, layer_others, layer_rest)
-                return (x, nxt), (y, c, s)
-
-            (x, fulls), (ys, cs, ss) = lax.scan(
-                body, (x, fulls), (jnp.arange(n - 1), head(shards), head(others), head(rest)))
-            x, y = layer(n - 1, fulls, x, at(shards, n - 1), at(others, n - 1), at(rest, n - 1))
-            cat = lambda a, b: jnp.concatenate([a, b], axis=0)  # noqa: E731
-            ys = jax.tree.map(lambda a, b: cat(a, b[None]), ys, y)
-            cs = jax.tree.map(lambda a, b: cat(a[None], b), c0, cs)
-            ss = jax.tree.map(lambda a, b: cat(a[None], b), s0, ss)
+        run = self._stack_vjp(compute, tensors, self._held(inputs), n)
+        x, ys, cs, ss = run(shards, others, rest, x, tuple(args), inputs)
         for k, t in tensors.items():
             if k in cs:
                 self.new_caches[t.key] = cs[k]
@@ -407,6 +397,124 @@ class Engine:
                   for k, t in tensors.items()]
         _leave_state(stack_module, params, cs, ss)
         return x, ys
+
+    def _stack_vjp(self, compute, tensors: dict, held: set, n: int):
+        """``run(shards, others, rest, x, args, inputs) -> (x, ys, new caches, stats)`` over
+        the ``n`` stacked layers, with its own backward.
+
+        Forward: a scan whose body gathers layer l+1 (independent of the activations) next to
+        layer l's compute. A held tensor's word-cache stack is carried through the scan and
+        updated one layer at a time in place (each gather reads its layer's old words and
+        writes the new ones), so the step holds one stack of words, which is also what the
+        backward reads. Residuals: each layer's input activation, the shards, the gather
+        inputs and the new caches (no gathered weights). Backward: the layers in reverse, each
+        recomputed on its full weights and its cotangents ``psum_scatter``-ed."""
+        at = lambda tree, i: jax.tree.map(  # noqa: E731
+            lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+        head = lambda tree: jax.tree.map(lambda a: a[:-1], tree)  # noqa: E731
+        first = lambda tree: jax.tree.map(lambda a: a[None], tree)  # noqa: E731
+        cat = lambda a, b: jnp.concatenate([a, b], axis=0)  # noqa: E731
+        put = lambda stack, i, c: jax.tree.map(  # noqa: E731
+            lambda s, v: lax.dynamic_update_index_in_dim(s, v, i, 0), stack, c)
+
+        def forward(shards, others, rest, x, args, inputs):
+            frozen = lax.stop_gradient(shards)
+            stacks = {k: inputs[k][1] for k in held}  # old words in; new words out, in place
+
+            def fetch(i, stacks):
+                fulls, caches, stats = {}, {}, {}
+                for k, t in tensors.items():
+                    gin = at(inputs[k], i)
+                    if k in held:  # this layer's old words from the carried stack
+                        gin = (gin[0], at(stacks[k], i), gin[2])
+                    fulls[k], c, stats[k] = self.gather_one(t, at(frozen[k], i), gin)
+                    if c is not None:
+                        if k in held:
+                            stacks = {**stacks, k: put(stacks[k], i, c)}
+                        else:
+                            caches[k] = c
+                return fulls, caches, stats, stacks
+
+            def layer(i, fulls, x):
+                return compute(fulls, at(others, i), (at(rest, i), (x, *args)))
+
+            fulls, c0, s0, stacks = fetch(0, stacks)
+            if n == 1:
+                x_last = x
+                x, y = layer(0, fulls, x)
+                ys, cs, ss, x_in = first(y), first(c0), first(s0), None
+            else:
+                def body(carry, i):
+                    x, fulls, stacks = carry
+                    nxt, c, s, stacks = fetch(i + 1, stacks)  # independent of layer i
+                    x_next, y = layer(i, fulls, x)
+                    return (x_next, nxt, stacks), (y, c, s, x)
+
+                (x_last, fulls, stacks), (ys, cs, ss, x_in) = lax.scan(
+                    body, (x, fulls, stacks), jnp.arange(n - 1))
+                x, y = layer(n - 1, fulls, x_last)
+                ys = jax.tree.map(lambda a, b: cat(a, b[None]), ys, y)
+                cs = jax.tree.map(lambda a, b: cat(a[None], b), c0, cs)
+                ss = jax.tree.map(lambda a, b: cat(a[None], b), s0, ss)
+            cs = {**cs, **stacks}
+            res = (shards, others, rest, args, inputs, {k: cs[k] for k in held}, x_in, x_last)
+            return (x, ys, cs, ss), res
+
+        def backward(res, cts):
+            shards, others, rest, args, inputs, held_caches, x_in, x_last = res
+            ct_x, ct_ys = cts[0], cts[1]
+
+            def layer_bwd(i, x, ct_x, ct_y):
+                fulls = self._backward_fulls(tensors, at(shards, i), at(inputs, i),
+                                             at(held_caches, i))
+                _, vjp = jax.vjp(compute, fulls, at(others, i), (at(rest, i), (x, *args)))
+                ct_fulls, ct_others, (ct_rest, (ct_x, *ct_args)) = vjp((ct_x, ct_y))
+                # float0 cotangents (integer state, integer args) cannot ride in a scan
+                return ct_x, (self._scatter(tensors, ct_fulls, at(shards, i)), ct_others,
+                              _drop_float0(ct_rest), _drop_float0(tuple(ct_args)))
+
+            ct_x, last = layer_bwd(n - 1, x_last, ct_x, at(ct_ys, n - 1))
+            if n == 1:
+                grads, ct_args = first(last[:3]), last[3]
+            else:
+                def body(carry, xs):
+                    ct_x, ct_args = carry
+                    i, x, ct_y = xs
+                    ct_x, (g_shards, g_others, g_rest, g_args) = layer_bwd(i, x, ct_x, ct_y)
+                    ct_args = jax.tree.map(jnp.add, ct_args, g_args)
+                    return (ct_x, ct_args), (g_shards, g_others, g_rest)
+
+                (ct_x, ct_args), grads = lax.scan(
+                    body, (ct_x, last[3]), (jnp.arange(n - 1), x_in, head(ct_ys)),
+                    reverse=True)
+                grads = jax.tree.map(lambda a, b: cat(a, b[None]), grads, last[:3])
+            g_shards, g_others, g_rest = grads
+            return (g_shards, g_others, _with_float0(rest, g_rest), ct_x,
+                    _with_float0(args, ct_args), _float0_like(inputs))
+
+        run = jax.custom_vjp(lambda *a: forward(*a)[0])
+        run.defvjp(forward, backward)
+        return run
+
+
+def _typed_like_gather(full, shard, axis_name):
+    """A full tensor read from a cache, typed like a gather's result: varying over the gather
+    axis (as ``lax.all_gather`` types it) and over every other axis the shard varies over."""
+    want = (varying_axes(shard) | {axis_name}) & set(jax.sharding.get_abstract_mesh().manual_axes)
+    missing = tuple(sorted(want - varying_axes(full)))
+    return lax.pcast(full, missing, to="varying") if missing else full
+
+
+def _drop_float0(tree):
+    """float0 cotangent leaves as a bool scalar placeholder (:func:`_with_float0` undoes it)."""
+    return jax.tree.map(lambda c: jnp.zeros((), jnp.bool_)
+                        if getattr(c, "dtype", None) == jax.dtypes.float0 else c, tree)
+
+
+def _with_float0(primal, ct):
+    """Cotangents of ``primal``: ``ct``'s leaves for inexact leaves, float0 for the rest."""
+    return jax.tree.map(lambda p, c: c if jnp.issubdtype(jnp.result_type(p), jnp.inexact)
+                        else np.zeros(jnp.shape(p), jax.dtypes.float0), primal, ct)
 
 
 def _is_word_cache(cache) -> bool:

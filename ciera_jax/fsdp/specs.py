@@ -14,8 +14,10 @@ from jax.sharding import PartitionSpec as P
 
 from ciera_jax.fsdp.axes import AXIS
 from ciera_jax.fsdp.discovery import gather_spec, iter_modules, path_key, sharded_params
-from ciera_jax.fsdp.rules import check_divisible, spec_for
+from ciera_jax.fsdp.rules import check_divisible, spec_for, without_axis
 from ciera_jax.fsdp.stacking import stack_of
+
+CACHE_SUFFIX = "_gather_cache"  # as fsdp.caches names a parameter's cache
 
 
 def split_axes(model: nnx.Module, axis_name: str = AXIS) -> dict[str, int]:
@@ -33,12 +35,31 @@ def split_axes(model: nnx.Module, axis_name: str = AXIS) -> dict[str, int]:
     return out
 
 
+def split_specs(model: nnx.Module, axis_name: str = AXIS) -> dict[str, tuple]:
+    """``{parameter path: spec entries of the held value}`` (layer axes first, whole) of every
+    gathered parameter whose spec names mesh axes besides ``axis_name`` (e.g. ``tp``)."""
+    out = {}
+    mods = dict(iter_modules(model))
+    for path, module in mods.items():
+        spec = gather_spec(module)
+        if spec is None or spec.axis_name != axis_name:
+            continue
+        lead = 1 if stack_of(path, mods)[0] else 0
+        for p in sharded_params(module, spec, lead=lead, strict=False):
+            if any(without_axis(p.spec, axis_name)):
+                out["/".join(map(str, (*path, p.key)))] = (None,) * p.lead + tuple(p.spec)
+    return out
+
+
 def state_specs(model: nnx.Module, state, axis_name: str = AXIS, n: int | None = None):
     """PartitionSpecs for ``state`` (e.g. ``nnx.split(model, nnx.Param, ...)[1]``), one per
     Variable: a prefix tree usable as ``shard_map`` in/out specs. Gathered parameters are split
-    on their axis, everything else (caches, norms) replicated. With ``n`` given, checks that
-    the mesh size divides every split dimension."""
+    on their axis and keep their other mesh axes (``tp``); their caches are split like the
+    gathered weight (the parameter's spec without ``axis_name``); everything else (norms,
+    stats) replicated. With ``n`` given, checks that the mesh size divides every split
+    dimension."""
     axes = split_axes(model, axis_name)
+    full = split_specs(model, axis_name)
 
     def one(path, var):
         key = path_key(path)
@@ -47,6 +68,14 @@ def state_specs(model: nnx.Module, state, axis_name: str = AXIS, n: int | None =
         shape = tuple(getattr(value, "shape", ()))
         if n is not None:
             check_divisible(key, shape, axis, n, axis_name)
+        if key in full:
+            return P(*full[key])
+        param = key[:-len(CACHE_SUFFIX)] if key.endswith(CACHE_SUFFIX) else None
+        if param in full and isinstance(var, nnx.Variable):
+            kept = without_axis(full[param], axis_name)
+            return var.replace(value=jax.tree.map(
+                lambda leaf: P(*kept) if len(getattr(leaf, "shape", ())) == len(kept) else P(),
+                value))
         return spec_for(axis, len(shape), axis_name)
 
     return jax.tree_util.tree_map_with_path(one, state,
