@@ -88,9 +88,9 @@ class TrainConfig:
         "get what the training state, gathered layers and activations leave)",
         default_text="the accelerator's memory; unlimited on CPU")
     word_backward: str = option(
-        "regather", "how the backward gets word-mode weights: regather (the same exact gather "
-        "again; params bitwise plain's) or cache (read the words the forward left: no backward "
-        "gather, params equal plain's up to float summation order)",
+        "cache", "how the backward gets word-mode weights: cache (read the full words the "
+        "forward's gather left in the word cache: no backward gather) or regather (the same "
+        "exact gather again); both give params bitwise equal to --gather plain",
         choices=LazyChoices("ciera_jax.fsdp.engine", "WORD_BACKWARDS"), metavar="HOW")
 
     @property
