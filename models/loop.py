@@ -22,7 +22,7 @@ from typing import Callable
 from ciera_jax.devices import make_mesh
 from ciera_jax.outputs import check_output_file
 from models import checkpoint as ckpt
-from models import faults, metrics, run_lock
+from models import faults, metrics, peers, run_lock
 from models.failures import WriteFailed, describe_os_error
 from models.data import load_dataset
 from models.params_hash import params_sha256
@@ -107,6 +107,7 @@ def train(tc: TrainConfig, run: RunConfig | None = None, *, mesh=None,
             if fault and state.step + 1 == fault.step and not retries:
                 state = faults.inject(tr, state, fault, log)
             rec, state = _one_step(tr, state, dataset, run, retried=retries > 0)
+            peers.progress["step"] = state.step
             history.append(rec)
             _report(rec, out, run, tc, log, saver)
             if rec["verify_failed"]:

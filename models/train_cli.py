@@ -27,6 +27,9 @@ class LaunchConfig:
                                      "cluster environment variables", metavar="HOST:PORT")
     num_processes: int | None = option(None, "multi-host: number of processes")
     process_id: int | None = option(None, "multi-host: this process's index")
+    peer_timeout: int = option(60, "multi-host: seconds to wait for every process to join, and "
+                               "without a heartbeat from one, before the others give up with "
+                               "one line (exit 69)", metavar="SECONDS")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,8 +47,13 @@ def _init_distributed(launch: LaunchConfig) -> None:
     if launch.coordinator:
         if launch.num_processes is None or launch.process_id is None:
             raise ValueError("--coordinator needs --num-processes and --process-id")
-        jax.distributed.initialize(launch.coordinator, num_processes=launch.num_processes,
-                                   process_id=launch.process_id)
+        if launch.peer_timeout < 1:
+            raise ValueError(f"--peer-timeout must be a positive number of seconds, got "
+                             f"{launch.peer_timeout}")
+        from models import peers
+
+        peers.initialize(launch.coordinator, launch.num_processes, launch.process_id,
+                         launch.peer_timeout)
     elif any(k in os.environ for k in ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS",
                                        "OMPI_COMM_WORLD_SIZE")) and \
             int(os.environ.get("SLURM_NTASKS", os.environ.get("OMPI_COMM_WORLD_SIZE", "2"))) > 1:
@@ -75,11 +83,19 @@ def run(args) -> int:
     configs.get_config(tc.config)  # unknown config -> KeyError with the choices
     check_inputs(tc, run_cfg)  # bad input fails here, before JAX starts
     setup_devices(run_cfg.devices)  # before JAX creates its backends
-    _init_distributed(from_args(LaunchConfig, args))
+    launch = from_args(LaunchConfig, args)
+    from models import peers
+    from models.failures import PeerLost, RunFailure
+
+    peers.progress["checkpoint_dir"] = run_cfg.checkpoint_dir
+    try:
+        _init_distributed(launch)
+    except PeerLost as e:
+        print(f"ciera train: {e}", file=sys.stderr, flush=True)
+        os._exit(e.exit_code)  # not JAX's exit-time shutdown: it waits on the absent peer
 
     import jax
 
-    from models.failures import RunFailure
     from models.loop import train
     from models.preemption import EXIT_PREEMPTED
     from ciera_jax.devices import make_mesh
@@ -102,6 +118,11 @@ def run(args) -> int:
         who = f" (process {jax.process_index()})" if multi else ""
         print(f"ciera train{who}: {e}", file=sys.stderr, flush=True)
         return e.exit_code
+    except Exception as e:
+        if multi and peers.is_peer_failure(e):  # one line, naming the lost process; exits
+            peers.lost_peer(e, jax.process_index(), jax.process_count(), launch.peer_timeout)
+        raise
+    peers.stop_watching()
     if is_main:
         print(res.summary)
         print(f"params_sha256={res.sha256}", flush=True)

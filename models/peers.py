@@ -1,0 +1,186 @@
+"""A lost process is one line: joining the process group with a bounded wait, and ending every
+survivor with one line and :data:`~models.failures.EXIT_PEER_LOST` (69) when a peer dies or
+stops answering.
+
+Two things happen when a peer dies mid-run. The survivors' next collective fails at once (gloo:
+"Connection reset by peer"), a Python exception that does not say which process died. Then
+JAX's coordination service misses the dead process's heartbeats for ``heartbeat_timeout``
+seconds and tells every client, whose reaction is a C++ ``LOG(FATAL)``: a 100-line abort dump.
+(The client takes a ``missed_heartbeat_callback`` in its place, but calling a Python one
+aborts too: its ``absl::Status`` argument has no Python conversion, ``std::bad_cast``.)
+
+So the processes keep a heartbeat of their own, in the coordination service's key-value store:
+a thread in each process bumps ``ciera/beat/<id>`` every second and watches the others'. A peer
+whose beat stands still for half of ``--peer-timeout`` is lost; a coordinator that stops
+answering is lost process 0. The watcher prints one line (which process, the last step, the
+newest checkpoint) and ends the process with ``os._exit``, before JAX's own timeout (the full
+``--peer-timeout``) would abort it. A collective that fails in the step (:func:`lost_peer`)
+waits for that line. A peer that never starts: ``initialization_timeout`` bounds the join.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+
+from models.failures import EXIT_PEER_LOST, PeerLost
+
+DEFAULT_TIMEOUT_S = 60
+# set by the training loop: the last finished step and the checkpoint folder, for the line
+progress: dict = {"step": None, "checkpoint_dir": None}
+_said = threading.Lock()
+
+
+def newest_checkpoint(directory: str | None) -> int | None:
+    """The newest step folder in ``directory`` (a plain listing: safe from any thread)."""
+    if not directory:
+        return None
+    try:
+        steps = [int(p.name) for p in Path(directory).iterdir()
+                 if p.name.isdigit() and p.is_dir()]
+    except OSError:
+        return None
+    return max(steps) if steps else None
+
+
+def lost_tasks(text: str) -> list[int]:
+    """The process ids a coordination-service error names as gone."""
+    m = re.search(r"unhealthy \(stopped sending heartbeats\):\s*([\d,\s]+)", text)
+    if m:
+        return sorted({int(x) for x in re.findall(r"\d+", m.group(1))})
+    return sorted({int(x) for x in re.findall(r"[Tt]ask (\d+) heartbeat timeout", text)})
+
+
+def lost_line(process_id: int, num_processes: int, text: str) -> str:
+    """The one line a survivor prints (``text``: what JAX or gloo said)."""
+    tasks = [t for t in lost_tasks(text) if t != process_id]
+    if tasks:
+        who = "lost process " + ", ".join(map(str, tasks))
+    elif process_id != 0 and re.search(r"coordination service unavailable", text):
+        who = "lost process 0 (the coordinator)"
+    else:
+        who = "lost a peer process"
+    step = progress.get("step")
+    ck = progress.get("checkpoint_dir")
+    newest = newest_checkpoint(ck)
+    where = (f"the newest checkpoint is step {newest} in {ck}: restart all {num_processes} "
+             "processes with --resume" if newest is not None else
+             "no checkpoint was saved: restart all processes" if ck else
+             "nothing was saved (no --checkpoint-dir): restart all processes")
+    return (f"ciera train (process {process_id}): {who} of {num_processes}"
+            + (f" after step {step}" if step is not None else " before training started")
+            + f"; {where}")
+
+
+def _say_and_exit(process_id: int, num_processes: int, text: str) -> None:
+    if not _said.acquire(blocking=False):
+        return  # the other path is saying it
+    sys.stdout.flush()
+    print(lost_line(process_id, num_processes, text), file=sys.stderr, flush=True)
+    os._exit(EXIT_PEER_LOST)
+
+
+def initialize(coordinator: str, num_processes: int, process_id: int,
+               timeout_s: int = DEFAULT_TIMEOUT_S) -> None:
+    """``jax.distributed.initialize`` with every wait bounded by ``timeout_s``: joining (a peer
+    that never starts: :class:`~models.failures.PeerLost`) and the heartbeats (a peer that
+    dies: one line and exit 69, from the watcher thread)."""
+    import jax
+    from jax._src import distributed
+
+    joined = threading.Event()
+
+    def give_up():  # JAX's own timeout (set a little later) ends in a C++ abort: beat it
+        if not joined.wait(timeout_s):
+            _never_joined(process_id, num_processes, coordinator, timeout_s)
+
+    threading.Thread(target=give_up, name="ciera-join-timeout", daemon=True).start()
+    try:
+        jax.distributed.initialize(coordinator, num_processes=num_processes,
+                                   process_id=process_id, initialization_timeout=timeout_s + 10,
+                                   heartbeat_timeout_seconds=timeout_s)
+    except Exception as e:  # noqa: BLE001 - the client's connect: DEADLINE_EXCEEDED and kin
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise PeerLost(
+            f"process {process_id} of {num_processes} could not join the process group at "
+            f"{coordinator} ({first}); start every process (same --coordinator and "
+            "--num-processes, each its own --process-id)") from None
+    joined.set()
+    client = distributed.global_state.client
+    threading.Thread(target=_watch, args=(client, process_id, num_processes, timeout_s),
+                     name="ciera-peer-watch", daemon=True).start()
+
+
+def _never_joined(process_id: int, num_processes: int, coordinator: str, timeout_s: int):
+    if not _said.acquire(blocking=False):
+        return
+    sys.stdout.flush()
+    print(f"ciera train (process {process_id}): the process group at {coordinator} did not "
+          f"form within --peer-timeout {timeout_s}s (not every one of the {num_processes} "
+          "processes started, or they disagree on --coordinator / --num-processes); nothing "
+          "was trained", file=sys.stderr, flush=True)
+    os._exit(EXIT_PEER_LOST)
+
+
+def stop_watching() -> None:
+    """The run is over: processes now leave one by one; that is not a loss."""
+    _stopped.set()
+
+
+_stopped = threading.Event()
+
+
+def _watch(client, process_id: int, num_processes: int, timeout_s: int) -> None:
+    """Beat every second; end this process with one line when a peer's beat stands still for
+    ``timeout_s / 2`` or the coordinator stops answering for as long."""
+    limit = max(2.0, timeout_s / 2)
+    peers = [i for i in range(num_processes) if i != process_id]
+    seen = {i: (None, time.monotonic()) for i in peers}  # last beat value, when it changed
+    beat, unreachable_since = 0, None
+    while not _stopped.wait(1.0):
+        now = time.monotonic()
+        try:
+            beat += 1
+            client.key_value_set(f"ciera/beat/{process_id}", str(beat), allow_overwrite=True)
+            for i in peers:
+                try:
+                    value = client.key_value_try_get(f"ciera/beat/{i}")
+                except Exception:  # noqa: BLE001 - NOT_FOUND: it has not beaten yet
+                    value = None
+                if value != seen[i][0]:
+                    seen[i] = (value, now)
+            unreachable_since = None
+        except Exception as e:  # noqa: BLE001 - the coordination service is gone
+            unreachable_since = unreachable_since or now
+            if now - unreachable_since > limit and not _stopped.is_set():
+                _say_and_exit(process_id, num_processes,
+                              f"coordination service unavailable: {e}")
+            continue
+        stale = [i for i in peers if now - seen[i][1] > limit]
+        if stale and not _stopped.is_set():
+            _say_and_exit(process_id, num_processes,
+                          "unhealthy (stopped sending heartbeats): "
+                          + ", ".join(map(str, stale)))
+
+
+def lost_peer(e: BaseException, process_id: int, num_processes: int,
+              timeout_s: int = DEFAULT_TIMEOUT_S) -> None:
+    """``e`` (raised in a step) is a collective that lost its peer: wait for the watcher to
+    name the lost process and end this one; if it has not after ``timeout_s``, end it with the
+    line without the name."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+    _say_and_exit(process_id, num_processes, str(e))
+
+
+def is_peer_failure(e: BaseException) -> bool:
+    """Whether ``e`` is a collective or coordination failure (a peer died), not a bug."""
+    text = str(e)
+    return type(e).__name__ in ("JaxRuntimeError", "XlaRuntimeError") and bool(re.search(
+        r"Gloo|Connection reset|Connection closed|Broken pipe|UNAVAILABLE|heartbeat|"
+        r"coordination service|DEADLINE_EXCEEDED", text))
