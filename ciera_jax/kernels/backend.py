@@ -25,11 +25,18 @@ threads, global-memory refs and ``axis_index``) and Triton's HLO interpreter (``
 impl        GPU cc >= 9.0          GPU cc < 9.0 (Ampere)     no GPU (CPU)
 ==========  =====================  ========================  ==========================
 auto        mosaic                 xla (fused jnp)           xla
-pallas      mosaic                 triton                    mosaic, interpreted
+pallas      mosaic                 triton                    triton, interpreted (*)
 mosaic      mosaic                 mosaic (untested there)   mosaic, interpreted
 triton      triton                 triton                    triton, interpreted
 xla         xla                    xla                       xla
 ==========  =====================  ========================  ==========================
+
+(*) Triton's HLO interpreter is plain XLA and runs anywhere, inside a multi-device
+``shard_map`` too. The Mosaic GPU interpreter runs the kernel through host callbacks that
+synchronise the simulated devices; inside an SPMD program on the emulated CPU devices, next to
+collectives, that deadlocks XLA's rendezvous (measured: 4 of 8 devices stuck). So on CPU
+``"pallas"`` interprets with Triton's interpreter while this JAX has it (Mosaic GPU's
+otherwise), and the Mosaic interpreter is for single-device kernel tests (``"mosaic"``).
 
 Lowering for a GPU from a host without one (``jax.export`` for ``platforms=["cuda"]``): inside
 ``with lowering_for("cuda", capability="9.0"):`` the table's GPU column applies (no
@@ -114,7 +121,10 @@ def resolve(impl: str) -> Choice:
     if impl == "auto":
         return Choice("pallas", "mosaic") if hopper else Choice("xla")
     if impl == "pallas":
-        backend = "mosaic" if cc is None or hopper else "triton"
+        if cc is None:  # interpreted: the deadlock-free interpreter where there is one (*)
+            backend = "triton" if "triton" in available_backends() else "mosaic"
+        else:
+            backend = "mosaic" if hopper else "triton"
     else:
         backend = impl
     return Choice("pallas", backend, interpret=cc is None)
