@@ -141,12 +141,13 @@ class Engine:
             # verify_failed stays per rank in a train step (it rides on the step's norm psum);
             # a default engine reduces it like the other stats.
             failed = jnp.asarray(st["verify_failed"]).astype(jnp.int32)
-            total = (lambda x: lax.psum(x, ax)) if region else (
-                lambda x: invariant(x, ax, lax.psum))
+            changed = jnp.asarray(st["changed"]).astype(jnp.int32)
+            if not region:  # varying types tell what is still per rank
+                changed = invariant(changed, ax, lax.psum)
+                failed = failed if self.prepared else invariant(failed, ax, lax.psum)
             stats = dict(sent_bytes=st["sent_bytes"], plain_bytes=st["plain_bytes"],
-                         changed=total(jnp.asarray(st["changed"]).astype(jnp.int32)),
-                         tier=st["tier"], fallback=st["fallback"].astype(jnp.int32),
-                         verify_failed=failed if self.prepared else total(failed))
+                         changed=changed, tier=st["tier"],
+                         fallback=st["fallback"].astype(jnp.int32), verify_failed=failed)
         else:
             if self.mode == "int8":
                 full = quantized.int8_all_gather(shard, ax, axis=t.axis).astype(shard.dtype)
@@ -159,12 +160,23 @@ class Engine:
         stats["elements"] = jnp.int32(full.size)
         stats = {k: jnp.asarray(v).astype(jnp.int32) for k, v in stats.items()}
         others = tuple(a for a in kept_axes(t.spec, ax) if axis_bound(a))
-        if others:  # one rank of the gather axis: its blocks on the other axes together
-            for k in ("sent_bytes", "plain_bytes", "changed", "elements") + (
-                    () if self.prepared else ("verify_failed",)):
-                stats[k] = lax.psum(stats[k], others)
-            for k in ("tier", "fallback"):
-                stats[k] = lax.pmax(stats[k], others)
+        # One rank of the gather axis: its blocks on the other axes together. Sizes scale
+        # statically; tier and fallback are agreed over every axis already; the per-rank
+        # counts take ONE psum, after the gather (the barrier), so no device can enter it
+        # while another still waits in the gather (collectives in different orders on
+        # different devices deadlock).
+        scale = int(np.prod([axis_size(a) for a in others])) if others else 1
+        for k in ("sent_bytes", "plain_bytes", "elements"):
+            stats[k] = stats[k] * scale
+        sum_axes = ((ax,) if region and gin is not None else ()) + (others if gin is not None
+                                                                    else ())
+        if sum_axes:
+            counts = jnp.stack([stats["changed"], stats["verify_failed"]])
+            full, counts = lax.optimization_barrier((full, counts))
+            counts = lax.psum(counts, sum_axes)
+            stats["changed"] = counts[0]
+            if not self.prepared:
+                stats["verify_failed"] = counts[1]
         return full, new_cache, {k: lax.stop_gradient(v) for k, v in stats.items()}
 
     def _gather_inputs(self, key: str):

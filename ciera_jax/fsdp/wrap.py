@@ -18,7 +18,8 @@ from flax import nnx
 
 from ciera_jax.fsdp.axes import AXIS
 from ciera_jax.fsdp.decorator import gathered
-from ciera_jax.fsdp.discovery import GATHER_ATTR, GatherSpec, gather_spec, iter_modules
+from ciera_jax.fsdp.discovery import (GATHER_ATTR, GatherSpec, gather_spec, iter_modules,
+                                      sharded_params)
 from ciera_jax.fsdp.rules import Rules
 
 WRAPPED_ATTR = "ciera_wrapped_class"  # on a gathering subclass: the class it wraps
@@ -71,4 +72,10 @@ def shard(module: nnx.Module, where: Callable | None = None, *, axis_name: str =
             raise ValueError(f"fsdp.shard: {cls.__name__} gathers already (decorated, or "
                              f"sharded with other options); shard each instance once")
         object.__setattr__(m, "__class__", _gathering_class(cls, spec))
+        if not sharded_params(m, spec, strict=False):
+            object.__setattr__(m, "__class__", cls)
+            raise ValueError(
+                f"fsdp.shard: {cls.__name__} holds no parameter split over {axis_name!r} that "
+                f"a sharded sub-module does not gather already, so it would gather nothing; "
+                f"leave it unwrapped (or annotate its parameters over {axis_name!r})")
     return module
