@@ -235,8 +235,7 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
         sent_bytes=(sent + agreement_bytes("word" if word else "exponent")).astype(jnp.int32),
         plain_bytes=jnp.int32(wire.n * dtype.itemsize),
         changed=e.count,
-        agreed_changed=jnp.minimum(agreed[word_option.EXP_CHANGED if word
-                                          else exponent_option.CHANGED],
+        agreed_changed=jnp.minimum(agreed[word_option.EXP_CHANGED] if word else agreed,
                                    wire.n).astype(jnp.int32),
         tier=jnp.where(fallback, len(caps), rung).astype(jnp.int32),
         capacity=jnp.where(fallback, wire.n, jnp.asarray(caps, jnp.int32)[rung]),

@@ -34,7 +34,7 @@ import math
 from pathlib import Path
 from typing import Union
 
-from ciera_jax.wire import CHECKSUM_BYTES, DEFAULT_CODE_BITS, ExponentWire, WordWire, flag_words
+from ciera_jax.wire import CHECKSUM_BYTES, DEFAULT_CODE_BITS, ExponentWire, WordWire
 
 INT8_BLOCK = 256  # ZeRO++ qwZ-style blockwise absmax int8; one float32 scale per block
 INT8_SCALE_BYTES = 4  # what quantized.py sends (float32)
@@ -198,12 +198,6 @@ def expected_change_count(n_local: int, change_rate: float) -> int:
     return math.ceil(max(change_rate, 0.0) * n_local)
 
 
-def expected_nonzero_words(n_local: int, change_rate: float) -> int:
-    """Flag words (32 elements) holding at least one change, changes at random places."""
-    p = min(max(change_rate, 0.0), 1.0)
-    return math.ceil(flag_words(n_local) * (1.0 - (1.0 - p) ** 32))
-
-
 def codec_time(method: str, n: int, N: int, bytes_per_elem: int, link) -> float:
     """Encode of one shard + decode of the full tensor, from the bytes each pass moves (scaled
     by the word width: float32 moves twice bf16's bytes) at a fraction of HBM bandwidth."""
@@ -237,7 +231,7 @@ def gather_cost(method: str, n: int, N: int, bytes_per_elem: int, link: Link,
                 word_rates: tuple[float, float] | None = None) -> GatherCost:
     """Wire bytes and codec time of ``method`` for a tensor of ``n`` elements on ``N`` ranks.
 
-    ``ciera`` (exponent mode) takes its rungs from ``change_rate`` (changes at random places);
+    ``ciera`` (exponent mode) takes its rung from ``change_rate``;
     ``word`` takes either a measured ``word_bpw`` (bytes per weight, a trace's figure for a
     phase, fallbacks included) or ``word_rates``: the shares of elements that escape the code
     and that travel raw, priced exactly as :class:`ciera_jax.wire.WordWire` sends them.
@@ -258,14 +252,12 @@ def gather_cost(method: str, n: int, N: int, bytes_per_elem: int, link: Link,
         return GatherCost("entropy", n * b / ENTROPY_RATIO, enc + dec + link.codec_launch_s)
     if method == "ciera":
         wire = ExponentWire(n_local, b)
-        sent = wire.sent_bytes(expected_change_count(n_local, change_rate),
-                               expected_nonzero_words(n_local, change_rate))
         changed = expected_change_count(n_local, change_rate)
-        fallback = changed > wire.caps[-1] or (expected_nonzero_words(n_local, change_rate)
-                                               > wire.word_caps[-1])
+        fallback = changed > wire.caps[-1]
         cap = 0 if fallback else next(c for c in wire.caps if c >= changed)
-        return GatherCost("ciera", N * sent, codec_time("ciera", n, N, b, link),
-                          fallback=fallback, patch_capacity=cap)
+        return GatherCost("ciera", N * wire.sent_bytes(changed),
+                          codec_time("ciera", n, N, b, link), fallback=fallback,
+                          patch_capacity=cap)
     if method == "word":
         codec = codec_time("word", n, N, b, link)
         if word_rates is not None:

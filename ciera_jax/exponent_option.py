@@ -6,7 +6,7 @@ their new values: the flags 32 to a uint32 word, the nonzero words in order with
 per word, and the new exponents in position order, each at its top capacity.
 
 Receiver (:func:`exchange`): the payload plane and checksum arrive by one unconditional
-all-gather; the flag section and the exponents arrive at their agreed rungs
+all-gather; the flags and the exponents arrive in one transfer at the agreed rung
 (:mod:`ciera_jax.wire`); the flag words are rebuilt from the summary (escapes of escapes, the
 same expansion), one expansion puts every flagged exponent in place of the cached one, one
 decode merges exponents and payload, one self-check compares every rank's shard with the
@@ -30,7 +30,6 @@ from ciera_jax.layout import full_to_rows, gathered_shape, rows_to_full
 from ciera_jax.wire import ExponentWire, flag_words
 
 INT32_MAX = np.iinfo(np.int32).max
-CHANGED, NONZERO_WORDS = 0, 1  # the demand vector
 
 
 @jax.tree_util.register_dataclass
@@ -39,16 +38,16 @@ class Encoded:
     """What one rank sends for one exponent-mode tensor, made before the gather (it depends only
     on the shard and the cache, so it can be made at the end of the previous step).
 
-    ``payload``: uint8 (P, *shard shape); ``flag_section``: uint32 (S + C,), the summary (a bit
-    per flag word: is it nonzero) and the nonzero flag words in order, at the top capacity;
+    ``payload``: uint8 (P, *shard shape); ``summary``: uint32 (S,), a bit per flag word: is it
+    nonzero; ``flag_words``: uint32 (C,), the nonzero flag words in order, at the top capacity;
     ``patch_exp``: uint8 (K,), the new exponents of the flagged elements in position order, at
-    the top capacity; ``count``: exponents changed in this shard; ``demand``: int32 (2,),
-    changed exponents and nonzero flag words, or int32 max when the cache is unprimed;
-    ``checksum``: uint32 of the shard's true words.
+    the top capacity; ``count``: exponents changed in this shard; ``demand``: ``count``, or
+    int32 max when the cache is unprimed; ``checksum``: uint32 of the shard's true words.
     """
 
     payload: jax.Array
-    flag_section: jax.Array
+    summary: jax.Array
+    flag_words: jax.Array
     patch_exp: jax.Array
     count: jax.Array
     demand: jax.Array
@@ -80,10 +79,8 @@ def encode(x, cached_exp, primed, axis: int, n_ranks: int, csum, impl: str) -> E
     patch_exp = escapes.pack(exp.reshape(-1), flags_W, wire.caps[-1])
     # An unprimed cache knows no exponent: all of them count as changed.
     count = jnp.where(primed, escapes.count(flags_W[None])[0], x.size).astype(jnp.int32)
-    counts = jnp.stack([count, escapes.count(summary_S[None])[0]])
-    demand = jnp.where(primed, counts, jnp.int32(INT32_MAX))
-    return Encoded(payload, jnp.concatenate([summary_S, listed_C]), patch_exp, count, demand,
-                   csum, axis, n_ranks)
+    demand = jnp.where(primed, count, jnp.int32(INT32_MAX))
+    return Encoded(payload, summary_S, listed_C, patch_exp, count, demand, csum, axis, n_ranks)
 
 
 def exchange(e: Encoded, cache_exp, agreed, axis_name, dtype, impl: str):
@@ -94,14 +91,12 @@ def exchange(e: Encoded, cache_exp, agreed, axis_name, dtype, impl: str):
     main_NxL, sent_N = selfcheck.split_checksums(transfer.gather_rows(
         selfcheck.with_checksum(e.payload.reshape(-1), e.checksum), axis_name))
 
-    rung, over = transfer.pick_rung(wire.caps, agreed[CHANGED])
-    word_rung, word_over = transfer.pick_rung(wire.word_caps, agreed[NONZERO_WORDS])
-    overflow = over | word_over
-    rung, word_rung = jnp.where(overflow, 0, rung), jnp.where(overflow, 0, word_rung)
-    patch_NxK = transfer.gather_section(e.patch_exp, wire.caps, rung, axis_name)
-    section_NxC = transfer.gather_section(e.flag_section, wire.flag_sizes, word_rung, axis_name)
-    summary_NxS = section_NxC[:, :wire.summary_words]
-    listed_NxC = section_NxC[:, wire.summary_words:]
+    rung, overflow = transfer.pick_rung(wire.caps, agreed)
+    n_summary = wire.summary_words
+    summary_NxS, listed_NxC, patch_NxK = transfer.gather_section(
+        [e.summary, e.flag_words, e.patch_exp],
+        [tuple(n_summary if c else 0 for c in wire.caps), wire.word_caps, wire.caps],
+        rung, axis_name)
     n_words = flag_words(n)
     flags_NxW = jnp.where(
         escapes.unpack_flags(summary_NxS, n_words),
@@ -114,6 +109,5 @@ def exchange(e: Encoded, cache_exp, agreed, axis_name, dtype, impl: str):
     payload_PxNxn = jnp.moveaxis(main_NxL.reshape(e.n_ranks, n_planes, n), 0, 1)
     full_Nxn = kernels.decode(exp_Nxn, payload_PxNxn, dtype, impl=impl)
     full = rows_to_full(full_Nxn, e.shard_shape, e.axis)
-    sent = (transfer.section_bytes(wire.caps, rung)
-            + 4 * transfer.section_bytes(wire.flag_sizes, word_rung))
+    sent = transfer.section_bytes(wire.section_sizes, rung)
     return full, selfcheck.failed_shards(full, sent_N, e.axis), rung, overflow, sent

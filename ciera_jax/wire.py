@@ -6,14 +6,15 @@ Every compressed gather has two parts (:mod:`ciera_jax.collective`):
   any conditional and XLA can run it asynchronously under compute: exponent mode's payload
   (sign + mantissa: ``n * (word_bytes - 1)`` bytes), word mode's ``b``-bit code plane
   (``ceil(n*b/8)`` bytes); both end with the sender's 4-byte checksum;
-- the **escape sections**, small and sized by capacity rungs that the step's one agreement
-  (``pmax`` of every rank's counts) picks: a ``lax.switch`` chooses among all-gathers of static
-  prefixes of one max-capacity buffer, and nothing else lives in its branches. Exponent mode
-  sends which exponents changed as a two-level bitmap (the changed-bit of every element packed
-  in uint32 flag words; of those, only the nonzero words, in order, and one bit per flag word
-  saying which are nonzero) and the new exponents in position order; word mode sends level 1
-  (an int8 move per escape, or ``LEVEL2``) and level 2 (the raw word of each ``LEVEL2``
-  escape).
+- the **escape section**, small and sized by a capacity rung that the step's one agreement
+  (``pmax`` of every rank's counts) picks: a ``lax.switch`` chooses among all-gathers of a
+  static prefix of each max-capacity buffer, and nothing else lives in its branches. Exponent
+  mode sends which exponents changed as a two-level bitmap (the changed-bit of every element
+  packed in uint32 flag words; of those only the nonzero ones, in order, with one bit per flag
+  word saying which are nonzero) and the new exponents in position order; a rung holding ``K``
+  exponents holds ``min(K, W)`` flag words, since each nonzero word holds a change. Word mode
+  sends level 1 (an int8 move per escape, or ``LEVEL2``) and level 2 (the raw word of each
+  ``LEVEL2`` escape), level 2 sized at 1/16 of level 1.
 
 Above the top rung, or on an unprimed cache, the gather falls back to a plain all-gather of the
 bits (the one conditional with a large transfer, taken on rare steps); the main plane has
@@ -32,15 +33,13 @@ CHECKSUM_BYTES = 4  # every compressed gather sends a uint32 checksum of the sha
 AGREEMENT_BYTES = 4  # one int32 count in the step's pmax
 FLAG_WORD_BITS = 32  # the bitmap travels as uint32 words
 
-# Changed exponents one rank may send (0: nothing changed on any rank), and the nonzero flag
-# words (32 elements each) that locate them, as a share of the flag words.
+# Changed exponents one rank may send (0: nothing changed on any rank).
 EXPONENT_CAPACITIES = (0.0, 1 / 2048, 1 / 1024, 1 / 512, 1 / 256, 1 / 128, 1 / 64, 1 / 32,
                        1 / 16, 1 / 8, 1 / 4)
-FLAG_WORD_CAPACITIES = (0.0, 1 / 256, 1 / 128, 1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)
-# Word mode: escapes (|d| > code limit) and raw words (|d| > 127).
+# Word mode: escapes (|d| > code limit); raw words (|d| > 127) get LEVEL2_SHARE of as many.
 LEVEL1_CAPACITIES = (0.0, 1 / 256, 1 / 128, 1 / 64, 1 / 32, 3 / 64, 1 / 16, 3 / 32, 1 / 8,
                      3 / 16, 1 / 4, 3 / 8, 1 / 2)
-LEVEL2_CAPACITIES = (0.0, 1 / 4096, 1 / 1024, 1 / 256, 1 / 64, 1 / 16, 1 / 4)
+LEVEL2_SHARE = 1 / 16
 DEFAULT_CODE_BITS = 3  # the word-delta study: the best single width across phases
 CODE_BITS_CHOICES = (2, 3, 4)
 
@@ -83,8 +82,8 @@ class ExponentWire:
 
     @property
     def word_caps(self) -> tuple[int, ...]:
-        """Nonzero flag words a rung holds."""
-        return capacities(flag_words(self.n), FLAG_WORD_CAPACITIES)
+        """Nonzero flag words a rung holds (each holds a change: never more than ``caps``)."""
+        return tuple(min(c, flag_words(self.n)) for c in self.caps)
 
     @property
     def summary_words(self) -> int:
@@ -95,19 +94,23 @@ class ExponentWire:
     def main_bytes(self) -> int:
         return self.n * (self.word_bytes - 1) + CHECKSUM_BYTES
 
-    @property
-    def flag_sizes(self) -> tuple[int, ...]:
-        """uint32 words of the flag section per rung: the summary and the nonzero words."""
-        return tuple(self.summary_words + c if c else 0 for c in self.word_caps)
+    def section_bytes(self, rung: int) -> int:
+        """Nothing when no rank changed an exponent, else the summary, the rung's flag words
+        and exponents."""
+        cap = self.caps[rung]
+        return 4 * (self.summary_words + self.word_caps[rung]) + cap if cap else 0
 
-    def sent_bytes(self, changed: int, nonzero_words: int) -> int:
-        """Bytes one rank sends when the most changed exponents on any rank is ``changed`` and
-        the most nonzero flag words is ``nonzero_words``. Above the top rungs the main plane
-        has travelled too, then the plain fallback."""
-        k, kw = rung_for(self.caps, changed), rung_for(self.word_caps, nonzero_words)
-        if k is None or kw is None:
+    @property
+    def section_sizes(self) -> tuple[int, ...]:
+        return tuple(self.section_bytes(k) for k in range(len(self.caps)))
+
+    def sent_bytes(self, changed: int) -> int:
+        """Bytes one rank sends when the most changed exponents on any rank is ``changed``;
+        above the top rung the main plane has travelled too, then the plain fallback."""
+        k = rung_for(self.caps, changed)
+        if k is None:
             return self.main_bytes + self.n * self.word_bytes
-        return self.main_bytes + 4 * self.flag_sizes[kw] + self.caps[k]
+        return self.main_bytes + self.section_bytes(k)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,41 +128,41 @@ class WordWire:
 
     @property
     def caps1(self) -> tuple[int, ...]:
+        """Escapes a rung holds (level 1)."""
         return capacities(self.n, LEVEL1_CAPACITIES)
 
     @property
     def caps2(self) -> tuple[int, ...]:
-        return capacities(self.n, LEVEL2_CAPACITIES)
+        """Raw words a rung holds (level 2)."""
+        return tuple(math.ceil(c * LEVEL2_SHARE) for c in self.caps1)
 
     @property
     def main_bytes(self) -> int:
         return code_bytes(self.n, self.code_bits) + CHECKSUM_BYTES
 
-    def level1_bytes(self, rung: int) -> int:
-        return self.caps1[rung]
-
-    def level2_bytes(self, rung: int) -> int:
-        return self.caps2[rung] * self.word_bytes
+    def section_bytes(self, rung: int) -> int:
+        return self.caps1[rung] + self.caps2[rung] * self.word_bytes
 
     @property
-    def level1_sizes(self) -> tuple[int, ...]:
-        return tuple(self.level1_bytes(k) for k in range(len(self.caps1)))
+    def section_sizes(self) -> tuple[int, ...]:
+        return tuple(self.section_bytes(k) for k in range(len(self.caps1)))
 
-    @property
-    def level2_sizes(self) -> tuple[int, ...]:
-        return tuple(self.level2_bytes(k) for k in range(len(self.caps2)))
+    def rung(self, escapes: int, raw: int) -> int | None:
+        """The smallest rung holding both counts; None above the top."""
+        k1, k2 = rung_for(self.caps1, escapes), rung_for(self.caps2, raw)
+        return None if k1 is None or k2 is None else max(k1, k2)
 
     def sent_bytes(self, escapes: int, raw: int) -> int:
         """Bytes one rank sends when the most escapes (``|d| > code limit``) on any rank is
-        ``escapes`` and the most raw words (``|d| > 127``) is ``raw`` (above the top rungs:
+        ``escapes`` and the most raw words (``|d| > 127``) is ``raw`` (above the top rung:
         the main plane, then the plain fallback)."""
-        k1, k2 = rung_for(self.caps1, escapes), rung_for(self.caps2, raw)
-        if k1 is None or k2 is None:
+        k = self.rung(escapes, raw)
+        if k is None:
             return self.main_bytes + self.n * self.word_bytes
-        return self.main_bytes + self.level1_bytes(k1) + self.level2_bytes(k2)
+        return self.main_bytes + self.section_bytes(k)
 
 
 def agreement_bytes(mode: str) -> int:
-    """Counts one tensor adds to the step's agreement: changed exponents and nonzero flag
-    words, or escapes, raw words and changed exponents."""
-    return AGREEMENT_BYTES * (3 if mode == "word" else 2)
+    """Counts one tensor adds to the step's agreement: changed exponents, or escapes, raw
+    words and changed exponents."""
+    return AGREEMENT_BYTES * (3 if mode == "word" else 1)

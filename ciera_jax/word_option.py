@@ -6,7 +6,7 @@ position order: level 1, an int8 ``d`` (or ``LEVEL2``: see level 2), level 2, th
 
 Sender (:func:`encode`, no collective): deltas, codes, both escape levels packed at their top
 capacities, the counts the agreement needs. Receiver (:func:`exchange`): the code plane and
-checksum arrive by one unconditional all-gather, the two levels at their agreed rungs
+checksum arrive by one unconditional all-gather, both levels in one transfer at the agreed rung
 (:mod:`ciera_jax.wire`); one dense decode against the cache, one escape expansion, one
 self-check.
 
@@ -89,7 +89,7 @@ def encode(x, cached_words, primed, axis: int, n_ranks: int, csum, impl: str,
 
 
 def exchange(e: WordEncoded, cache_words, agreed, axis_name, dtype, impl: str):
-    """Returns ``(decoded full, failed shards, level-1 rung, overflow, escape bytes sent)``;
+    """Returns ``(decoded full, failed shards, rung, overflow, escape bytes sent)``;
     on overflow the caller falls back to a plain gather (``decoded`` is then meaningless)."""
     wire, b = e.wire, e.code_bits
     n = wire.n
@@ -98,9 +98,9 @@ def exchange(e: WordEncoded, cache_words, agreed, axis_name, dtype, impl: str):
     rung1, over1 = transfer.pick_rung(wire.caps1, agreed[ESCAPES])
     rung2, over2 = transfer.pick_rung(wire.caps2, agreed[RAW])
     overflow = over1 | over2
-    rung1, rung2 = jnp.where(overflow, 0, rung1), jnp.where(overflow, 0, rung2)
-    level1_NxC = transfer.gather_section(e.level1, wire.caps1, rung1, axis_name)
-    level2_NxC = transfer.gather_section(e.level2, wire.caps2, rung2, axis_name)
+    rung = jnp.where(overflow, 0, jnp.maximum(rung1, rung2))
+    level1_NxC, level2_NxC = transfer.gather_section([e.level1, e.level2],
+                                                     [wire.caps1, wire.caps2], rung, axis_name)
 
     codes_Nxn = wordcodec.unpack_codes(main_NxL, b, n)
     cached_Nxn = full_to_rows(cache_words, e.shard_shape, e.axis, e.n_ranks)
@@ -117,6 +117,5 @@ def exchange(e: WordEncoded, cache_words, agreed, axis_name, dtype, impl: str):
     escaped_Nxn = jnp.where(level1_Nxn == LEVEL2, raw_Nxn, moved_Nxn)
     bits_Nxn = jnp.where(esc_Nxn, escaped_Nxn, dense_Nxn)
     full = codec.from_bits(rows_to_full(bits_Nxn, e.shard_shape, e.axis), dtype)
-    sent = (transfer.section_bytes(wire.level1_sizes, rung1)
-            + transfer.section_bytes(wire.level2_sizes, rung2))
-    return full, selfcheck.failed_shards(full, sent_N, e.axis), rung1, overflow, sent
+    sent = transfer.section_bytes(wire.section_sizes, rung)
+    return full, selfcheck.failed_shards(full, sent_N, e.axis), rung, overflow, sent

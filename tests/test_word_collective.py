@@ -170,10 +170,9 @@ def assert_priced(stats, x_prev, x):
     counts = word_counts(x_prev, x)
     escapes, raw = max(c[0] for c in counts), max(c[1] for c in counts)
     wire = WordWire(x.size // 8, bits_of(x).dtype.itemsize)
-    plain = wire.sent_bytes(escapes, raw) == wire.n * wire.word_bytes
+    plain = wire.rung(escapes, raw) is None
     assert int(stats["mode"][0]) == (MODE_PLAIN if plain else MODE_WORD)
-    want = wire.sent_bytes(escapes, raw) + AGREEMENT + (wire.main_bytes if plain else 0)
-    assert int(stats["sent_bytes"][0]) == want, (escapes, raw, stats)
+    assert int(stats["sent_bytes"][0]) == wire.sent_bytes(escapes, raw) + AGREEMENT, stats
 
 
 def _on_rank(rank, d_rank):
@@ -211,10 +210,10 @@ def test_capacity_boundaries_pick_the_next_rung(case):
         s, want = _choice(_escapes(caps1[3])), (MODE_WORD, caps1[3])
     elif case == "l1_over":  # one more: the next rung
         s, want = _choice(_escapes(caps1[3] + 1)), (MODE_WORD, caps1[4])
-    elif case == "raw_at":
-        s, want = _choice(_escapes(caps2[2], raw=caps2[2])), (MODE_WORD, None)
-    elif case == "raw_over":
-        s, want = _choice(_escapes(caps2[2] + 1, raw=caps2[2] + 1)), (MODE_WORD, None)
+    elif case == "raw_at":  # raw words exactly at a rung's level 2: that rung
+        s, want = _choice(_escapes(caps2[2], raw=caps2[2])), (MODE_WORD, caps1[2])
+    elif case == "raw_over":  # one more raw word: the next rung, though level 1 would fit
+        s, want = _choice(_escapes(caps2[2] + 1, raw=caps2[2] + 1)), (MODE_WORD, caps1[3])
     elif case == "top_at":
         s, want = _choice(_escapes(caps1[-1])), (MODE_WORD, caps1[-1])
     elif case == "top_over":  # above every rung: plain
@@ -229,8 +228,8 @@ def test_capacity_boundaries_pick_the_next_rung(case):
 
 
 def test_wire_bytes_are_exact_per_branch():
-    """The lowered program gathers the code plane + checksum, each rung's level-1 prefix (int8)
-    and level-2 prefix (raw words), and in the fallback the bits; never bf16."""
+    """The lowered program gathers the code plane + checksum, each rung's section (level 1 and
+    level 2 as bytes, one transfer), and in the fallback the bits; never bf16."""
     mesh = _mesh((8,), ("fsdp",))
     cache = ciera_jax.init_cache(SHAPE, BF16, mode="word")
 
@@ -242,10 +241,9 @@ def test_wire_bytes_are_exact_per_branch():
                                  out_specs=P())).lower(x, cache).as_text()
     outs = re.findall(r"all_gather.*-> tensor<([\dx]+)x(\w+)>", text)
     sizes = {t: {int(shape.split("x")[-1]) for shape, tt in outs if tt == t} for _, t in outs}
-    assert sizes["ui8"] == {WIRE.main_bytes}, sizes
-    assert sizes["i8"] == set(c for c in WIRE.caps1 if c), sizes
-    assert set(c for c in WIRE.caps2 if c) <= sizes["ui16"], sizes
+    assert sizes["ui8"] == {WIRE.main_bytes} | set(WIRE.section_sizes[1:]), sizes
     assert ("512x64", "ui16") in outs, "plain gathers the bits"
+    assert len(outs) == len(WIRE.section_sizes) - 1 + 2, "one transfer per rung, main, plain"
     assert not any(t == "bf16" for _, t in outs)
 
 
