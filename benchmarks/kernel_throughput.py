@@ -1,13 +1,16 @@
 """Throughput of the codec hot path per implementation, next to a plain copy of the same bytes.
 
-For every dtype, size and impl it times jitted
+For every dtype, size and impl (``xla``; the Pallas backends ``mosaic`` and ``triton``, GPU
+only) it times jitted
 
 * exponent mode: ``encode`` (x + cached exponents -> exponents, payload planes, changed flags)
-  and ``decode`` (exponents + payload -> weights);
-* word mode: ``word_encode`` (x + cached words -> word deltas + demand counts), ``word_decode``
-  (cached words + 4-bit codes -> words, the dense part of the rebuild), and, xla only, the
-  whole one-rank ``word_wire`` (deltas -> packed codes + escape lists at the steady-state rung)
-  and ``word_unwire`` (wire -> words: unpack, dense decode, escape positions and scatter);
+  and ``decode`` (exponents + payload -> weights); and the receiver's decode with the per-rank
+  checksum of 8 ranks' shards, ``decode+chk`` unfused (the decode, then ``checksum_shards`` in
+  jnp) next to ``decode+chk fused`` (``kernels.decode_checksum_pallas``: one pass);
+* word mode: ``word_encode`` (x + cached words -> word deltas + demand counts) and
+  ``word_decode`` (cached words + 4-bit codes -> words, the dense part of the rebuild). The
+  whole wire (packing, escapes) is ``ciera_jax.wire``'s and is timed with the gather
+  (``gather_bench.py``);
 
 and in the same run a copy baseline: ``w ^ salt`` on the same-width unsigned view, with ``salt``
 a runtime argument so XLA cannot fold it away (it reads and writes every byte once). Weights are
@@ -15,11 +18,11 @@ normal(0, 0.02); the cache is the same tensor moved by a few ulps per word.
 
 Figures are GB/s of *tensor* bytes (``x.nbytes`` / time; 1 GB = 1e9 B). The xla decode rate is
 the planner's ``codec_rate`` off-GPU. Pallas on CPU only runs interpreted, which is not a
-throughput figure: it is skipped there. Target on H200: Pallas decode >= 70% of copy bandwidth
-from 16 MB up.
+throughput figure: it is skipped there. Targets on H200: Pallas decode >= 70% and encode
+>= 50% of copy bandwidth from 16 MB up.
 
-    python benchmarks/kernel_throughput.py [--sizes-mb 1 16 64 256] [--impls xla pallas]
-        [--variants 1024x4 16384x8] [--out PATH]
+    python benchmarks/kernel_throughput.py [--sizes-mb 1 16 64 256] [--impls xla mosaic triton]
+        [--blocks 1024 16384] [--out PATH]
 """
 
 from __future__ import annotations
@@ -32,13 +35,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ciera_jax import codec, wordcodec
+from ciera_jax import checksum, codec, wordcodec
 from ciera_jax import kernels as K
-from ciera_jax.word_ladder import WORD_LADDER
 from common import parser, write_results  # benchmarks/common.py, beside this script
 
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
-STEADY_RUNG = WORD_LADDER[4]  # 4-bit codes, n/16 level 1, n/256 level 2
+PALLAS = ("mosaic", "triton")  # kernel backends, timed on GPU only
+CHECK_RANKS = 8  # the receiver's checksum covers this many ranks' shards
 
 
 def parse_args(argv=None):
@@ -47,13 +50,15 @@ def parse_args(argv=None):
     p.add_argument("--sizes-mb", type=float, nargs="+",
                    default=[1, 16, 64, 256] if on_gpu else [1, 16, 64])
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
-    p.add_argument("--impls", nargs="+", default=["xla", "pallas"], choices=["xla", "pallas"])
+    p.add_argument("--impls", nargs="+", default=["xla", *K.available_backends()],
+                   choices=["xla", "pallas", *PALLAS],
+                   help="xla, and Pallas backends (pallas = the one impl='pallas' picks)")
     p.add_argument("--modes", nargs="+", default=["exponent", "word"],
                    choices=["exponent", "word"])
     p.add_argument("--reps", type=int, default=20 if on_gpu else 5)
-    p.add_argument("--variants", nargs="*", default=[], metavar="BLOCKxWARPS",
-                   help="extra pallas block-size/warp-count variants (exponent mode) to time "
-                        "on GPU, e.g. 1024x4 16384x8")
+    p.add_argument("--blocks", nargs="*", type=int, default=[], metavar="BLOCK",
+                   help="extra Pallas block sizes (exponent mode, every Pallas backend) to "
+                        "time on GPU, e.g. 1024 16384")
     return p.parse_args(argv)
 
 
@@ -81,15 +86,47 @@ def _cached_words(x):
     return wordcodec.apply_delta(codec.to_bits(x), d)
 
 
-def _exponent_cases(impls, variants):
+def _exponent_cases(impls, blocks):
     cases = [(impl, lambda x, c, impl=impl: K.encode(x, c, impl=impl),
               lambda e, p, dtype, impl=impl: K.decode(e, p, dtype, impl=impl)) for impl in impls]
-    for block, warps in variants:  # GPU tuning sweep of the Triton block and warp count
-        cases.append((f"pallas:{block}x{warps}",
-                      lambda x, c, b=block, w=warps: K.encode_pallas(x, c, block=b, num_warps=w),
-                      lambda e, p, dtype, b=block, w=warps: K.decode_pallas(
-                          e, p, dtype, block=b, num_warps=w)))
+    for backend in [i for i in impls if i in PALLAS]:
+        for block in blocks:  # GPU tuning sweep of the block size
+            cases.append((f"{backend}:{block}",
+                          lambda x, c, b=block, k=backend: K.encode_pallas(x, c, block=b,
+                                                                           backend=k),
+                          lambda e, p, dtype, b=block, k=backend: K.decode_pallas(
+                              e, p, dtype, block=b, backend=k)))
     return cases
+
+
+def _checked_decode_rows(dtype_name, mb, x, impls, reps, copy_gbps) -> list[dict]:
+    """The receiver's decode + per-rank checksums: unfused per impl, fused per Pallas backend."""
+    dtype, n = x.dtype, x.size
+    full = x.reshape(n // 1024, 1024)  # 8 ranks' shards of a (rows, 1024) matrix, axis 0
+    exp, payload = jax.jit(codec.split)(full)
+    rows = []
+    for impl in impls:
+        unfused = jax.jit(lambda e, p, impl=impl: (
+            lambda w: (w, checksum.checksum_shards(w, 0, CHECK_RANKS)))(
+                K.decode(e, p, dtype, impl=impl)))
+        cases = [(impl, "decode+chk", unfused)]
+        if impl in PALLAS or impl == "pallas":
+            c = K.resolve(impl)
+            cases.append((impl, "decode+chk fused", jax.jit(
+                lambda e, p, c=c: K.decode_checksum_pallas(e, p, dtype, CHECK_RANKS,
+                                                           backend=c.backend,
+                                                           interpret=c.interpret))))
+        want = None
+        for name, op, fn in cases:
+            got = jax.block_until_ready(fn(exp, payload))
+            if want is None:
+                want = got
+            elif not (bool(jnp.all(codec.to_bits(got[0]) == codec.to_bits(want[0])))
+                      and bool(jnp.all(got[1] == want[1]))):
+                raise AssertionError(f"{op} ({name}) differs from the unfused decode")
+            rows.append(_row(dtype_name, mb, n, name, op,
+                             median_seconds(fn, exp, payload, reps=reps), x.nbytes, copy_gbps))
+    return rows
 
 
 def _row(dtype_name, mb, n, impl, op, t, nbytes, copy_gbps):
@@ -98,7 +135,7 @@ def _row(dtype_name, mb, n, impl, op, t, nbytes, copy_gbps):
                 copy_gbps=copy_gbps, ratio=gbps / copy_gbps)
 
 
-def bench_one(dtype_name: str, mb: float, impls, modes, reps: int, variants=()) -> list[dict]:
+def bench_one(dtype_name: str, mb: float, impls, modes, reps: int, blocks=()) -> list[dict]:
     dtype = DTYPES[dtype_name]
     itemsize = np.dtype(dtype).itemsize
     n = int(mb * 2**20) // itemsize
@@ -111,7 +148,7 @@ def bench_one(dtype_name: str, mb: float, impls, modes, reps: int, variants=()) 
     rows = [_row(dtype_name, mb, n, "-", "copy", t_copy, nbytes, copy_gbps)]
     if "exponent" in modes:
         cache = codec.exponent(x)
-        for impl, enc_fn, dec_fn in _exponent_cases(impls, variants):
+        for impl, enc_fn, dec_fn in _exponent_cases(impls, blocks):
             enc = jax.jit(enc_fn)
             exp, payload, _ = jax.block_until_ready(enc(x, cache))
             dec = jax.jit(lambda e, p, dec_fn=dec_fn: dec_fn(e, p, dtype))
@@ -120,6 +157,7 @@ def bench_one(dtype_name: str, mb: float, impls, modes, reps: int, variants=()) 
                                                                              reps=reps),
                                  nbytes, copy_gbps))
             del exp, payload
+        rows += _checked_decode_rows(dtype_name, mb, x, impls, reps, copy_gbps)
     if "word" in modes:
         rows += _word_rows(dtype_name, mb, x, impls, reps, copy_gbps)
     return rows
@@ -128,8 +166,7 @@ def bench_one(dtype_name: str, mb: float, impls, modes, reps: int, variants=()) 
 def _word_rows(dtype_name, mb, x, impls, reps, copy_gbps) -> list[dict]:
     n, nbytes = x.size, x.nbytes
     cached = _cached_words(x)
-    b, c1, c2 = (STEADY_RUNG.code_bits, STEADY_RUNG.level1_capacity(n),
-                 STEADY_RUNG.level2_capacity(n))
+    b = 4  # the widest code: the decode reads the most code bits
     rows = []
     for impl in impls:
         enc = jax.jit(lambda x, c, impl=impl: K.word_encode(x, c, impl=impl))
@@ -140,34 +177,14 @@ def _word_rows(dtype_name, mb, x, impls, reps, copy_gbps) -> list[dict]:
                              ("word_decode", dec, (cached, codes))):
             rows.append(_row(dtype_name, mb, n, impl, op, median_seconds(fn, *args, reps=reps),
                              nbytes, copy_gbps))
-    if "xla" in impls:
-        d, _ = K.word_encode(x, cached, impl="xla")
-        wire = jax.jit(lambda d, w: wordcodec.encode_wire(d, w, b, c1, c2))
-        buf = jax.block_until_ready(wire(d, codec.to_bits(x)))
-
-        @jax.jit
-        def unwire(buf, cached):
-            codes, l1, l2 = wordcodec.split_wire(buf[None], n, b, c1, c2, cached.dtype)
-            dense = wordcodec.dense_decode(cached, codes[0], b)
-            pos = wordcodec.escape_positions_rows(codes, b, c1)
-            new = wordcodec.escape_words(cached[jnp.minimum(pos, n - 1)], l1, l2)
-            return dense.at[pos[0]].set(new[0], mode="drop")
-
-        got = jax.block_until_ready(unwire(buf, cached))
-        if not bool(jnp.all(got == codec.to_bits(x))):
-            raise AssertionError("word_unwire did not rebuild the words bit for bit")
-        for op, fn, args in (("word_wire", wire, (d, codec.to_bits(x))),
-                             ("word_unwire", unwire, (buf, cached))):
-            rows.append(_row(dtype_name, mb, n, "xla", op, median_seconds(fn, *args, reps=reps),
-                             nbytes, copy_gbps))
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'dtype':>5} {'MB':>6} {'impl':>14} {'op':>11} {'ms':>9} {'GB/s':>8} "
+    print(f"{'dtype':>5} {'MB':>6} {'impl':>14} {'op':>16} {'ms':>9} {'GB/s':>8} "
           f"{'copy GB/s':>9} {'vs copy':>7}")
     for r in rows:
-        print(f"{r['dtype']:>5} {r['mb']:>6g} {r['impl']:>14} {r['op']:>11} "
+        print(f"{r['dtype']:>5} {r['mb']:>6g} {r['impl']:>14} {r['op']:>16} "
               f"{r['seconds'] * 1e3:>9.3f} {r['gbps']:>8.2f} {r['copy_gbps']:>9.2f} "
               f"{r['ratio']:>7.2f}", flush=True)
 
@@ -176,15 +193,17 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
     impls, notes = list(args.impls), []
-    if "pallas" in impls and not on_gpu:
-        impls.remove("pallas")
-        notes.append("pallas skipped: no GPU here, and interpret mode is not a throughput figure")
+    skipped = [i for i in impls if i != "xla" and not on_gpu]
+    if skipped:
+        impls = [i for i in impls if i not in skipped]
+        notes.append(f"{' '.join(skipped)} skipped: no GPU here, and interpret mode is not a "
+                     "throughput figure")
     sizes = args.sizes_mb if on_gpu else [s for s in args.sizes_mb if s <= 64]
     if len(sizes) < len(args.sizes_mb):
         notes.append("sizes above 64 MB skipped on CPU")
-    variants = [tuple(int(v) for v in s.split("x")) for s in args.variants] if on_gpu else []
-    if args.variants and not on_gpu:
-        notes.append("pallas variants skipped: no GPU here")
+    blocks = list(args.blocks) if on_gpu else []
+    if args.blocks and not on_gpu:
+        notes.append("Pallas block sizes skipped: no GPU here")
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     dev = jax.devices()[0]
@@ -192,7 +211,7 @@ def main(argv=None) -> int:
     rows = []
     for dtype_name in args.dtypes:
         for mb in sizes:
-            new = bench_one(dtype_name, mb, impls, args.modes, args.reps, variants)
+            new = bench_one(dtype_name, mb, impls, args.modes, args.reps, blocks)
             print_table(new)
             rows += new
     write_results(args.out, dict(notes=notes, reps=args.reps, rows=rows))
