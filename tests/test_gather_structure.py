@@ -1,0 +1,154 @@
+"""The compressed gather's shape in the compiled program: one main transfer per tensor, outside
+every conditional (so XLA can run it asynchronously under compute); conditional branches hold
+nothing but small transfers (the escape section's prefixes) and the plain fallback.
+
+Checked on the jaxpr of one gather (both modes, bf16 and float32) and on the optimized CPU HLO
+of the tiny train step with every tensor compressed.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.extend import core as jcore
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ciera_jax
+from ciera_jax.wire import ExponentWire, WordWire
+
+N = 8
+SHAPE = (N * 64, 48)
+GATHERS = {"all_gather", "all_gather_invariant"}
+# What a branch may do besides gathering: cut, pad and view the small section buffers.
+TRANSFER_ONLY = GATHERS | {"slice", "pad", "concatenate", "bitcast_convert_type", "reshape",
+                           "broadcast_in_dim", "pcast", "convert_element_type", "squeeze",
+                           "dynamic_slice", "jit"}  # jit: jnp.pad's wrapper (walked into)
+
+
+def _subjaxprs(eqn):
+    for v in eqn.params.values():
+        for j in (v if isinstance(v, (list, tuple)) else [v]):
+            if isinstance(j, jcore.ClosedJaxpr):
+                yield j.jaxpr
+            elif isinstance(j, jcore.Jaxpr):
+                yield j
+
+
+def _walk(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in _subjaxprs(eqn):
+            yield from _walk(sub)
+
+
+def _outside_conds(jaxpr):
+    """Equations not inside any cond/switch branch (other nesting, e.g. pjit, is followed)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        if eqn.primitive.name != "cond":
+            for sub in _subjaxprs(eqn):
+                yield from _outside_conds(sub)
+
+
+def _gather_jaxpr(mode, dtype):
+    mesh = jax.make_mesh((N,), ("fsdp",))
+
+    def body(x, c):
+        full, new_c, _ = ciera_jax.all_gather(x, c, "fsdp")
+        return full, new_c
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P("fsdp"), P()), out_specs=(P(), P()),
+                       check_vma=False)
+    x = jax.device_put(jnp.zeros(SHAPE, dtype), NamedSharding(mesh, P("fsdp")))
+    return jax.make_jaxpr(fn)(x, ciera_jax.init_cache(SHAPE, dtype, mode)).jaxpr
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("mode", ["exponent", "word"])
+def test_one_main_transfer_outside_conditionals_and_branches_only_transfer(mode, dtype):
+    jaxpr = _gather_jaxpr(mode, dtype)
+    n_local = SHAPE[0] * SHAPE[1] // N
+    word_bytes = jnp.dtype(dtype).itemsize
+    wire = ExponentWire(n_local, word_bytes) if mode == "exponent" else WordWire(n_local,
+                                                                                  word_bytes)
+    top = [e for e in _outside_conds(jaxpr) if e.primitive.name in GATHERS]
+    assert [e.invars[0].aval.size for e in top] == [wire.main_bytes], \
+        "exactly one transfer outside conditionals: the main plane with its checksum"
+    conds = [e for e in _walk(jaxpr) if e.primitive.name == "cond"]
+    assert len(conds) == 2, "the escape section's rung switch and the plain fallback"
+    full_gathers = 0
+    for c in conds:
+        for branch in _subjaxprs(c):
+            for e in _walk(branch):
+                assert e.primitive.name in TRANSFER_ONLY, (mode, e.primitive.name)
+                if e.primitive.name in GATHERS:
+                    size = e.invars[0].aval.size * e.invars[0].aval.dtype.itemsize
+                    if size == n_local * word_bytes:
+                        full_gathers += 1
+                    else:
+                        assert size <= max(wire.section_sizes), size
+    assert full_gathers == 1, "the plain fallback is the one large transfer in a branch"
+
+
+def _computations(hlo: str) -> dict[str, str]:
+    comps, name, body = {}, None, []
+    for line in hlo.splitlines():
+        m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if m and not line.startswith(" "):
+            name, body = m.group(1), []
+        elif line == "}" and name:
+            comps[name] = "\n".join(body)
+            name = None
+        elif name:
+            body.append(line)
+    return comps
+
+
+def _inside_branches(comps: dict[str, str]) -> set[str]:
+    """Computations run only inside a conditional's branch (transitively)."""
+    called = lambda text: set(re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)",  # noqa
+                                         text))
+    branches = set()
+    for text in comps.values():
+        for m in re.finditer(r"branch_computations=\{([^}]*)\}", text):
+            branches |= {b.strip().lstrip("%") for b in m.group(1).split(",")}
+        branches |= set(re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", text))
+    todo, seen = list(branches), set()
+    while todo:
+        c = todo.pop()
+        if c in seen or c not in comps:
+            continue
+        seen.add(c)
+        todo += called(comps[c])
+    return seen
+
+
+@pytest.mark.slow  # compiles the tiny train step twice (about a minute each on 2 cores)
+@pytest.mark.parametrize("cache", ["exponent", "word"])
+def test_train_step_hlo_keeps_main_transfers_out_of_branches(cache):
+    from models import data
+    from models.train import TrainConfig, build_trainer, make_mesh
+
+    tc = TrainConfig(config="tiny", schedule_steps=4, plan="all", cache=cache)
+    tr = build_trainer(tc, make_mesh(N))
+    state = tr.prepare(tr.init_state(0))
+    batch = tr.batch(data.load_dataset(None, 256, tc.length), 0, 0)
+    hlo = jax.jit(tr.step_fn).lower(state.params, state.caches, state.opt_state, state.ahead,
+                                    batch).compile().as_text()
+    comps = _computations(hlo)
+    in_branch = _inside_branches(comps)
+    u8_outside, big_inside = 0, 0
+    for name, text in comps.items():
+        for m in re.finditer(r"= (\w+)\[([\d,]*)\][^ ]* all-gather(?:-start)?\(", text):
+            dtype, dims = m.group(1), [int(d) for d in m.group(2).split(",") if d]
+            if name in in_branch:
+                # escape prefixes are u8; the fallback gathers the bits (u16/u32)
+                big_inside += dtype in ("u16", "u32")
+            else:
+                u8_outside += dtype == "u8"
+    assert u8_outside > 0, "the compressed tensors' main planes travel outside conditionals"
+    assert big_inside > 0, "the plain fallbacks sit in branches"
