@@ -114,8 +114,10 @@ def run(args: argparse.Namespace) -> int:
                          f"{c.cache_bytes / 1e6:.2f}", f"{c.options['plain'][1] * 1e3:.3f}",
                          f"{c.step_s * 1e3:.3f}", str(count)])
     print(_table(head, rows, left=2))
-    print("(ms/step: the tensor's gathers in one step, isolated: plain and exponent gather "
-          "forward + backward, word once; norms are replicated, not gathered)")
+    print("(ms/step: the tensor's communication in one step as `ciera train` runs it, "
+          "isolated: plain and exponent gather forward + backward, word once (the backward "
+          "reads its cache), and each reduce-scatters its gradient once; norms are "
+          "replicated, not gathered)")
     print()
     unit, scale = ("GB", 1e9) if mem.total >= 1e9 else ("MB", 1e6)  # decimal, as profiles
     print(_table(["memory per GPU", unit], [[k, f"{v / scale:.2f}"] for k, v in mem.rows()],

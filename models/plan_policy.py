@@ -1,9 +1,11 @@
 """Which gathered tensors ``ciera train`` compresses: the cost model's plan, plus a policy.
 
-``cost``: the planner alone (``ciera_jax.planner.plan_tree`` with the profile); ``auto``
-(default): the planner, plus the routed expert weights always (the tensors CIERA exists for: in
-the toy configs they are too small for the saving to beat the codec launch and latency on any
-profile, and the runs are there to exercise the codec); ``all``: every tensor of a codec dtype.
+``cost``: the planner alone; ``auto`` (default): the planner, plus the routed expert weights
+always (the tensors CIERA exists for); ``all``: every tensor of a codec dtype. "The planner" is
+the exponent-mode decision (``ciera_jax.planner.plan_tree``) and, with ``--cache auto``
+(default), also the budgeted mode planner (``planner.plan_modes``), which prices what the
+trainer runs: a word-cache tensor gathered once per step (the backward reads its cache), an
+exponent or plain one twice. So every tensor whose word cache pays and fits is compressed.
 """
 
 from __future__ import annotations
@@ -30,10 +32,18 @@ def cache_modes(tc, tensors: dict, compress: dict, n: int, platform: str) -> dic
     fit. Tensors that are not compressed keep an (unused) exponent cache."""
     if tc.cache != "auto":
         return {k: tc.cache if compress[k] else "exponent" for k in tensors}
-    tree = {k: jax.ShapeDtypeStruct(t.shape, t.dtype) for k, t in tensors.items()}
-    chosen = planner.plan_modes(tree, n, tc.profile or default_profile(platform),
-                                cache_budget_bytes=cache_budget_bytes(tc, n, platform))
+    chosen = planned_modes(tc, tensors, n, platform)
     return {k: "word" if compress[k] and chosen[k] == "word" else "exponent" for k in tensors}
+
+
+def planned_modes(tc, tensors: dict, n: int, platform: str) -> dict[str, str]:
+    """``planner.plan_modes`` for the trainer's tensors: plain / exponent / word per tensor
+    within the cache budget. A stacked tensor is priced as one tensor of all its layers'
+    elements, so its cache bytes (every layer's) count against the budget exactly."""
+    tree = {k: jax.ShapeDtypeStruct(((t.stack or 1) * math.prod(t.shape),), t.dtype)
+            for k, t in tensors.items()}
+    return planner.plan_modes(tree, n, tc.profile or default_profile(platform),
+                              cache_budget_bytes=cache_budget_bytes(tc, n, platform))
 
 
 def cache_budget_bytes(tc, n: int, platform: str) -> float | None:
@@ -61,6 +71,9 @@ def make_plan(tc, tensors: dict, n: int, platform: str) -> tuple[dict, str]:
             for k, t in tensors.items() for layer in range(t.stack or 1)}
     decided = planner.plan_tree(tree, n, profile)
     by_cost = {k: decided[f"{k}#0"] for k in tensors}
+    if tc.cache == "auto" and tc.gather == "ciera":  # the modes the trainer would run
+        modes = planned_modes(tc, tensors, n, platform)
+        by_cost = {k: by_cost[k] or modes[k] != "plain" for k in tensors}
     forced = {k: tc.plan == "all" or (tc.plan == "auto"
                                        and bool(EXPERT_WEIGHT.fullmatch(k.rsplit("/", 1)[-1])))
               for k in tensors}

@@ -78,11 +78,15 @@ class TrainConfig:
         "(cpu-emulated, h100-nvlink, ...) or a JSON file from `ciera calibrate`",
         default_text="cpu-emulated on CPU, h100-nvlink on GPU", metavar="NAME|FILE")
     plan: str = option("auto", "auto: the cost model plus the expert weights always; cost: "
-                       "the cost model alone; all: every gathered tensor (ciera only)",
+                       "the cost model alone; all: every gathered tensor (ciera only). With "
+                       "--cache auto the cost model prices word caches too (gathered once per "
+                       "step), so every tensor whose word cache pays and fits compresses",
                        choices=PLANS)
-    cache: str = option("exponent", "what each compressed tensor caches: exponent (1 B/param), "
-                        "word (2 B/param, sends a few bits per weight), auto (the planner's "
-                        "choice per tensor)", choices=CACHE_MODES, metavar="MODE")
+    cache: str = option("auto", "what each compressed tensor caches: auto (the planner's "
+                        "choice per tensor within --memory-gb: word where it fits, exponent "
+                        "where only that fits), exponent (1 B/param), word (2 B/param, sends a "
+                        "few bits per weight, gathered once per step)", choices=CACHE_MODES,
+                        metavar="MODE")
     memory_gb: float | None = option(
         None, "with --cache auto: the device memory the plan must fit (GB per device; caches "
         "get what the training state, gathered layers and activations leave)",

@@ -83,10 +83,11 @@ def wire_ratio(history, skip=1) -> float:
     return sent / plain
 
 
-def train_jit(make, mesh, mode, tokens, lr=3e-3):
-    """``nnx.jit`` + ``nnx.Optimizer`` (AdamW), no shard_map in user code."""
+def train_jit(make, mesh, mode, tokens, lr=3e-3, cache="exponent"):
+    """``nnx.jit`` + ``nnx.Optimizer`` (AdamW), no shard_map in user code; ``cache``: the
+    caches' mode (``fsdp.attach_caches``)."""
     with jax.set_mesh(mesh):
-        model = fsdp.attach_caches(make(nnx.Rngs(0)))
+        model = fsdp.attach_caches(make(nnx.Rngs(0)), cache)
         opt = nnx.Optimizer(model, optax.adamw(lr), wrt=nnx.Param)
 
         @nnx.jit
@@ -104,11 +105,11 @@ def train_jit(make, mesh, mode, tokens, lr=3e-3):
         return nnx.state(model, nnx.Param), history, losses
 
 
-def train_shard_map(make, mesh, mode, tokens, lr=3e-3):
+def train_shard_map(make, mesh, mode, tokens, lr=3e-3, cache="exponent"):
     """The user's own ``jax.shard_map`` over the mesh, optax AdamW on the shards."""
     axes = tuple(mesh.axis_names)
     with jax.set_mesh(mesh):
-        model = fsdp.attach_caches(make(nnx.Rngs(0)))
+        model = fsdp.attach_caches(make(nnx.Rngs(0)), cache)
     graphdef, params, caches, rest = nnx.split(model, nnx.Param, fsdp.ExponentCacheVar, ...)
     specs = fsdp.state_specs(model, params, n=mesh.shape["fsdp"])
     tx = optax.adamw(lr)

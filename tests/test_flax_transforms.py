@@ -26,10 +26,10 @@ def xs(mesh, steps=STEPS):
             for i in range(steps)]
 
 
-def fit_jit(make, apply, mode, mesh):
+def fit_jit(make, apply, mode, mesh, cache="exponent"):
     """AdamW steps under nnx.jit (no shard_map); returns (params, stats per step, caches)."""
     with jax.set_mesh(mesh):
-        model = fsdp.attach_caches(make(nnx.Rngs(0)))
+        model = fsdp.attach_caches(make(nnx.Rngs(0)), cache)
         opt = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
 
         @nnx.jit

@@ -115,12 +115,18 @@ def test_bad_input_one_clear_line(argv, msg, capsys):
 def test_plan_compresses_expert_weights_by_default():
     model = fsdp.attach_caches(abstract_model(TC.model))
     tensors = fsdp.gathered_tensors(model)
-    auto, summary = make_plan(TC, tensors, 8, "cpu")
+    # the default (--cache auto): the cost model prices word caches (gathered once per step),
+    # and on CPU (no memory limit) every tensor's pays
+    default, _ = make_plan(TC, tensors, 8, "cpu")
+    assert all(default.values())
+    assert set(cache_modes(TC, tensors, default, 8, "cpu").values()) == {"word"}
+    auto, summary = make_plan(TrainConfig(cache="exponent"), tensors, 8, "cpu")
     assert {k for k, v in auto.items() if v} == {
         "layers/mlp/w_gate_ExDxF", "layers/mlp/w_up_ExDxF", "layers/mlp/w_down_ExFxD"}
     assert "profile=cpu-emulated" in summary and "forced (expert weights)" in summary
     # tiny's tensors are too small for the cost model on any built-in profile
-    cost, _ = make_plan(TrainConfig(plan="cost", profile="h100-nvlink"), tensors, 8, "gpu")
+    cost, _ = make_plan(TrainConfig(plan="cost", profile="h100-nvlink", cache="exponent"),
+                        tensors, 8, "gpu")
     assert not any(cost.values())
     every, _ = make_plan(TrainConfig(plan="all"), tensors, 8, "cpu")
     assert all(every.values())
@@ -130,8 +136,9 @@ def test_plan_compresses_expert_weights_by_default():
 
 def test_cache_modes_per_tensor():
     tensors = fsdp.gathered_tensors(fsdp.attach_caches(abstract_model(TC.model)))
-    compress, _ = make_plan(TC, tensors, 8, "cpu")
-    assert set(cache_modes(TC, tensors, compress, 8, "cpu").values()) == {"exponent"}
+    exponent = TrainConfig(cache="exponent")
+    compress, _ = make_plan(exponent, tensors, 8, "cpu")
+    assert set(cache_modes(exponent, tensors, compress, 8, "cpu").values()) == {"exponent"}
     word = cache_modes(TrainConfig(cache="word"), tensors, compress, 8, "cpu")
     assert {k for k, m in word.items() if m == "word"} == {k for k, c in compress.items() if c}
     auto = cache_modes(TrainConfig(cache="auto"), tensors, compress, 8, "cpu")
@@ -156,11 +163,13 @@ def test_cache_auto_fits_the_memory_budget():
 
 @pytest.mark.slow
 def test_word_caches_train_bitwise_plain_and_send_less(runs):
-    res = train(TrainConfig(**{**TC.__dict__, "cache": "word"}), steps=STEPS, seed=0,
-                mesh=make_mesh(8), log=None)
+    """The default (--cache auto: word caches on every tensor on CPU) against exponent caches
+    on the same plan."""
+    res = train(TrainConfig(**{**TC.__dict__, "cache": "exponent", "plan": "all"}),
+                steps=STEPS, seed=0, mesh=make_mesh(8), log=None)
     assert res.sha256 == runs["plain"].sha256
-    assert sum(r["sent_bytes"] for r in res.history) < sum(
-        r["sent_bytes"] for r in runs["ciera"].history)
+    assert sum(r["sent_bytes"] for r in runs["ciera"].history) < sum(
+        r["sent_bytes"] for r in res.history)
 
 
 def _fault_rows(res, step):

@@ -1,0 +1,153 @@
+"""Word caches gather once per step: the backward reads the cache the forward's gather left,
+and the parameters stay bitwise those of a plain gather (trainer, Flax layers under nnx.jit and
+the user's shard_map, nnx.remat, nnx.scan). ``tests/test_train.py`` covers the trainer's
+defaults (``--cache auto --plan auto``: word caches on every tensor on CPU) and
+``tests/test_train_multihost.py`` two processes."""
+
+import functools
+import re
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from ciera_jax import fsdp, memory
+from flax_nets import LM, MLP, batches, make_mesh, same_bits, train_jit, train_shard_map
+from models import data
+from models.state import build_trainer, bytes_per_device
+from models.train import TrainConfig, train
+from models.train import make_mesh as train_mesh
+from test_flax_transforms import REMATS, D, F, call, compressed, fit_jit
+
+STEPS = 20
+TINY = TrainConfig(config="tiny", schedule_steps=STEPS)
+
+
+def _tc(**kw):
+    return TrainConfig(**{**TINY.__dict__, **kw})
+
+
+@functools.cache
+def _plain(config="tiny", steps=STEPS):
+    return train(_tc(config=config, schedule_steps=steps, gather="plain"), steps=steps, seed=0,
+                 mesh=train_mesh(8), log=None)
+
+
+def test_tiny_plan_all_word_caches_bitwise_plain():
+    res = train(_tc(plan="all", cache="word"), steps=STEPS, seed=0, mesh=train_mesh(8),
+                log=None)
+    plain = _plain()
+    assert res.sha256 == plain.sha256
+    assert [r["loss"] for r in res.history] == [r["loss"] for r in plain.history]
+    assert [r["grad_norm"] for r in res.history] == [r["grad_norm"] for r in plain.history]
+    late = res.history[STEPS // 2:]
+    assert sum(r["sent_bytes"] for r in late) < 0.5 * sum(r["plain_bytes"] for r in late)
+
+
+@pytest.mark.slow
+def test_small_defaults_bitwise_plain():
+    steps = 8
+    res = train(_tc(config="small", schedule_steps=steps), steps=steps, seed=0,
+                mesh=train_mesh(8), log=None)
+    assert res.sha256 == _plain("small", steps).sha256
+
+
+def _compiled(tc):
+    tr = build_trainer(tc, train_mesh(8))
+    state = tr.prepare(tr.init_state(0))
+    batch = tr.batch(data.load_dataset(None, 256, tc.length), 0, 0)
+    return tr, state, tr.step_fn.lower(state.params, state.caches, state.opt_state,
+                                       state.ahead, batch).compile()
+
+
+def _gathers(hlo: str) -> dict:
+    """All-gathers of a compiled step by where they were traced: ``forward`` or ``backward``
+    (the op's name, kept in the HLO metadata, says ``transpose(jvp(...))`` in the backward)."""
+    out = {"forward": 0, "backward": 0}
+    for line in hlo.splitlines():
+        if " all-gather(" in line or " all-gather-start(" in line:
+            name = re.search(r'op_name="([^"]*)"', line)
+            out["backward" if name and "transpose(" in name.group(1) else "forward"] += 1
+    return out
+
+
+@functools.cache
+def _step(**kw):
+    return _compiled(_tc(**kw))
+
+
+def test_compiled_word_step_has_no_backward_gather():
+    """In the compiled step with word caches on every tensor, no all-gather belongs to the
+    backward: it reads the full weights from the caches."""
+    got = _gathers(_step(plan="all", cache="word")[2].as_text())
+    assert got["forward"] > 0 and got["backward"] == 0, got
+
+
+def test_cache_backward_keeps_no_second_copy_of_the_words():
+    """Measured (XLA's memory analysis of the compiled step): word caches add less than half
+    of their own size to the step's temporaries over plain FSDP (no gathered weights kept, no
+    copy of the words: the backward reads the cache, which the step updates in place), and the
+    caches it carries are the memory model's word-cache bytes."""
+    tr, state, word = _step(plan="all", cache="word")
+    _, _, plain = _step(gather="plain")
+    caches = bytes_per_device(state.caches)
+    extra = word.memory_analysis().temp_size_in_bytes - plain.memory_analysis().temp_size_in_bytes
+    assert extra < caches / 2, (extra, caches)
+    modeled = memory.memory_per_gpu(tr.tc.model, 8, "word", tokens_per_gpu=1).caches["word"]
+    assert caches == modeled
+    # the step donates its caches and returns them in the same buffers
+    assert word.memory_analysis().alias_size_in_bytes >= caches
+
+
+@pytest.mark.slow
+def test_regather_backward_gathers_again():
+    """The check above can fail: word_backward="regather" compiles backward all-gathers."""
+    got = _gathers(_step(plan="all", cache="word", word_backward="regather")[2].as_text())
+    assert got["backward"] > 0, got
+
+
+@pytest.mark.parametrize("model", ["jit", "shard_map"])
+def test_flax_layers_word_caches_bitwise_plain(model):
+    mesh = make_mesh((8,), ("fsdp",))
+    tokens = batches(mesh, 10)
+    fit = {"jit": train_jit, "shard_map": train_shard_map}[model]
+    pw, hw, lw = fit(LM, mesh, "ciera", tokens, cache="word")
+    pp, _, lp = fit(LM, mesh, "plain", tokens)
+    assert same_bits(pw, pp) and lw == lp
+    assert compressed(hw)
+
+
+def test_nnx_remat_word_caches_bitwise_plain():
+    mesh = make_mesh((8,), ("fsdp",))
+    make = functools.partial(MLP, D, F)
+    (pw, hw, _), (pp, _, _) = [fit_jit(make, REMATS["nnx.remat"], mode, mesh, cache="word")
+                               for mode in ("ciera", "plain")]
+    assert same_bits(pw, pp)
+    assert compressed(hw)
+
+
+class WordScanNet(nnx.Module):
+    """Three MLP layers stacked by nnx.vmap, each with word caches, run by nnx.scan."""
+
+    def __init__(self, rngs):
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+        def build(r):
+            return fsdp.attach_caches(MLP(D, F, r), "word")
+
+        self.layers = build(rngs)
+
+    def __call__(self, x):
+        return nnx.scan(lambda x, layer: layer(x), in_axes=(nnx.Carry, 0),
+                        out_axes=nnx.Carry)(x, self.layers)
+
+
+def test_nnx_scan_word_caches_bitwise_plain():
+    mesh = make_mesh((2, 4), ("data", "fsdp"))
+    (pw, hw, cw), (pp, _, _) = [fit_jit(WordScanNet, call, mode, mesh, cache="word")
+                                for mode in ("ciera", "plain")]
+    assert same_bits(pw, pp)
+    assert compressed(hw)
+    words = [c for c in jax.tree.leaves(cw) if np.asarray(c).dtype == np.uint16]
+    assert words and all(np.asarray(w).shape[0] == 3 for w in words)  # word caches per layer
