@@ -4,8 +4,8 @@ sized by a rank-invariant rung.
 The main plane's all-gather sits in the step's top-level computation, so XLA can schedule it
 asynchronously and overlap it with compute. The escape section is a few max-capacity buffers;
 :func:`gather_section` all-gathers a static prefix of each, as one transfer chosen by
-``lax.switch`` on the agreed rung, and its branches hold nothing but that transfer, slices and
-pads of the small buffers.
+``lax.switch`` on the agreed rung, and its branches hold nothing but that transfer, a slice
+and a pad.
 
 Shape letters: N ranks, L bytes per rank, C a capacity.
 """
@@ -38,36 +38,49 @@ def _from_bytes(rows_NxB: jax.Array, dtype, count: int) -> jax.Array:
         rows_NxB.reshape(rows_NxB.shape[0], count, np.dtype(dtype).itemsize), dtype)
 
 
-def _prefixes(parts, *, sizes: tuple[int, ...], axis_name):
-    """One transfer: the first ``sizes[i]`` entries of every part, as bytes, in one gather;
-    back as (N, len(part)) per part, zero past the prefix."""
+def _prefix(buf_B, *, size: int, axis_name):
+    """One branch: all-gather the first ``size`` bytes of every rank's buffer, zero-padded."""
     n_ranks = lax.axis_size(axis_name)
-    out = [jnp.zeros((n_ranks, p.shape[0]), p.dtype) for p in parts]
-    if any(sizes):
-        rows = gather_rows(jnp.concatenate([_to_bytes(p[:k]) for p, k in zip(parts, sizes) if k]),
-                           axis_name)
-        at = 0
-        for i, (p, k) in enumerate(zip(parts, sizes)):
-            if k:
-                nb = k * p.dtype.itemsize
-                got = _from_bytes(rows[:, at:at + nb], p.dtype, k)
-                out[i] = jnp.pad(got, ((0, 0), (0, p.shape[0] - k)))
-                at += nb
-    return [varying_like(o, parts, axis_name) for o in out]  # every branch typed alike
+    if size == 0:
+        rows = jnp.zeros((n_ranks, buf_B.shape[0]), buf_B.dtype)
+    else:
+        rows = jnp.pad(gather_rows(buf_B[:size], axis_name), ((0, 0), (0, buf_B.shape[0] - size)))
+    return varying_like(rows, buf_B, axis_name)  # every branch typed alike
 
 
 def gather_section(parts, sizes_per_part, rung: jax.Array, axis_name):
     """All-gather the escape section: for the agreed ``rung``, the first
     ``sizes_per_part[i][rung]`` entries of every rank's ``parts[i]`` (each as long as its top
     size), in one transfer. Returns (N, len(part)) per part, zero past the prefix. ``rung``
-    must be rank-invariant; each branch is one all-gather of a static size."""
-    parts = list(parts)
+    must be rank-invariant.
+
+    The parts are laid out rung by rung: what rung 1 adds to every part, then what rung 2
+    adds, and so on, so every rung's content is a prefix of one byte buffer, and each branch
+    of the switch is one slice, one all-gather of a static size and one pad.
+    """
     n_rungs = len(sizes_per_part[0])
-    branches = [functools.partial(_prefixes, sizes=tuple(s[k] for s in sizes_per_part),
-                                  axis_name=axis_name) for k in range(n_rungs)]
-    if n_rungs == 1:
-        return branches[0](parts)
-    return lax.switch(rung, branches, parts)
+    pieces, at = [], 0  # (part, first, stop, byte offset), in buffer order
+    prefix = [0]
+    for k in range(1, n_rungs):
+        for i, (part, sizes) in enumerate(zip(parts, sizes_per_part)):
+            first, stop = sizes[k - 1], sizes[k]
+            if stop > first:
+                pieces.append((i, first, stop, at))
+                at += (stop - first) * part.dtype.itemsize
+        prefix.append(at)
+    n_ranks = lax.axis_size(axis_name)
+    if at == 0:
+        return [jnp.zeros((n_ranks, p.shape[0]), p.dtype) for p in parts]
+    buf = jnp.concatenate([_to_bytes(parts[i][a:b]) for i, a, b, _ in pieces])
+    branches = [functools.partial(_prefix, size=size, axis_name=axis_name) for size in prefix]
+    rows = lax.switch(rung, branches, buf)
+    out = []
+    for i, part in enumerate(parts):
+        got = [_from_bytes(rows[:, off:off + (b - a) * part.dtype.itemsize], part.dtype, b - a)
+               for j, a, b, off in pieces if j == i]
+        out.append(jnp.concatenate(got, axis=1) if got
+                   else jnp.zeros((n_ranks, part.shape[0]), part.dtype))
+    return out
 
 
 def pick_rung(caps: tuple[int, ...], agreed: jax.Array):

@@ -1,0 +1,149 @@
+"""Compile time of the train step, plain vs CIERA's two cache modes, and the compiled program.
+
+For each mode it builds the ``ciera train`` trainer (``models.train``; default ``tiny`` with
+``--plan all``: every gathered tensor compressed), then times, in a fresh process per mode (so
+no mode reuses another's compiled pieces) and in interleaved rounds (plain, exponent, word,
+plain, ...: every mode sees the same machine load):
+
+* ``lower+compile``: ``jax.jit(step).lower(...).compile()`` alone;
+* ``first step``: building, compiling and running the first (priming) step, what a user waits
+  for before the first progress line.
+
+It prints both with their ratio to plain (median over rounds), the optimized HLO's size, and
+how many all-gathers sit inside conditional branches against all of them (CIERA's main
+transfers must not: only escape prefixes and the plain fallback may).
+
+    python benchmarks/compile_time.py [--config tiny] [--plan all] [--rounds 2] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+from common import parser, write_results  # benchmarks/common.py, beside this script
+
+MODES = ("plain", "exponent", "word")
+
+
+def parse_args(argv=None):
+    p = parser(__doc__, "compile_time")
+    p.add_argument("--config", default="tiny", help="model config")
+    p.add_argument("--plan", default="all", help="which tensors compress (ciera train --plan)")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds per mode")
+    p.add_argument("--devices", type=int, default=8, help="emulated CPU devices")
+    p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)  # one mode, in-process
+    return p.parse_args(argv)
+
+
+def branch_gathers(hlo: str) -> tuple[int, int]:
+    """(all-gathers inside conditional branches, all all-gathers) of an optimized HLO text."""
+    comps, name, body = {}, None, []
+    for line in hlo.splitlines():
+        m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if m and not line.startswith(" "):
+            name, body = m.group(1), []
+        elif line == "}" and name:
+            comps[name], name = "\n".join(body), None
+        elif name:
+            body.append(line)
+    todo = []
+    for text in comps.values():
+        for m in re.finditer(r"branch_computations=\{([^}]*)\}", text):
+            todo += [b.strip().lstrip("%") for b in m.group(1).split(",")]
+        todo += re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", text)
+    inside = set()
+    while todo:
+        c = todo.pop()
+        if c in comps and c not in inside:
+            inside.add(c)
+            todo += re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)", comps[c])
+    count = lambda text: len(re.findall(r" all-gather(?:-start)?\(", text))  # noqa: E731
+    return (sum(count(t) for c, t in comps.items() if c in inside),
+            sum(count(t) for t in comps.values()))
+
+
+def worker(args) -> dict:
+    """One mode, in this process: time lower+compile, then the first step on a new trainer."""
+    from ciera_jax.devices import setup_devices
+
+    setup_devices(args.devices)
+    import jax
+
+    from ciera_jax.devices import make_mesh
+    from models.data import load_dataset
+    from models.train import TrainConfig, build_trainer
+
+    gather, cache = ("plain", "exponent") if args.worker == "plain" else ("ciera", args.worker)
+    tc = TrainConfig(config=args.config, gather=gather, cache=cache, plan=args.plan,
+                     schedule_steps=4)
+    mesh = make_mesh(args.devices)
+    t0 = time.perf_counter()
+    tr = build_trainer(tc, mesh)
+    state = tr.prepare(tr.init_state(0))
+    batch = tr.batch(load_dataset(None, tr.tc.model.vocab_size, tr.tc.length), 0, 0)
+    build_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    compiled = jax.jit(tr.step_fn).lower(state.params, state.caches, state.opt_state,
+                                         state.ahead, batch).compile()
+    compile_s = time.perf_counter() - t0
+    hlo = compiled.as_text()
+    inside, total = branch_gathers(hlo)
+    jax.clear_caches()
+    t0 = time.perf_counter()
+    tr = build_trainer(tc, mesh)
+    state = tr.init_state(0)
+    state, _ = tr.step(state, batch)  # what `ciera train` runs first: compile + priming
+    jax.block_until_ready(state.params)
+    first_s = time.perf_counter() - t0
+    return dict(mode=args.worker, build_s=build_s, compile_s=compile_s, first_step_s=first_s,
+                hlo_bytes=len(hlo), gathers_in_branches=inside, gathers=total)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return 0
+    runs = {m: [] for m in MODES}
+    for r in range(args.rounds):
+        for mode in MODES:
+            cmd = [sys.executable, __file__, "--worker", mode, "--config", args.config,
+                   "--plan", args.plan, "--devices", str(args.devices), "--out", ""]
+            out = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+            if out.returncode:
+                sys.stderr.write(out.stderr[-3000:])
+                raise SystemExit(f"compile_time: the {mode} worker failed")
+            runs[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(f"round {r + 1}: {mode:<9} compile {runs[mode][-1]['compile_s']:6.1f} s, "
+                  f"first step {runs[mode][-1]['first_step_s']:6.1f} s", flush=True)
+    med = {m: {k: statistics.median(x[k] for x in runs[m]) for k in
+               ("compile_s", "first_step_s")} for m in MODES}
+    print(f"\n{args.config}, --plan {args.plan}, {args.devices} emulated devices, median of "
+          f"{args.rounds} interleaved rounds (load average {os.getloadavg()[0]:.1f})")
+    print(f"{'mode':<10}{'compile s':>10}{'x plain':>9}{'first step s':>14}{'x plain':>9}"
+          f"{'HLO MB':>8}{'gathers in branches':>21}")
+    rows = []
+    for m in MODES:
+        last = runs[m][-1]
+        row = dict(mode=m, **med[m], compile_vs_plain=med[m]["compile_s"] / med["plain"]["compile_s"],
+                   first_step_vs_plain=med[m]["first_step_s"] / med["plain"]["first_step_s"],
+                   hlo_bytes=last["hlo_bytes"], gathers_in_branches=last["gathers_in_branches"],
+                   gathers=last["gathers"], rounds=runs[m])
+        rows.append(row)
+        print(f"{m:<10}{row['compile_s']:>10.1f}{row['compile_vs_plain']:>9.2f}"
+              f"{row['first_step_s']:>14.1f}{row['first_step_vs_plain']:>9.2f}"
+              f"{row['hlo_bytes'] / 1e6:>8.2f}{row['gathers_in_branches']:>12} of {row['gathers']}")
+    write_results(args.out, dict(config=args.config, plan=args.plan, devices=args.devices,
+                                 rows=rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
