@@ -224,15 +224,18 @@ def mode_options(n: int, N: int, dtype: Any, link: cm.Link, change_rate: float, 
     return out
 
 
-def step_wire_bytes(mode: str, plain_bytes: float, gather_bytes: float | None = None) -> float:
+def step_wire_bytes(mode: str, plain_bytes: float, gather_bytes: float | None = None,
+                    agreement_bytes: float = 0) -> float:
     """Bytes one rank sends per step for one tensor as ``ciera train`` runs it: the gathers of
     :data:`GATHERS_PER_STEP` (each ``gather_bytes``; plain: ``plain_bytes``, the rank's shard
-    of the gathered dtype) and the gradient's reduce-scatter (``plain_bytes``: a ring
-    reduce-scatter moves what a ring all-gather of the same tensor moves)."""
+    of the gathered dtype), its share of the step's one agreement, and the gradient's
+    reduce-scatter (``plain_bytes``: a ring reduce-scatter moves what a ring all-gather of the
+    same tensor moves)."""
     if mode not in GATHERS_PER_STEP:
         raise ValueError(f"unknown mode {mode!r}; choose one of {tuple(GATHERS_PER_STEP)}")
-    each = plain_bytes if mode == "plain" or gather_bytes is None else gather_bytes
-    return GATHERS_PER_STEP[mode] * each + plain_bytes
+    if mode == "plain" or gather_bytes is None:
+        gather_bytes, agreement_bytes = plain_bytes, 0
+    return GATHERS_PER_STEP[mode] * gather_bytes + agreement_bytes + plain_bytes
 
 
 UNITS = 1 << 14  # budget resolution of the knapsack

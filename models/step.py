@@ -30,8 +30,10 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+import ciera_jax
 from ciera_jax import fsdp, heal
 from ciera_jax.fsdp import AXIS
+from ciera_jax.wire import agreement_bytes
 
 # ``ahead``: per rank Encoded (a leading rank axis outside shard_map), replicated counts.
 AHEAD_SPECS = {"encoded": P(AXIS), "word_changed": P()}
@@ -62,6 +64,18 @@ def all_words(tensors: dict) -> dict:
     """Word-change counts of a first gather: every word is new."""
     return {k: (jnp.full((t.stack,), math.prod(t.shape), jnp.int32) if t.stack
                 else jnp.int32(math.prod(t.shape))) for k, t in tensors.items()}
+
+
+def step_bytes(st: dict, once: bool, word: bool) -> dict:
+    """What one rank sends for one tensor in the whole step, next to plain FSDP's: the
+    forward gather (``st``), the backward's re-gather unless ``once`` (a word cache served the
+    backward; a re-gather sends what the forward sent, its agreement excepted) and the
+    gradient's reduce-scatter (``plain_bytes``: a ring reduce-scatter moves what a ring
+    all-gather of the same tensor moves). ``ciera_jax.planner.step_wire_bytes`` prices it."""
+    sent, plain = st["sent_bytes"], st["plain_bytes"]
+    agreement = jnp.where(st["tier"] >= 0, agreement_bytes("word" if word else "exponent"), 0)
+    again = 0 if once else sent - agreement.astype(sent.dtype)
+    return {"step_sent_bytes": sent + again + plain, "step_plain_bytes": 3 * plain}
 
 
 def per_layer_stats(tensors: dict, stats: dict) -> dict:
@@ -115,6 +129,9 @@ def make_step(tc, mesh, graphdef, param_specs, opt_specs, tx, tensors, compress)
         encoded = unranked(ahead["encoded"])
         agreed = fsdp.agree_tensors(tensors, encoded, AXIS)  # the step's one agreement
         caches_d = fsdp.cache_dict(caches)
+        # tensors gathered once this step: the backward reads their word caches
+        words = {k for k in encoded if isinstance(caches_d[k], ciera_jax.WordCache)}
+        once = {k: k in words and tc.word_backward == "cache" for k in tensors}
         grads, (loss, parts, new_caches, stats) = jax.grad(loss_fn, has_aux=True)(
             params, caches, caches_d, encoded, agreed, tokens)
         caches_d = {**caches_d, **new_caches}
@@ -143,6 +160,7 @@ def make_step(tc, mesh, graphdef, param_specs, opt_specs, tx, tensors, compress)
         for k, st in stats.items():
             st["words_changed"] = ahead["word_changed"][k]
             st["verify_failed"] = failed.get(k, jnp.zeros_like(st["tier"]))
+            st.update(step_bytes(st, once[k], word=k in words))
         metrics = {"loss": lax.pmean(loss, AXIS), "grad_norm": gnorm,
                    **{k: lax.pmean(v, AXIS) for k, v in parts.items()},
                    "verify_failed": sum((jnp.sum(v) for v in failed.values()), jnp.int32(0)),

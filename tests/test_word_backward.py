@@ -5,6 +5,7 @@ defaults (``--cache auto --plan auto``: word caches on every tensor on CPU) and
 ``tests/test_train_multihost.py`` two processes."""
 
 import functools
+import math
 import re
 
 import jax
@@ -152,3 +153,27 @@ def test_nnx_scan_word_caches_bitwise_plain():
     assert same_bits(pw, pp)
     words = [c for c in jax.tree.leaves(cw) if np.asarray(c).dtype == np.uint16]
     assert words and all(np.asarray(w).shape[0] == 3 for w in words)  # word caches per layer
+
+
+def test_planner_prices_the_bytes_a_train_step_reports():
+    """Per tensor and layer, the bytes a real step reports for the whole step (forward gather,
+    the backward's re-gather where there is one, the gradient's reduce-scatter) are what
+    ``planner.step_wire_bytes`` prices for the tensor's mode; plain FSDP's are three shards."""
+    from ciera_jax import planner
+    from ciera_jax.wire import agreement_bytes
+
+    tc = _tc(plan="all", cache="word")
+    tr = build_trainer(tc, train_mesh(8))
+    ds = data.load_dataset(None, 256, tc.length)
+    state = tr.init_state(0)
+    for i in range(3):  # priming (plain fallbacks), then coded steps
+        state, m = tr.step(state, tr.batch(ds, 0, i))
+        for key, t in tr.tensors.items():
+            mode = tr.cache_modes[key] if tr.compress[key] else "plain"
+            for layer in range(t.stack or 1):
+                st = {k: int(v) for k, v in m["gather"][t.layer_key(layer)].items()}
+                shard = math.prod(t.shape) * 2 // tr.n  # bf16 bytes of one rank's shard
+                assert st["plain_bytes"] == shard and st["step_plain_bytes"] == 3 * shard
+                agree = agreement_bytes(mode) if mode != "plain" else 0
+                assert st["step_sent_bytes"] == planner.step_wire_bytes(
+                    mode, shard, st["sent_bytes"] - agree, agree), (key, mode, st)
