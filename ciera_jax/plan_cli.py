@@ -128,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"cache budget per GPU: " + ("unlimited" if budget is None
                                        else f"{budget / 1e9:.2f} GB")
           + f"; used {s['cache_bytes'] / 1e9:.2f} GB")
-    print(f"gather time per step: plain {s['gather_plain_s'] * 1e3:.2f} ms; "
+    print(f"communication per step (gathers + gradient reduce-scatter): plain "
+          f"{s['gather_plain_s'] * 1e3:.2f} ms; "
           f"planned within budget {s['gather_planned_s'] * 1e3:.2f} ms "
           f"({s['gather_speedup']:.2f}x, cache {s['cache_bytes'] / 1e9:.2f} GB/GPU); "
           f"unlimited memory {u['gather_planned_s'] * 1e3:.2f} ms "
