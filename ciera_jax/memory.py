@@ -12,7 +12,9 @@ Per GPU, for a config, ``N`` ranks on the fsdp axis and a plan (``{(layer, name)
     gradients    float32, shaped like params
     caches       per mode: exponent 1 B/element, word and "plain-noreshard" (FSDP that keeps the
                  gathered weights from forward to backward) 2 B/element (the bf16 word), full
-                 size; + a 1-byte ``primed`` flag per tensor and layer
+                 size; + a 1-byte ``primed`` flag per tensor and layer. A word cache is also
+                 what ``ciera train``'s backward reads (no second copy, no backward gather:
+                 ``tests/test_word_backward.py`` measures the compiled step against this)
     gathered     transient bf16 full weights: the layer being computed, ``prefetch`` layers
                  ahead, and the full cotangent of one layer before its reduce-scatter
     activations  an estimate for ``tokens_per_gpu`` tokens: with rematerialization the layer
