@@ -6,15 +6,13 @@ mode, so the two modes are priced on the same step pairs. After each sampled ste
 gathered tensor (each layer of a stack on its own), it takes the previous and the current bf16
 words on the host, splits them into the 8 FSDP shards along the tensor's FSDP axis, and prices:
 
-- exponent mode: ``b - 1`` payload bytes per weight plus the patches of the tier
-  ``costmodel.DEFAULT_LADDER`` picks for the MAX over shards of changed exponents (plain above
-  the top tier), as ``ciera_jax.collective.exchange`` sends it;
-- word mode (``ciera_jax.word_ladder``): ``d = ord(new) - ord(cached)``; escapes per code width
-  ``b`` (``|d| > code_limit(b)``) and raw words (``|d| > 127``), MAX over shards, priced by the
-  cheapest rung that holds them (``cheapest_fit``), over the ladder and over each width's
-  rungs alone (``word_b2``..``word_b4``: that width, else exponent mode or plain);
-- ``chosen``: the cheapest of the word rungs that fit, the exponent tiers that fit and plain;
-  ``ladder-first``: the cheapest fitting word rung, exponent mode only above the top rung;
+- exponent mode: ``b - 1`` payload bytes per weight plus the escape section of the rung that
+  holds the MAX over shards of changed exponents (:class:`ciera_jax.wire.ExponentWire`; above
+  the top rung the main plane and then a plain gather), as ``ciera_jax.collective`` sends it;
+- word mode: ``d = ord(new) - ord(cached)``; escapes per code width ``b`` (``|d| >
+  code_limit(b)``) and raw words (``|d| > 127``), MAX over shards, priced by
+  :class:`ciera_jax.wire.WordWire` at each width (``word_b2``..``word_b4``); ``word`` is the
+  width the gather uses (``wire.DEFAULT_CODE_BITS``);
 - the entropy bound: the empirical entropy of ``d`` per tensor, in bits per weight.
 
 Costs are bytes per weight of what one rank sends for its shard (plain bf16: 2.0), summed
@@ -32,8 +30,7 @@ phase, for the simulator (from the last config run)::
                 {"bytes_per_weight": {kind: float}, "overall": float}}}
 
 ``--counts-out PATH`` (.npz): the per-tensor, per-step shard-max counts, enough to price any
-other ladder; ``--propose N`` greedily picks an N-rung word ladder from a grid of presets on
-those counts and prints what it would send (a proposal, not an edit of ``word_ladder``).
+other wire table (``--from-counts PATH`` re-prices them without training).
 
     python benchmarks/weight_stability.py    # small, 300 steps: 20-60 min on 2 busy CPU cores
     python benchmarks/weight_stability.py --configs tiny --steps 100 --word-trace ''
@@ -43,7 +40,6 @@ those counts and prints what it would send (a proposal, not an edit of ``word_la
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import math
 import sys
@@ -54,7 +50,7 @@ import numpy as np
 
 from common import parser, write_results  # benchmarks/common.py, beside this script
 from ciera_jax import word_ladder as wl
-from ciera_jax.costmodel import DEFAULT_LADDER
+from ciera_jax.wire import CODE_BITS_CHOICES, DEFAULT_CODE_BITS, ExponentWire, WordWire
 
 N_SHARDS = 8  # the FSDP split the study prices, whatever mesh trains
 PHASES = ("warmup", "peak", "steady", "late")
@@ -81,8 +77,6 @@ def parse_args(argv=None):
     p.add_argument("--counts-out", default="", help="per-tensor counts (.npz) of the last config")
     p.add_argument("--from-counts", default="",
                    help="re-price a --counts-out file instead of training (--configs ignored)")
-    p.add_argument("--propose", type=int, default=0,
-                   help="greedily propose an N-rung word ladder measured on the last config")
     return p.parse_args(argv)
 
 
@@ -142,17 +136,8 @@ def pair_counts(old_LxS: np.ndarray, new_LxS: np.ndarray, axis: int) -> np.ndarr
 
 
 def exponent_bytes(n_local: int, changed: int, word_bytes: int) -> int:
-    """Bytes one rank sends in exponent mode (plain above the top tier)."""
-    tier = DEFAULT_LADDER.tier_for(n_local, changed)
-    if tier is None:
-        return n_local * word_bytes
-    return n_local * (word_bytes - 1) + tier.patch_bytes(n_local)
-
-
-def word_bytes_fit(n_local: int, esc: dict, raw: int, word_bytes: int, ladder) -> float:
-    """Bytes of the cheapest rung of ``ladder`` that holds the escapes; inf above the top."""
-    i = wl.cheapest_fit(n_local, word_bytes, esc, raw, ladder=ladder)
-    return math.inf if i is None else ladder[i].wire_bytes(n_local, word_bytes)
+    """Bytes one rank sends in exponent mode (the main plane and plain above the top rung)."""
+    return ExponentWire(n_local, word_bytes).sent_bytes(changed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,33 +146,28 @@ class Priced:
 
     plain: np.ndarray
     exponent: np.ndarray
-    word_b: dict  # code bits -> cheapest of that width's fitting rungs, exponent and plain
-    word_only: np.ndarray  # cheapest fitting word rung (inf above the top rung)
-    ladder_first: np.ndarray
-    chosen: np.ndarray
+    word_b: dict  # code bits -> word mode at that width (the main plane and plain above the top)
+    fallback: np.ndarray  # word mode at the default width falls back to plain
     entropy: np.ndarray  # the entropy bound, bytes
 
+    @property
+    def word(self) -> np.ndarray:
+        """Word mode as the gather sends it (the default code width)."""
+        return self.word_b[DEFAULT_CODE_BITS]
 
-def price(counts: np.ndarray, word_bytes: int = 2, ladder=wl.WORD_LADDER) -> Priced:
+
+def price(counts: np.ndarray, word_bytes: int = 2) -> Priced:
     """Price the tensor-layers (rows of :data:`COLS`) of one step."""
     rows = [dict(zip(COLS, r)) for r in counts]
     n = np.array([r["n_local"] for r in rows])
-    plain = n * word_bytes
     expo = np.array([exponent_bytes(int(r["n_local"]), int(r["exp"]), word_bytes) for r in rows],
                     np.float64)
-    esc = [{b: int(r[f"esc{b}"]) for b in wl.CODE_BITS} for r in rows]
-    word_only = np.array([word_bytes_fit(int(r["n_local"]), e, int(r["raw"]), word_bytes, ladder)
-                          for r, e in zip(rows, esc)])
-    word_b = {}
-    for b in wl.CODE_BITS:
-        sub = tuple(r for r in ladder if r.code_bits == b)
-        wb = np.array([word_bytes_fit(int(r["n_local"]), e, int(r["raw"]), word_bytes, sub)
-                       if sub else math.inf for r, e in zip(rows, esc)])
-        word_b[b] = np.minimum(np.minimum(wb, expo), plain)
-    ladder_first = np.where(np.isfinite(word_only), word_only, expo)
-    chosen = np.minimum(np.minimum(word_only, expo), plain)
+    word_b = {b: np.array([WordWire(int(r["n_local"]), word_bytes, b).sent_bytes(
+        int(r[f"esc{b}"]), int(r["raw"])) for r in rows], np.float64) for b in CODE_BITS_CHOICES}
+    fallback = np.array([WordWire(int(r["n_local"]), word_bytes).rung(
+        int(r[f"esc{DEFAULT_CODE_BITS}"]), int(r["raw"])) is None for r in rows])
     entropy = n * np.array([r["ent_bits"] for r in rows]) / 8
-    return Priced(plain, expo, word_b, word_only, ladder_first, chosen, entropy)
+    return Priced(n * word_bytes, expo, word_b, fallback, entropy)
 
 
 # ----------------------------------------------------------------------------- training
@@ -297,39 +277,34 @@ def phase_of(t: int, steps: int, warmup: int) -> list[str]:
     return out
 
 
-METHODS = ("plain", "exponent", "word_b2", "word_b3", "word_b4", "ladder_first", "chosen",
-           "entropy")
+METHODS = ("plain", "exponent", "word_b2", "word_b3", "word_b4", "word", "entropy")
 
 
 def method_arrays(p: Priced) -> dict:
     return {"plain": p.plain, "exponent": p.exponent, "word_b2": p.word_b[2],
-            "word_b3": p.word_b[3], "word_b4": p.word_b[4], "ladder_first": p.ladder_first,
-            "chosen": p.chosen, "entropy": p.entropy}
+            "word_b3": p.word_b[3], "word_b4": p.word_b[4], "word": p.word,
+            "entropy": p.entropy}
 
 
-def summarize(run: dict, ladder=wl.WORD_LADDER) -> dict:
+def summarize(run: dict) -> dict:
     """Per step, per phase and per kind bytes/weight of every method; the target checks."""
     counts, kinds, wb = run["counts"], run["kinds"], run["word_bytes"]
     kind_names = sorted(set(kinds))
     kind_idx = {k: np.array([i for i, x in enumerate(kinds) if x == k]) for k in kind_names}
     n = counts[0][:, 0]
     series = {m: [] for m in METHODS}
-    by_kind_series = {k: {m: [] for m in ("exponent", "chosen", "ladder_first", "entropy")}
-                      for k in kind_names}
-    choice = {"word": 0, "exponent": 0, "plain": 0, "above_top_rung": 0}
+    by_kind_series = {k: {m: [] for m in ("exponent", "word", "entropy")} for k in kind_names}
+    choice = {"word": 0, "fallback": 0}
     for c in counts:
-        p = price(c, wb, ladder)
+        p = price(c, wb)
         arrs = method_arrays(p)
         for m in METHODS:
             series[m].append(float(arrs[m].sum() / n.sum()))
         for k, idx in kind_idx.items():
             for m in by_kind_series[k]:
                 by_kind_series[k][m].append(float(arrs[m][idx].sum() / n[idx].sum()))
-        word_won = p.word_only <= np.minimum(p.exponent, p.plain)
-        choice["word"] += int(word_won.sum())
-        choice["exponent"] += int((~word_won & (p.exponent <= p.plain)).sum())
-        choice["plain"] += int((~word_won & (p.exponent > p.plain)).sum())
-        choice["above_top_rung"] += int((~np.isfinite(p.word_only)).sum())
+        choice["fallback"] += int(p.fallback.sum())
+        choice["word"] += int((~p.fallback).sum())
     steps = run["sample_steps"]
     phases = {}
     for ph in PHASES:
@@ -344,64 +319,20 @@ def summarize(run: dict, ladder=wl.WORD_LADDER) -> dict:
             "by_kind": {k: {m: float(np.mean([v[m][i] for i in sel])) for m in v}
                         for k, v in by_kind_series.items()},
         }
-    excess_lf = [a - b for a, b in zip(series["ladder_first"], series["exponent"])]
-    excess_ch = [a - b for a, b in zip(series["chosen"], series["exponent"])]
-    worst = int(np.argmax(excess_lf))
+    excess = [a - b for a, b in zip(series["word"], series["exponent"])]
+    worst = int(np.argmax(excess))
     targets = {}
     if "steady" in phases:
-        r = phases["steady"]["bytes_per_weight"]["chosen"] / 2
-        targets["steady_word_over_plain"] = {"value": r, "target": 0.32, "ok": r <= 0.32}
+        r = phases["steady"]["bytes_per_weight"]["word"] / 2
+        targets["steady_word_over_plain"] = {"value": r, "target": 0.29, "ok": r <= 0.29}
     if "peak" in phases:
-        r = phases["peak"]["bytes_per_weight"]["chosen"] / 2
+        r = phases["peak"]["bytes_per_weight"]["word"] / 2
         targets["peak_word_over_plain"] = {"value": r, "target": 0.5, "ok": r <= 0.5}
-    targets["max_step_chosen_minus_exponent"] = {
-        "value": max(excess_ch), "target": 0.02, "ok": max(excess_ch) <= 0.02}
-    targets["max_step_ladder_first_minus_exponent"] = {
-        "value": excess_lf[worst], "step": steps[worst], "target": 0.02,
-        "ok": excess_lf[worst] <= 0.02}
+    targets["max_step_word_minus_exponent"] = {
+        "value": excess[worst], "step": steps[worst], "target": 0.02, "ok": excess[worst] <= 0.02}
     return {"phases": phases, "targets": targets, "choices": choice,
             "series": {"step": steps, "lr": run["lr"], "loss": run["loss"], **series,
                        "by_kind": by_kind_series}}
-
-
-def ladder_json(ladder) -> list:
-    return [{"code_bits": r.code_bits, "level1_frac": r.level1_frac,
-             "level2_frac": r.level2_frac} for r in ladder]
-
-
-# ----------------------------------------------------------------------------- a better ladder?
-
-def candidate_rungs() -> list:
-    """A grid of presets: every code width, level-1 capacities n/64..n/2, level-2 n/2048..n/16."""
-    l1 = [2.0 ** -k for k in range(1, 7)]
-    l2 = [2.0 ** -k for k in range(4, 12)]
-    return [wl.WordRung(b, a, c) for b, a, c in itertools.product(wl.CODE_BITS, l1, l2) if c <= a]
-
-
-def total_bytes(counts: np.ndarray, word_bytes: int, ladder, rows=None) -> float:
-    """Bytes of the chosen mode summed over all sampled steps (or the rows given)."""
-    sel = counts if rows is None else counts[rows]
-    return float(sum(price(c, word_bytes, ladder).chosen.sum() for c in sel))
-
-
-def propose(run: dict, size: int) -> list:
-    """Greedy forward selection of ``size`` rungs from :func:`candidate_rungs`, each round
-    adding the rung that lowers the chosen bytes summed over the samples of the run most."""
-    counts, wb = run["counts"], run["word_bytes"]
-    # Pre-price every candidate once: bytes per (sample, tensor), inf where it does not fit.
-    cands = candidate_rungs()
-    flat = counts.reshape(-1, counts.shape[-1])
-    base = np.array([min(exponent_bytes(int(r[0]), int(r[5]), wb), r[0] * wb) for r in flat])
-    esc = [{b: int(r[i + 1]) for i, b in enumerate(wl.CODE_BITS)} for r in flat]
-    cost = np.array([[c.wire_bytes(int(r[0]), wb) if c.fits(int(r[0]), e[c.code_bits], int(r[4]))
-                      else math.inf for r, e in zip(flat, esc)] for c in cands])
-    chosen, best = [], base.copy()
-    for _ in range(size):
-        totals = np.minimum(cost, best).sum(axis=1)
-        i = int(np.argmin(totals))
-        chosen.append(cands[i])
-        best = np.minimum(best, cost[i])
-    return sorted(chosen, key=lambda r: r.wire_bytes(1 << 16, wb))
 
 
 # ----------------------------------------------------------------------------- output
@@ -412,20 +343,20 @@ def print_tables(res: dict) -> None:
           f"{res['lr_peak']}, {len(res['summary']['series']['step'])} step pairs priced; "
           "bytes per weight one rank sends (plain bf16 = 2.00)")
     print(f"{'phase':<8}{'steps':>10}{'lr':>9}{'exponent':>10}{'word 2b':>9}{'3b':>7}{'4b':>7}"
-          f"{'ladder-1st':>11}{'chosen':>8}{'/plain':>8}{'H bits':>8}")
+          f"{'word':>8}{'/plain':>8}{'H bits':>8}")
     for ph, v in s["phases"].items():
         b = v["bytes_per_weight"]
         print(f"{ph:<8}{'%d-%d' % tuple(v['steps']):>10}{v['mean_lr']:>9.1e}{b['exponent']:>10.3f}"
               f"{b['word_b2']:>9.3f}{b['word_b3']:>7.3f}{b['word_b4']:>7.3f}"
-              f"{b['ladder_first']:>11.3f}{b['chosen']:>8.3f}{b['chosen'] / 2:>8.3f}"
-              f"{8 * b['entropy']:>8.2f}")
+              f"{b['word']:>8.3f}{b['word'] / 2:>8.3f}{8 * b['entropy']:>8.2f}")
     kinds = sorted(next(iter(s["phases"].values()))["by_kind"])
-    print("\nper kind: exponent / chosen word mode (B/weight), entropy of d (bits/weight)")
+    print(f"\nper kind: exponent / word mode at {DEFAULT_CODE_BITS} bits (B/weight), entropy of d "
+          "(bits/weight)")
     print(f"{'phase':<8}" + "".join(f"{k:>22}" for k in kinds))
     for ph, v in s["phases"].items():
         cells = (v["by_kind"][k] for k in kinds)
         print(f"{ph:<8}" + "".join(
-            f"{'%.3f / %.3f / %.2f' % (c['exponent'], c['chosen'], 8 * c['entropy']):>22}"
+            f"{'%.3f / %.3f / %.2f' % (c['exponent'], c['word'], 8 * c['entropy']):>22}"
             for c in cells))
     print(f"\nchoices (tensor-steps): {s['choices']}")
     for name, t in s["targets"].items():
@@ -444,8 +375,7 @@ def plot(results: list[dict], path: Path) -> None:
         s = res["summary"]["series"]
         ax = axes[0][j]
         ax.plot(s["step"], s["exponent"], label="exponent mode", lw=1.2)
-        ax.plot(s["step"], s["ladder_first"], label="word mode, ladder first", lw=1, ls="--")
-        ax.plot(s["step"], s["chosen"], label="word mode, cheapest of all", lw=1.4)
+        ax.plot(s["step"], s["word"], label=f"word mode, {DEFAULT_CODE_BITS}-bit codes", lw=1.4)
         ax.plot(s["step"], s["entropy"], label="entropy bound of d",
                 lw=1, color="grey", ls=":")
         ax.axhline(2.0, color="k", lw=0.8, ls="-.", label="plain bf16")
@@ -454,7 +384,7 @@ def plot(results: list[dict], path: Path) -> None:
         ax.set_ylabel("bytes per weight (all gathered tensors)")
         st = res["summary"]["phases"].get("steady", {}).get("bytes_per_weight", {})
         ax.set_title(f"{res['config']}: steady exponent {st.get('exponent', math.nan):.3f}, "
-                     f"word {st.get('chosen', math.nan):.3f} B/weight")
+                     f"word {st.get('word', math.nan):.3f} B/weight")
         lr_ax = ax.twinx()
         lr_ax.plot(s["step"], s["lr"], color="grey", alpha=0.4, lw=1.5)
         lr_ax.set_ylabel("learning rate", color="grey")
@@ -462,7 +392,7 @@ def plot(results: list[dict], path: Path) -> None:
         ax = axes[1][j]
         for i, (kind, v) in enumerate(sorted(s["by_kind"].items())):
             color = f"C{i}"
-            ax.plot(s["step"], v["chosen"], color=color, lw=1.2, label=f"{kind} word")
+            ax.plot(s["step"], v["word"], color=color, lw=1.2, label=f"{kind} word")
             ax.plot(s["step"], v["exponent"], color=color, lw=0.8, ls=":")
         ax.set_ylim(0, 2.1)
         ax.set_xlabel("step")
@@ -479,12 +409,13 @@ def word_trace(res: dict) -> dict:
     return {"format": "ciera-word-trace/1",
             "source": f"measured by benchmarks/weight_stability.py: {res['config']}, "
                       f"{res['steps']} steps, warm-up {res['warmup_steps']}, peak lr "
-                      f"{res['lr_peak']}, cosine to 10%; word mode (cheapest of the word rungs "
-                      f"of ciera_jax.word_ladder, exponent mode and plain, per tensor and step, "
-                      f"max over {N_SHARDS} FSDP shards), bytes one rank sends per bf16 weight",
-            "phases": {p: {"bytes_per_weight": {k: v["chosen"]
+                      f"{res['lr_peak']}, cosine to 10%; word mode as ciera_jax.wire prices it "
+                      f"({DEFAULT_CODE_BITS}-bit codes, the plain fallback included, per tensor "
+                      f"and step, max over {N_SHARDS} FSDP shards), bytes one rank sends per "
+                      f"bf16 weight",
+            "phases": {p: {"bytes_per_weight": {k: v["word"]
                                                 for k, v in ph[p]["by_kind"].items()},
-                           "overall": ph[p]["bytes_per_weight"]["chosen"]}
+                           "overall": ph[p]["bytes_per_weight"]["word"]}
                        for p in PHASES if p in ph}}
 
 
@@ -519,28 +450,11 @@ def main(argv=None) -> int:
         runs.append(run)
         res = {k: v for k, v in run.items() if k not in ("counts", "layer_keys", "kinds",
                                                           "sample_steps", "lr", "loss")}
-        res["ladder"] = ladder_json(wl.WORD_LADDER)
+        res["code_bits"] = DEFAULT_CODE_BITS
         res["summary"] = summarize(run)
         results.append(res)
         print_tables(res)
     last = runs[-1]
-    if args.propose:
-        ladder = propose(last, args.propose)
-        s = summarize(last, ladder)
-        results[-1]["proposed_ladder"] = {"ladder": ladder_json(ladder),
-                                          "phases": {p: v["bytes_per_weight"]
-                                                     for p, v in s["phases"].items()},
-                                          "targets": s["targets"]}
-        print(f"\nproposed ladder ({args.propose} rungs, greedy on this run):")
-        for r in ladder:
-            print(f"  WordRung({r.code_bits}, 1/{round(1 / r.level1_frac)}, "
-                  f"1/{round(1 / r.level2_frac)})  "
-                  f"{r.wire_bytes(1 << 16, 2) / (1 << 16):.3f} B/weight")
-        for p, v in s["phases"].items():
-            print(f"  {p:<8} chosen {v['bytes_per_weight']['chosen']:.3f} B/weight, ladder-first "
-                  f"{v['bytes_per_weight']['ladder_first']:.3f}")
-        for name, t in s["targets"].items():
-            print(f"  target {name}: {t['value']:.3f} {'ok' if t['ok'] else 'MISSED'}")
     if args.counts_out:
         save_counts(args.counts_out, last)
     write_results(args.out, results)

@@ -14,9 +14,10 @@ Phases, per tensor:
 2. agree: one ``pmax`` over the counts of *all* tensors gathered together, over every manual
    mesh axis, so the rungs are the same on every rank.
 3. exchange: one unconditional all-gather of the main plane (payload or code plane, with the
-   sender's checksum), escape sections at the agreed rung (:mod:`ciera_jax.transfer`), one
-   decode, one self-check. Above the top rung or on an unprimed cache, a ``lax.cond`` falls
-   back to a plain gather of the bits, which re-primes the cache.
+   sender's checksum), the escape section at the agreed rung (:mod:`ciera_jax.transfer`), one
+   decode, one self-check. Above the top rung or on an unprimed cache, the main transfer
+   carries the head of the shard's bits instead and a ``lax.cond`` gathers the rest: a plain
+   gather of the bits, in plain's bytes, which re-primes the cache.
 
 Each compressed tensor thus has one codec in the compiled step, and its main transfer is
 outside any conditional, where XLA can overlap it with compute. Wire sizes: :mod:`ciera_jax.wire`.
@@ -43,8 +44,8 @@ from ciera_jax import codec, exponent_option, selfcheck, transfer, validation, w
 from ciera_jax.cache import ExponentCache, WordCache, is_cache
 from ciera_jax.exponent_option import Encoded
 from ciera_jax.gradient import attach_gather_grad
-from ciera_jax.layout import gathered_shape
-from ciera_jax.wire import AGREEMENT_BYTES, DEFAULT_CODE_BITS, agreement_bytes
+from ciera_jax.layout import gathered_shape, rows_to_full
+from ciera_jax.wire import AGREEMENT_BYTES, CHECKSUM_BYTES, DEFAULT_CODE_BITS, agreement_bytes
 from ciera_jax.word_option import WordEncoded
 
 __all__ = ["AGREEMENT_BYTES", "Encoded", "IMPLS", "MODE_EXPONENT", "MODE_PLAIN", "MODE_WORD",
@@ -212,25 +213,26 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
     dtype = np.dtype(x.dtype)
     x_bits = codec.to_bits(lax.stop_gradient(x))
     option, cached = ((word_option, cache.words) if word else (exponent_option, cache.exp))
-    decoded, failed, rung, fallback, section = option.exchange(e, cached, agreed, axis_name,
-                                                               dtype, impl)
-    operands = (x_bits, decoded, cache)
+    decoded, failed, rung, fallback, section, main_NxL = option.exchange(
+        e, cached, agreed, x_bits, axis_name, dtype, impl)
+    operands = (x_bits, decoded, cache, main_NxL)
 
     def plain(args):
-        bits, _ = args
-        full = codec.from_bits(
-            lax.all_gather(bits, axis_name, axis=e.axis, tiled=True, to="invarying"), dtype)
+        bits, main, _ = args
+        rows = transfer.plain_rest(main, bits, axis_name)
+        full = codec.from_bits(rows_to_full(rows, e.shard_shape, e.axis), dtype)
         return transfer.varying_like(full, operands, axis_name)
 
     def compressed(args):
-        return transfer.varying_like(args[1], operands, axis_name)
+        return transfer.varying_like(args[2], operands, axis_name)
 
     # The one conditional with a large transfer: taken only when some rank overflowed the
     # top rung or a cache is unprimed (the agreement makes ``fallback`` rank-invariant).
-    full = lax.cond(fallback, plain, compressed, (x_bits, decoded))
+    full = lax.cond(fallback, plain, compressed, (x_bits, main_NxL, decoded))
     wire = e.wire
     caps = wire.caps1 if word else wire.caps
-    sent = wire.main_bytes + section + jnp.where(fallback, wire.n * dtype.itemsize, 0)
+    sent = jnp.where(fallback, wire.n * dtype.itemsize + CHECKSUM_BYTES,
+                     wire.main_bytes + section)
     stats = dict(
         sent_bytes=(sent + agreement_bytes("word" if word else "exponent")).astype(jnp.int32),
         plain_bytes=jnp.int32(wire.n * dtype.itemsize),

@@ -83,15 +83,15 @@ def encode(x, cached_exp, primed, axis: int, n_ranks: int, csum, impl: str) -> E
     return Encoded(payload, summary_S, listed_C, patch_exp, count, demand, csum, axis, n_ranks)
 
 
-def exchange(e: Encoded, cache_exp, agreed, axis_name, dtype, impl: str):
-    """Returns ``(decoded full, failed shards, rung, overflow, section bytes sent)``; on
-    overflow the caller falls back to a plain gather (``decoded`` is then meaningless)."""
+def exchange(e: Encoded, cache_exp, agreed, x_bits, axis_name, dtype, impl: str):
+    """Returns ``(decoded full, failed shards, rung, overflow, section bytes sent, main rows)``;
+    on overflow the main rows carry the head of the shards' bits and the caller finishes with
+    :func:`ciera_jax.transfer.plain_rest` (``decoded`` is then meaningless)."""
     wire = e.wire
     n, n_planes = wire.n, e.payload.shape[0]
-    main_NxL, sent_N = selfcheck.split_checksums(transfer.gather_rows(
-        selfcheck.with_checksum(e.payload.reshape(-1), e.checksum), axis_name))
-
     rung, overflow = transfer.pick_rung(wire.caps, agreed)
+    main_NxL, sent_N = transfer.gather_main(e.payload.reshape(-1), x_bits, overflow,
+                                            e.checksum, axis_name)
     n_summary = wire.summary_words
     summary_NxS, listed_NxC, patch_NxK = transfer.gather_section(
         [e.summary, e.flag_words, e.patch_exp],
@@ -110,4 +110,5 @@ def exchange(e: Encoded, cache_exp, agreed, axis_name, dtype, impl: str):
     full_Nxn = kernels.decode(exp_Nxn, payload_PxNxn, dtype, impl=impl)
     full = rows_to_full(full_Nxn, e.shard_shape, e.axis)
     sent = transfer.section_bytes(wire.section_sizes, rung)
-    return full, selfcheck.failed_shards(full, sent_N, e.axis), rung, overflow, sent
+    return (full, selfcheck.failed_shards(full, sent_N, e.axis), rung, overflow, sent,
+            main_NxL)

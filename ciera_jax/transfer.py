@@ -19,10 +19,36 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ciera_jax import selfcheck
+
 
 def gather_rows(buf_L: jax.Array, axis_name) -> jax.Array:
     """(L,) per rank -> (N, L), rank-major, the same on every rank."""
     return lax.all_gather(buf_L, axis_name, axis=0, tiled=False, to="invarying")
+
+
+def gather_main(plane_L: jax.Array, bits: jax.Array, fallback: jax.Array, csum: jax.Array,
+                axis_name):
+    """The main transfer, unconditional: every rank's plane (uint8) and checksum; returns
+    (rows (N, L), every rank's checksum (N,)).
+
+    On a fallback step (``fallback``: rank-invariant) the same bytes carry the first L bytes
+    of the shard's bits instead, so the plain gather that follows sends only the rest
+    (:func:`plain_rest`) and a fallback step costs what a plain gather does.
+    """
+    head = _to_bytes(bits.reshape(-1))[:plane_L.shape[0]]
+    plane = jnp.where(fallback, head, plane_L)
+    return selfcheck.split_checksums(gather_rows(selfcheck.with_checksum(plane, csum),
+                                                 axis_name))
+
+
+def plain_rest(main_NxL: jax.Array, bits: jax.Array, axis_name) -> jax.Array:
+    """The fallback's transfer: the bytes of the shard's bits past what the main transfer
+    carried; returns every rank's bits (N, n) in the bits' dtype."""
+    shard_bytes = _to_bytes(bits.reshape(-1))
+    rest = gather_rows(shard_bytes[main_NxL.shape[1]:], axis_name)
+    rows = jnp.concatenate([main_NxL, rest], axis=1)
+    return _from_bytes(rows, bits.dtype, bits.size)
 
 
 def _to_bytes(a: jax.Array) -> jax.Array:

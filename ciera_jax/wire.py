@@ -17,8 +17,8 @@ Every compressed gather has two parts (:mod:`ciera_jax.collective`):
   ``LEVEL2`` escape), level 2 sized at 1/16 of level 1.
 
 Above the top rung, or on an unprimed cache, the gather falls back to a plain all-gather of the
-bits (the one conditional with a large transfer, taken on rare steps); the main plane has
-travelled by then, so such a step sends ``main + plain`` bytes.
+bits (the one conditional with a large transfer, taken on rare steps). The main transfer
+carries the head of the bits on such a step, so it costs plain's bytes and the checksum.
 
 Capacities are fractions of the shard's ``n`` elements. This module is pure Python: the
 collective, the cost model, the simulator and the benchmarks all price these numbers.
@@ -94,6 +94,12 @@ class ExponentWire:
     def main_bytes(self) -> int:
         return self.n * (self.word_bytes - 1) + CHECKSUM_BYTES
 
+    @property
+    def fallback_bytes(self) -> int:
+        """A fallback step: the main transfer carries the head of the bits, a plain one the
+        rest; the checksum still travels."""
+        return self.n * self.word_bytes + CHECKSUM_BYTES
+
     def section_bytes(self, rung: int) -> int:
         """Nothing when no rank changed an exponent, else the summary, the rung's flag words
         and exponents."""
@@ -105,11 +111,11 @@ class ExponentWire:
         return tuple(self.section_bytes(k) for k in range(len(self.caps)))
 
     def sent_bytes(self, changed: int) -> int:
-        """Bytes one rank sends when the most changed exponents on any rank is ``changed``;
-        above the top rung the main plane has travelled too, then the plain fallback."""
+        """Bytes one rank sends when the most changed exponents on any rank is ``changed``
+        (above the top rung: the shard's bits and the checksum)."""
         k = rung_for(self.caps, changed)
         if k is None:
-            return self.main_bytes + self.n * self.word_bytes
+            return self.fallback_bytes
         return self.main_bytes + self.section_bytes(k)
 
 
@@ -140,6 +146,10 @@ class WordWire:
     def main_bytes(self) -> int:
         return code_bytes(self.n, self.code_bits) + CHECKSUM_BYTES
 
+    @property
+    def fallback_bytes(self) -> int:
+        return self.n * self.word_bytes + CHECKSUM_BYTES
+
     def section_bytes(self, rung: int) -> int:
         return self.caps1[rung] + self.caps2[rung] * self.word_bytes
 
@@ -155,10 +165,10 @@ class WordWire:
     def sent_bytes(self, escapes: int, raw: int) -> int:
         """Bytes one rank sends when the most escapes (``|d| > code limit``) on any rank is
         ``escapes`` and the most raw words (``|d| > 127``) is ``raw`` (above the top rung:
-        the main plane, then the plain fallback)."""
+        the shard's bits and the checksum)."""
         k = self.rung(escapes, raw)
         if k is None:
-            return self.main_bytes + self.n * self.word_bytes
+            return self.fallback_bytes
         return self.main_bytes + self.section_bytes(k)
 
 

@@ -88,17 +88,17 @@ def encode(x, cached_words, primed, axis: int, n_ranks: int, csum, impl: str,
                        tuple(x.shape))
 
 
-def exchange(e: WordEncoded, cache_words, agreed, axis_name, dtype, impl: str):
-    """Returns ``(decoded full, failed shards, rung, overflow, escape bytes sent)``;
-    on overflow the caller falls back to a plain gather (``decoded`` is then meaningless)."""
+def exchange(e: WordEncoded, cache_words, agreed, x_bits, axis_name, dtype, impl: str):
+    """Returns ``(decoded full, failed shards, rung, overflow, escape bytes sent, main rows)``;
+    on overflow the main rows carry the head of the shards' bits and the caller finishes with
+    :func:`ciera_jax.transfer.plain_rest` (``decoded`` is then meaningless)."""
     wire, b = e.wire, e.code_bits
     n = wire.n
-    main_NxL, sent_N = selfcheck.split_checksums(transfer.gather_rows(
-        selfcheck.with_checksum(e.codes, e.checksum), axis_name))
     rung1, over1 = transfer.pick_rung(wire.caps1, agreed[ESCAPES])
     rung2, over2 = transfer.pick_rung(wire.caps2, agreed[RAW])
     overflow = over1 | over2
     rung = jnp.where(overflow, 0, jnp.maximum(rung1, rung2))
+    main_NxL, sent_N = transfer.gather_main(e.codes, x_bits, overflow, e.checksum, axis_name)
     level1_NxC, level2_NxC = transfer.gather_section([e.level1, e.level2],
                                                      [wire.caps1, wire.caps2], rung, axis_name)
 
@@ -118,4 +118,5 @@ def exchange(e: WordEncoded, cache_words, agreed, axis_name, dtype, impl: str):
     bits_Nxn = jnp.where(esc_Nxn, escaped_Nxn, dense_Nxn)
     full = codec.from_bits(rows_to_full(bits_Nxn, e.shard_shape, e.axis), dtype)
     sent = transfer.section_bytes(wire.section_sizes, rung)
-    return full, selfcheck.failed_shards(full, sent_N, e.axis), rung, overflow, sent
+    return (full, selfcheck.failed_shards(full, sent_N, e.axis), rung, overflow, sent,
+            main_NxL)

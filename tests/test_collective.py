@@ -126,5 +126,5 @@ def test_stats_report_changed_counts_and_plain_bytes():
     agreement = 4  # the changed-exponent count in the pmax
     assert (s1["sent_bytes"] == wire.sent_bytes(max(per_rank_changed)) + agreement).all()
     assert (s1["verify_failed"] == 0).all()
-    # Priming: the main plane travels unconditionally, then the plain fallback.
-    assert (s0["sent_bytes"] == wire.main_bytes + 2 * n_local + agreement).all()
+    # Priming: the main transfer carries the head of the bits, the fallback the rest.
+    assert (s0["sent_bytes"] == 2 * n_local + 4 + agreement).all()

@@ -65,9 +65,10 @@ def _with_exponent_changes(w, k):
 def test_plain_priced_as_sent(mesh):
     w = _base()
     cache = ciera_jax.init_cache(w.shape, w.dtype)
-    _, stats = _gather(mesh, w, cache)  # unprimed: the main plane, then the plain fallback
-    main = ExponentWire(N_LOCAL, 2).main_bytes
-    assert np.all(stats["sent_bytes"] == main + N_LOCAL * 2 + agreement_bytes("exponent"))
+    _, stats = _gather(mesh, w, cache)  # unprimed: the plain fallback (and the checksum)
+    fallback = ExponentWire(N_LOCAL, 2).fallback_bytes
+    assert np.all(stats["sent_bytes"] == fallback + agreement_bytes("exponent"))
+    assert fallback == N_LOCAL * 2 + 4
     assert cm.gather_cost("plain", w.size, N, 2, LINK).wire_bytes == N * N_LOCAL * 2
 
 
