@@ -1,8 +1,10 @@
-"""What every benchmark shares: the command-line flags, the JSON envelope, the output folder.
+"""What every benchmark shares: the command-line flags, the JSON envelope, the output folder,
+the table printer.
 
 Every benchmark has a ``main(argv=None)`` built on :func:`parser` (``--out`` for the JSON,
 ``--png`` where it draws a plot) and writes its results with :func:`write_results`, which wraps
 them in the same envelope: the machine, the library versions, the command line and the date.
+Tables printed as they are measured go through :func:`print_table`.
 Default outputs go under ``benchmarks/results/``. The package is installed (``pip install -e
 .``), so nothing here edits ``sys.path``.
 """
@@ -16,6 +18,7 @@ import os
 import platform
 import sys
 from pathlib import Path
+from typing import Any, Callable, Sequence, Union
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -72,3 +75,26 @@ def _plain(x):
     if hasattr(x, "tolist"):
         return x.tolist()
     raise TypeError(f"not JSON serializable: {type(x).__name__}")
+
+
+# A column: (header, width, cell), where cell is a row key, (row key, format spec), or a function
+# of the row that returns the text. Numbers right-aligned in ``width`` characters.
+Column = tuple[str, int, Union[str, tuple[str, str], Callable[[dict], Any]]]
+
+
+def print_table(rows: Sequence[dict], columns: Sequence[Column], header: bool = True) -> None:
+    """Print ``rows`` as fixed-width columns (one line each, flushed: benchmarks print rows as
+    they are measured), with a header line first unless ``header`` is False."""
+    if header:
+        print(" ".join(f"{name:>{width}}" for name, width, _ in columns), flush=True)
+    for r in rows:
+        cells = []
+        for _, width, cell in columns:
+            if callable(cell):
+                text = str(cell(r))
+            elif isinstance(cell, tuple):
+                text = format(r[cell[0]], cell[1])
+            else:
+                text = str(r[cell])
+            cells.append(f"{text:>{width}}")
+        print(" ".join(cells), flush=True)

@@ -39,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import parser, write_results  # benchmarks/common.py, beside this script
+from common import parser, print_table, write_results  # benchmarks/common.py, beside this script
 
 HERE = Path(__file__).resolve().parent
 WORKER = "mp_gather_bench_worker"
@@ -118,28 +118,27 @@ def aggregate_word(results: list[dict], link: str, procs: int) -> list[dict]:
     return rows
 
 
-def print_word_rows(rows: list[dict]) -> None:
-    print(f"{'link':>9} {'procs':>5} {'MB':>4} {'plain ms':>9} {'exp ms':>8} {'word ms':>8} "
-          f"{'t exp/p':>8} {'t word/p':>8} {'wire exp':>8} {'wire word':>9} {'bits':>4}")
-    for r in rows:
-        print(f"{r['link']:>9} {r['procs']:>5} {r['mb']:4.0f} {r['plain_s'] * 1e3:9.2f} "
-              f"{r['exponent_s'] * 1e3:8.2f} {r['word_s'] * 1e3:8.2f} "
-              f"{r['exponent_time_ratio']:8.2f} {r['word_time_ratio']:8.2f} "
-              f"{r['exponent_wire_ratio']:8.3f} {r['word_wire_ratio']:9.3f} "
-              f"{r['word_stats']['code_bits']:>4}", flush=True)
+def _ms(key):
+    return lambda r: f"{r[key] * 1e3:.2f}"
 
 
-def print_rows(rows: list[dict], header: bool) -> None:
-    if header:
-        print(f"{'link':>9} {'procs':>5} {'dev':>3} {'MB':>4} {'churn':>6} {'plain ms':>9} "
-              f"{'ciera ms':>9} {'t ciera/plain':>13} {'wire c/p':>8} {'plain GB/s':>10} "
-              f"{'chk/ciera':>9} {'fused +':>8} {'fb':>2}")
-    for r in rows:
-        print(f"{r['link']:>9} {r['procs']:>5} {r['devices']:>3} {r['mb']:4.0f} "
-              f"{r['churn']:6.2%} {r['plain_s'] * 1e3:9.2f} {r['ciera_s'] * 1e3:9.2f} "
-              f"{r['time_ratio']:13.2f} {r['wire_ratio']:8.3f} {r['plain_recv_GBps']:10.3f} "
-              f"{r['checksum_vs_ciera']:9.1%} {r['checked_vs_ciera']:8.1%} "
-              f"{'y' if r['fallback'] else '-':>2}", flush=True)
+WORD_COLUMNS = [
+    ("link", 9, "link"), ("procs", 5, "procs"), ("MB", 4, ("mb", ".0f")),
+    ("plain ms", 9, _ms("plain_s")), ("exp ms", 8, _ms("exponent_s")),
+    ("word ms", 8, _ms("word_s")), ("t exp/p", 8, ("exponent_time_ratio", ".2f")),
+    ("t word/p", 8, ("word_time_ratio", ".2f")), ("wire exp", 8, ("exponent_wire_ratio", ".3f")),
+    ("wire word", 9, ("word_wire_ratio", ".3f")),
+    ("bits", 4, lambda r: r["word_stats"]["code_bits"]),
+]
+
+COLUMNS = [
+    ("link", 9, "link"), ("procs", 5, "procs"), ("dev", 3, "devices"), ("MB", 4, ("mb", ".0f")),
+    ("churn", 6, ("churn", ".2%")), ("plain ms", 9, _ms("plain_s")),
+    ("ciera ms", 9, _ms("ciera_s")), ("t ciera/plain", 13, ("time_ratio", ".2f")),
+    ("wire c/p", 8, ("wire_ratio", ".3f")), ("plain GB/s", 10, ("plain_recv_GBps", ".3f")),
+    ("chk/ciera", 9, ("checksum_vs_ciera", ".1%")), ("fused +", 8, ("checked_vs_ciera", ".1%")),
+    ("fb", 2, lambda r: "y" if r["fallback"] else "-"),
+]
 
 
 def parse_results(outs: list[str]) -> list[dict]:
@@ -203,9 +202,9 @@ def main(argv=None) -> int:
             for r in new:
                 r["launch_s"] = time.perf_counter() - t_launch
             if new:
-                print_rows(new, header=not rows)
+                print_table(new, COLUMNS, header=not rows)
             if new_word:
-                print_word_rows(new_word)
+                print_table(new_word, WORD_COLUMNS)
             rows += new
             word_rows += new_word
     elapsed = time.perf_counter() - t0

@@ -37,7 +37,7 @@ import numpy as np
 
 from ciera_jax import checksum, codec, wordcodec
 from ciera_jax import kernels as K
-from common import parser, write_results  # benchmarks/common.py, beside this script
+from common import parser, print_table, write_results  # benchmarks/common.py, beside this script
 
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
 PALLAS = ("mosaic", "triton")  # kernel backends, timed on GPU only
@@ -180,13 +180,11 @@ def _word_rows(dtype_name, mb, x, impls, reps, copy_gbps) -> list[dict]:
     return rows
 
 
-def print_table(rows: list[dict]) -> None:
-    print(f"{'dtype':>5} {'MB':>6} {'impl':>14} {'op':>16} {'ms':>9} {'GB/s':>8} "
-          f"{'copy GB/s':>9} {'vs copy':>7}")
-    for r in rows:
-        print(f"{r['dtype']:>5} {r['mb']:>6g} {r['impl']:>14} {r['op']:>16} "
-              f"{r['seconds'] * 1e3:>9.3f} {r['gbps']:>8.2f} {r['copy_gbps']:>9.2f} "
-              f"{r['ratio']:>7.2f}", flush=True)
+COLUMNS = [
+    ("dtype", 5, "dtype"), ("MB", 6, ("mb", "g")), ("impl", 14, "impl"), ("op", 16, "op"),
+    ("ms", 9, lambda r: f"{r['seconds'] * 1e3:.3f}"), ("GB/s", 8, ("gbps", ".2f")),
+    ("copy GB/s", 9, ("copy_gbps", ".2f")), ("vs copy", 7, ("ratio", ".2f")),
+]
 
 
 def main(argv=None) -> int:
@@ -212,7 +210,7 @@ def main(argv=None) -> int:
     for dtype_name in args.dtypes:
         for mb in sizes:
             new = bench_one(dtype_name, mb, impls, args.modes, args.reps, blocks)
-            print_table(new)
+            print_table(new, COLUMNS)
             rows += new
     write_results(args.out, dict(notes=notes, reps=args.reps, rows=rows))
     return 0
