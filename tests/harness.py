@@ -2,7 +2,8 @@
 
 It returns, per rank, the compressed result, the reference gather of the uint view, and the
 stats, so tests can check all ranks bit for bit. Compiled functions are cached per
-configuration to keep the suite fast on 2 cores.
+configuration to keep the suite fast on 2 cores. Shared by the exponent-mode and word-mode
+gather tests (``test_collective*.py``, ``test_word_collective.py``, ``test_verify.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 import ciera_jax
 from ciera_jax import codec
 from ciera_jax.fsdp import spec_for
+from bitdata import BF16, weights
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,10 +55,34 @@ def gather_step(mesh_shape, mesh_names, axis_name, axis, ndim, impl="xla"):
 
 
 def run_steps(xs, *, mesh_shape=(8,), mesh_names=("fsdp",), axis_name="fsdp", axis=0,
-              impl="xla"):
-    """Gather each array of ``xs`` in turn with the cache carried; yields (full, ref, stats)."""
+              impl="xla", mode="exponent"):
+    """Gather each array of ``xs`` in turn with a ``mode`` cache carried; yields (full, ref,
+    stats, new cache)."""
     step = gather_step(tuple(mesh_shape), tuple(mesh_names), axis_name, axis, xs[0].ndim, impl)
-    cache = ciera_jax.init_cache(xs[0].shape, xs[0].dtype)
+    cache = ciera_jax.init_cache(xs[0].shape, xs[0].dtype, mode=mode)
     for x in xs:
         full, ref, cache, stats = step(x, cache)
         yield np.asarray(full), np.asarray(ref), jax.tree.map(np.asarray, stats), cache
+
+
+def encode_vmap_matches_layerwise(mode: str, seed: int) -> bool:
+    """Stacked layers encoded in one ``jax.vmap`` equal encoding layer by layer (3 layers of
+    (16, 8) bf16, ``mode`` caches, layer 1's cache primed with ones), on every rank."""
+    mesh = mesh_of((8,), ("fsdp",))
+    rng = np.random.default_rng(seed)
+    L, shape = 3, (16, 8)
+    x = weights(rng, (L,) + shape, BF16)
+    caches = jax.vmap(lambda _: ciera_jax.init_cache(shape, BF16, mode=mode))(jnp.arange(L))
+    caches = jax.tree.map(lambda a: a.at[1].set(jnp.ones_like(a[1])), caches)
+
+    def body(x, c):
+        enc = jax.vmap(lambda x, c: ciera_jax.encode(x, c, "fsdp"))(x, c)
+        one = [ciera_jax.encode(x[i], jax.tree.map(lambda a: a[i], c), "fsdp") for i in range(L)]
+        same = [jnp.array_equal(a, b) for i in range(L) for a, b in
+                zip(jax.tree.leaves(jax.tree.map(lambda a: a[i], enc)), jax.tree.leaves(one[i]))]
+        return jnp.all(jnp.stack(same))[None]
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "fsdp"), P()),
+                               out_specs=P("fsdp")))
+    x = jax.device_put(jnp.asarray(x), NamedSharding(mesh, P(None, "fsdp")))
+    return bool(np.asarray(fn(x, caches)).all())

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 import ciera_jax
 from ciera_jax.costmodel import CHECKSUM_BYTES
 from bitdata import BF16, F32, adversarial, bits_of, churn, weights
-from harness import mesh_of, run_steps
+from harness import encode_vmap_matches_layerwise, mesh_of, run_steps
 
 MESH = ((8,), ("fsdp",))
 
@@ -176,20 +176,4 @@ def test_phases_encoded_ahead_match_the_one_call_gather():
 
 def test_encode_vmaps_over_stacked_layers():
     """Stacked layers can be encoded in one vmap; it equals encoding layer by layer."""
-    mesh = mesh_of(*MESH)
-    rng = np.random.default_rng(6)
-    L, shape = 3, (16, 8)
-    x = weights(rng, (L,) + shape, BF16)
-    caches = jax.vmap(lambda _: ciera_jax.init_cache(shape, BF16))(jnp.arange(L))
-    caches = jax.tree.map(lambda a: a.at[1].set(jnp.ones_like(a[1])), caches)  # layer 1 primed
-
-    def body(x, c):
-        enc = jax.vmap(lambda x, c: ciera_jax.encode(x, c, "fsdp"))(x, c)
-        one = [ciera_jax.encode(x[i], jax.tree.map(lambda a: a[i], c), "fsdp") for i in range(L)]
-        same = [jnp.array_equal(a, b) for i in range(L) for a, b in
-                zip(jax.tree.leaves(jax.tree.map(lambda a: a[i], enc)), jax.tree.leaves(one[i]))]
-        return jnp.all(jnp.stack(same))[None]
-
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "fsdp"), P()),
-                               out_specs=P("fsdp")))
-    assert np.asarray(fn(_put(mesh, x, P(None, "fsdp")), caches)).all()
+    assert encode_vmap_matches_layerwise("exponent", seed=6)

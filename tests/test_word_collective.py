@@ -6,7 +6,6 @@ and with the input, and the new cache with the gathered bits.
 
 from __future__ import annotations
 
-import functools
 import re
 
 import jax
@@ -15,56 +14,29 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ciera_jax
 from bitdata import (BF16, F32, WORD, adversarial, bits_of, from_bits, moved, ord_np,
                      special_words, weights, word_deltas)
-from ciera_jax import codec
+from harness import encode_vmap_matches_layerwise, gather_step, mesh_of, run_steps
 from ciera_jax.collective import MODE_EXPONENT, MODE_PLAIN, MODE_WORD
 from ciera_jax.wire import CHECKSUM_BYTES, DEFAULT_CODE_BITS, WordWire, agreement_bytes
 from ciera_jax.word_ladder import code_limit
 
 
-@functools.lru_cache(maxsize=None)
-def _mesh(shape, names):
-    return jax.make_mesh(shape, names)
-
-
-@functools.lru_cache(maxsize=None)
 def _step(mesh_shape=(8,), names=("fsdp",), axis_name="fsdp", axis=0, ndim=2, impl="xla"):
     """(x, word cache) -> (full per rank, uint gather per rank, new cache, stats per rank)."""
-    mesh = _mesh(mesh_shape, names)
-    spec = [None] * ndim
-    spec[axis] = axis_name
-    x_spec = P(*spec)
-
-    def body(x, cache):
-        full, new_cache, stats = ciera_jax.all_gather(x, cache, axis_name, axis=axis, impl=impl)
-        ref = lax.all_gather(codec.to_bits(x), axis_name, axis=axis, tiled=True)
-        return full[None], ref[None], new_cache, jax.tree.map(lambda v: v[None], stats)
-
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(x_spec, P()),
-                               out_specs=(P(names), P(names), P(), P(names))))
-
-    def run(x, cache):
-        return fn(jax.device_put(jnp.asarray(x), NamedSharding(mesh, x_spec)),
-                  jax.device_put(cache, NamedSharding(mesh, P())))
-
-    return run
+    return gather_step(tuple(mesh_shape), tuple(names), axis_name, axis, ndim, impl)
 
 
-def run_exact(xs, **kw):
+def run_exact(xs, names=("fsdp",), **kw):
     """Gather each tensor in turn through one carried word cache; check every bit; stats."""
-    step = _step(axis=kw.pop("axis", 0), ndim=xs[0].ndim, **kw)
-    cache = ciera_jax.init_cache(xs[0].shape, xs[0].dtype, mode="word")
     out = []
-    for t, x in enumerate(xs):
-        full, ref, cache, stats = step(x, cache)
-        full, ref = np.asarray(full), np.asarray(ref)
-        want = bits_of(x)
+    for t, (full, ref, stats, cache) in enumerate(run_steps(xs, mode="word", mesh_names=names,
+                                                            **kw)):
+        want = bits_of(xs[t])
         for rank in range(full.shape[0]):
             np.testing.assert_array_equal(bits_of(full[rank]), ref[rank],
                                           err_msg=f"step {t} rank {rank}: differs from gather")
@@ -73,7 +45,7 @@ def run_exact(xs, **kw):
         np.testing.assert_array_equal(np.asarray(cache.words), want, err_msg=f"step {t} cache")
         np.testing.assert_array_equal(bits_of(np.asarray(ciera_jax.cached_full(cache))), want)
         assert bool(cache.primed)
-        out.append(jax.tree.map(np.asarray, stats))
+        out.append(stats)
     return out
 
 
@@ -230,7 +202,7 @@ def test_capacity_boundaries_pick_the_next_rung(case):
 def test_wire_bytes_are_exact_per_branch():
     """The lowered program gathers the code plane + checksum, each rung's section (level 1 and
     level 2 as bytes, one transfer), and in the fallback the rest of the bits; never bf16."""
-    mesh = _mesh((8,), ("fsdp",))
+    mesh = mesh_of((8,), ("fsdp",))
     cache = ciera_jax.init_cache(SHAPE, BF16, mode="word")
 
     def body(x, c):
@@ -258,7 +230,7 @@ def test_two_dimensional_mesh_gathers_over_the_outer_axis():
 
 def test_agreement_spans_both_mesh_axes():
     """Two data rows gather different tensors over fsdp; the quiet row follows the busy one."""
-    mesh = _mesh((2, 4), ("data", "fsdp"))
+    mesh = mesh_of((2, 4), ("data", "fsdp"))
     shape = (2, 64, 32)  # row r of "data" holds x[r], sharded over fsdp on axis 1
 
     def body(x, c):
@@ -311,7 +283,7 @@ def test_property_bitwise(case, seed, scales, dtype, adversarial_start):
 
 
 def test_mixed_tree_one_agreement_and_exact():
-    mesh = _mesh((8,), ("fsdp",))
+    mesh = mesh_of((8,), ("fsdp",))
     rng = np.random.default_rng(5)
     tree = {"w": weights(rng, (64, 16), F32), "e": weights(rng, (8, 8, 16), BF16),
             "ids": np.arange(16, dtype=np.int32)}
@@ -348,7 +320,7 @@ def test_mixed_tree_one_agreement_and_exact():
 def test_phases_and_priming_encoded():
     """encode (one call), agree + exchange (the next) equal the one-call gather's bits and
     bytes; a host-side priming Encoded makes the exchange prime plainly."""
-    mesh = _mesh((8,), ("fsdp",))
+    mesh = mesh_of((8,), ("fsdp",))
     shape = (8, 16, 24)
     spec = P(None, "fsdp")
     enc_spec = P("fsdp")  # the Encoded, one per rank on a leading axis
@@ -388,28 +360,11 @@ def test_phases_and_priming_encoded():
 
 
 def test_encode_vmaps_over_stacked_layers():
-    mesh = _mesh((8,), ("fsdp",))
-    rng = np.random.default_rng(7)
-    L, shape = 3, (16, 8)
-    x = weights(rng, (L,) + shape, BF16)
-    caches = jax.vmap(lambda _: ciera_jax.init_cache(shape, BF16, mode="word"))(jnp.arange(L))
-    caches = jax.tree.map(lambda a: a.at[1].set(jnp.ones_like(a[1])), caches)
-
-    def body(x, c):
-        enc = jax.vmap(lambda x, c: ciera_jax.encode(x, c, "fsdp"))(x, c)
-        one = [ciera_jax.encode(x[i], jax.tree.map(lambda a: a[i], c), "fsdp") for i in range(L)]
-        same = [jnp.array_equal(a, b) for i in range(L) for a, b in
-                zip(jax.tree.leaves(jax.tree.map(lambda a: a[i], enc)), jax.tree.leaves(one[i]))]
-        return jnp.all(jnp.stack(same))[None]
-
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "fsdp"), P()),
-                               out_specs=P("fsdp")))
-    assert np.asarray(fn(jax.device_put(jnp.asarray(x), NamedSharding(mesh, P(None, "fsdp"))),
-                         caches)).all()
+    assert encode_vmap_matches_layerwise("word", seed=7)
 
 
 def test_gradients_equal_plain_gather():
-    mesh = _mesh((8,), ("fsdp",))
+    mesh = mesh_of((8,), ("fsdp",))
     rng = np.random.default_rng(8)
     x = weights(rng, (64, 16), F32)
     w = rng.standard_normal((64, 16)).astype(np.float32)
@@ -432,7 +387,7 @@ def test_gradients_equal_plain_gather():
 
 
 def test_mismatched_encoded_and_cache_is_a_clear_error():
-    mesh = _mesh((8,), ("fsdp",))
+    mesh = mesh_of((8,), ("fsdp",))
 
     def body(x, wc, ec):
         e = ciera_jax.encode(x, ec, "fsdp")
