@@ -27,6 +27,7 @@ import numpy as np
 from ciera_jax import costmodel as cm
 from ciera_jax import memory
 from ciera_jax.shapes import get_config, tensor_inventory
+from ciera_jax.traces import default_trace, default_word_trace
 
 # bytes per element, payload bytes per element for the dtypes the codec knows
 CODEC_DTYPES = {"bfloat16": (2, 1), "float32": (4, 3)}
@@ -100,7 +101,6 @@ def plan_tensor(spec_or_shape: Any, dtype: Any, N: int, profile: Union[str, cm.L
 
 def _rate(trace: Any, kind: str) -> float:
     if trace is None:
-        from ciera_jax.sim.trace import default_trace  # cycle: sim.step imports the planner
         trace = default_trace()
     if isinstance(trace, (int, float)):
         return float(trace)
@@ -117,7 +117,7 @@ def plan_model(cfg: Any, N: int, profile: Union[str, cm.Link], trace: Any = None
     ModelConfig or its name).
 
     ``trace`` gives the per-kind exponent change rate per step: a number, a mapping
-    ``{kind: rate}``, a :class:`ciera_jax.sim.trace.Trace`, or None for the shipped default.
+    ``{kind: rate}``, a :class:`ciera_jax.traces.Trace`, or None for the shipped default.
     The single per-step agreement collective is shared evenly by all tensors.
     """
     if isinstance(cfg, str):
@@ -314,7 +314,6 @@ def cache_budget(memory_gb: Any, mem: memory.Memory, what: str = "") -> float | 
 
 def _word_bpw(word_trace: Any, kind: str, phase: str) -> float:
     if word_trace is None:
-        from ciera_jax.sim.trace import default_word_trace  # cycle: sim.step imports the planner
         word_trace = default_word_trace()
     if isinstance(word_trace, (int, float)):
         return float(word_trace)

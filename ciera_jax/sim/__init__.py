@@ -1,8 +1,8 @@
 """Trace-driven cluster simulator: one FSDP training step per GPU count and gather method.
 
 cluster.py  the machine (GPUs per node, links, HBM, FLOP/s, MFU) and built-in H100/H200 clusters
-trace.py    exponent-change rates per tensor kind (default trace, stability-study JSON, train JSONL)
-            and word-mode bytes per weight per phase (word trace)
+trace.py    re-exports ciera_jax.traces (exponent-change rates per tensor kind, word-mode bytes
+            per weight per phase), which lives below the planner so the planner needs no sim
 step.py     per-layer compute and collectives, replayed as a two-stream (compute, comm) schedule
 (`ciera simulate` lives in ciera_jax/simulate_cli.py)
 """
