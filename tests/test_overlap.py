@@ -29,6 +29,9 @@ def _subjaxprs(eqn):
     return out
 
 
+GATHERS = {"all_gather", "all_gather_invariant"}  # word mode's planes: the invariant one
+
+
 def _walk(jaxpr):
     for eqn in jaxpr.eqns:
         yield eqn
@@ -51,7 +54,7 @@ def _deps(jaxpr, in_deps):
     for eqn in jaxpr.eqns:
         ins = [get(v) for v in eqn.invars]
         every = set().union(*ins) if ins else set()
-        if eqn.primitive.name == "all_gather":
+        if eqn.primitive.name in GATHERS:
             gathers.append(every)
         subs = _subjaxprs(eqn)
         outs = None
@@ -70,7 +73,7 @@ def _deps(jaxpr, in_deps):
                         break
             if outs is None:  # unknown calling convention: every output depends on everything
                 outs = [every for _ in eqn.outvars]
-                if any(_has(s, {"all_gather"}) for s in subs):
+                if any(_has(s, GATHERS) for s in subs):
                     gathers.append(every)
         else:
             outs = [every for _ in eqn.outvars]
@@ -111,7 +114,7 @@ def test_one_agreement_per_step(step_jaxpr):
 
 def test_next_layer_gather_does_not_wait_for_this_layer(step_jaxpr):
     scans = [e for e in _walk(step_jaxpr) if e.primitive.name == "scan"
-             and _has(e.params["jaxpr"].jaxpr, {"all_gather"})
+             and _has(e.params["jaxpr"].jaxpr, GATHERS)
              and _has(e.params["jaxpr"].jaxpr, {"ragged_dot_general", "ragged_dot"})]
     assert scans, "no layer scan with gathers and expert matmuls"
     checked = 0
