@@ -8,7 +8,8 @@
         |          gathering layer l+1 (exchange: switch on the agreed tier + decode; or the
         |          plain / int8 gather) next to the compute of layer l; head. Tensors the plan
         |          leaves plain use the plain gather. Gathered computes are rematerialized:
-        |          backward re-gathers (exact) and psum_scatters the weight cotangents
+        |          the backward reads word-cache tensors' full weights from their caches (no
+        |          second gather), re-gathers the rest (exact), psum_scatters the cotangents
         +-- grads: the loss is divided by the rank count, so these are grads of the global mean;
         |          replicated params (norms) are psummed by shard_map's autodiff
         +-- global-norm clipping (psum of sharded squares + replicated counted once), AdamW
