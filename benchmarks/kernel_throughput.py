@@ -8,9 +8,12 @@ only) it times jitted
   checksum of 8 ranks' shards, ``decode+chk`` unfused (the decode, then ``checksum_shards`` in
   jnp) next to ``decode+chk fused`` (``kernels.decode_checksum_pallas``: one pass);
 * word mode: ``word_encode`` (x + cached words -> word deltas + demand counts) and
-  ``word_decode`` (cached words + 4-bit codes -> words, the dense part of the rebuild). The
-  whole wire (packing, escapes) is ``ciera_jax.wire``'s and is timed with the gather
-  (``gather_bench.py``);
+  ``word_decode`` (cached words + 4-bit codes -> words, the dense part of the rebuild);
+* the escapes of the wire (:mod:`ciera_jax.escapes`, jnp): the sender's ``escape pack`` (flags
+  packed 32 to a word, ranks by popcount, the flagged values into a capacity buffer) and the
+  receiver's ``escape expand`` (ranks, every flagged element's value back), at exponent mode's
+  steady churn (1% of elements) and word mode's (10%); and the receiver's ``checksum`` of 8
+  ranks' shards alone (the self-check);
 
 and in the same run a copy baseline: ``w ^ salt`` on the same-width unsigned view, with ``salt``
 a runtime argument so XLA cannot fold it away (it reads and writes every byte once). Weights are
@@ -35,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ciera_jax import checksum, codec, wordcodec
+from ciera_jax import checksum, codec, escapes, wordcodec
 from ciera_jax import kernels as K
 from common import parser, print_table, write_results  # benchmarks/common.py, beside this script
 
@@ -160,6 +163,31 @@ def bench_one(dtype_name: str, mb: float, impls, modes, reps: int, blocks=()) ->
         rows += _checked_decode_rows(dtype_name, mb, x, impls, reps, copy_gbps)
     if "word" in modes:
         rows += _word_rows(dtype_name, mb, x, impls, reps, copy_gbps)
+    return rows + _escape_rows(dtype_name, mb, x, reps, copy_gbps)
+
+
+def _escape_rows(dtype_name, mb, x, reps, copy_gbps) -> list[dict]:
+    """Packing and expanding escapes (jnp: no Pallas kernel yet) at two densities, and the
+    receiver's checksum."""
+    n, nbytes = x.size, x.nbytes
+    bits = codec.to_bits(x)
+    rows = []
+    for share in (0.01, 0.1):
+        flags = jax.random.uniform(jax.random.key(2), (n,)) < share
+        cap = int(n * share * 1.25)
+        pack = jax.jit(lambda v, f, cap=cap: escapes.pack(
+            v, escapes.pack_flags(f[None])[0], cap))
+        section = jax.block_until_ready(pack(bits, flags))
+        expand = jax.jit(lambda s, f, cap=cap: jnp.where(f, escapes.expand(
+            s[None], escapes.slots(escapes.pack_flags(f[None]), n, cap))[0], 0))
+        for op, fn, args in ((f"escape pack {share:.0%}", pack, (bits, flags)),
+                             (f"escape expand {share:.0%}", expand, (section, flags))):
+            rows.append(_row(dtype_name, mb, n, "xla", op, median_seconds(fn, *args, reps=reps),
+                             nbytes, copy_gbps))
+    full = x.reshape(n // 1024, 1024)
+    chk = jax.jit(lambda w: checksum.checksum_shards(w, 0, CHECK_RANKS))
+    rows.append(_row(dtype_name, mb, n, "xla", "checksum", median_seconds(chk, full, reps=reps),
+                     nbytes, copy_gbps))
     return rows
 
 
