@@ -106,9 +106,11 @@ def exchange(e: Encoded, cache_exp, agreed, x_bits, axis_name, dtype, impl: str)
     changed_Nxn = escapes.unpack_flags(flags_NxW, n)
     exp_Nxn = jnp.where(changed_Nxn, new_exp_Nxn,
                         full_to_rows(cache_exp, e.shard_shape, e.axis, e.n_ranks))
-    payload_PxNxn = jnp.moveaxis(main_NxL.reshape(e.n_ranks, n_planes, n), 0, 1)
-    full_Nxn = kernels.decode(exp_Nxn, payload_PxNxn, dtype, impl=impl)
-    full = rows_to_full(full_Nxn, e.shard_shape, e.axis)
+    exp_full = rows_to_full(exp_Nxn, e.shard_shape, e.axis)
+    payload_full = rows_to_full(main_NxL.reshape(e.n_ranks, n_planes, n), e.shard_shape, e.axis)
+    # One pass: the weights and every rank's checksum of them (fused on GPU where it can be).
+    full, got_N = kernels.decode_checksum(exp_full, payload_full, dtype, e.n_ranks, axis=e.axis,
+                                          impl=impl)
     sent = transfer.section_bytes(wire.section_sizes, rung)
-    return (full, selfcheck.failed_shards(full, sent_N, e.axis), rung, overflow, sent,
+    return (full, selfcheck.failed_shards(full, sent_N, e.axis, got_N), rung, overflow, sent,
             main_NxL)

@@ -33,7 +33,9 @@ def split_checksums(wire_NxL: jax.Array):
     return wire_NxL[:, :-CHECKSUM_BYTES], sent_N
 
 
-def failed_shards(full: jax.Array, sent_N: jax.Array, axis: int) -> jax.Array:
-    """int32: shards of the rebuilt ``full`` whose checksum differs from what their rank sent."""
-    got_N = checksums.checksum_shards(full, axis, sent_N.shape[0])
+def failed_shards(full: jax.Array, sent_N: jax.Array, axis: int, got_N=None) -> jax.Array:
+    """int32: shards of the rebuilt ``full`` whose checksum differs from what their rank sent
+    (``got_N``: the rebuilt shards' checksums, when the decode pass computed them already)."""
+    if got_N is None:
+        got_N = checksums.checksum_shards(full, axis, sent_N.shape[0])
     return jnp.sum(got_N != sent_N, dtype=jnp.int32)
