@@ -141,9 +141,10 @@ def test_compiled_hlo_gathers_uint8_payload():
     hlo = fn.lower(x, cache).compile().as_text()
     gathers = re.findall(r"= (\w+\[[\d,]*\])\S* all-gather(?:-start)?\(", hlo)
     n_local = shape[0] * shape[1] // 8
-    # The no-patch tier gathers exactly the 1-byte payload and the checksum: (8, n_local + 4).
+    # The main transfer is exactly the 1-byte payload and the checksum: (8, n_local + 4); the
+    # priming/fallback path gathers the rest of the shard's bits as bytes.
     assert f"u8[8,{n_local + CHECKSUM_BYTES}]" in gathers, gathers
-    assert any(g.startswith("u16[") for g in gathers), "the priming/fallback path gathers bits"
+    assert f"u8[8,{2 * n_local - n_local}]" in gathers, "the fallback gathers the rest of the bits"
     assert not any(g.startswith("bf16[") for g in gathers), "no bf16 gather may survive"
 
 

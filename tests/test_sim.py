@@ -71,9 +71,13 @@ def test_speedups_bounded_by_byte_ratio(olmoe):
         # comm is forward gather + backward gather + plain reduce-scatter: exponent reuse halves
         # the two gathers only, so with comm fully exposed the gain is at most 2x overall
         assert e["speedup_ciera_over"]["plain"] < 2.0
-        assert m["ciera"]["wire_bytes_per_gather_pass"] < m["plain"]["wire_bytes_per_gather_pass"]
+        # inside one NVLink node the counted codec costs about what it saves: the planner may
+        # keep every tensor plain there (then the bytes are plain's)
+        assert m["ciera"]["wire_bytes_per_gather_pass"] <= m["plain"]["wire_bytes_per_gather_pass"]
         assert m["ciera"]["wire_bytes_per_gather_pass"] >= 0.5 * m["plain"]["wire_bytes_per_gather_pass"]
     for N in ("16", "128", "1024"):  # across nodes the gather is exposed: CIERA helps
+        m = olmoe["results"][N]["methods"]
+        assert m["ciera"]["wire_bytes_per_gather_pass"] < m["plain"]["wire_bytes_per_gather_pass"]
         assert olmoe["results"][N]["speedup_ciera_over"]["plain"] > 1.0
         assert olmoe["results"][N]["speedup_ciera_over"]["entropy"] > 1.0
 
