@@ -21,12 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
 import time
 
+from ciera_jax import hlo
 from common import parser, write_results  # benchmarks/common.py, beside this script
 
 MODES = ("plain", "exponent", "word")
@@ -42,31 +42,12 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def branch_gathers(hlo: str) -> tuple[int, int]:
+def branch_gathers(text: str) -> tuple[int, int]:
     """(all-gathers inside conditional branches, all all-gathers) of an optimized HLO text."""
-    comps, name, body = {}, None, []
-    for line in hlo.splitlines():
-        m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
-        if m and not line.startswith(" "):
-            name, body = m.group(1), []
-        elif line == "}" and name:
-            comps[name], name = "\n".join(body), None
-        elif name:
-            body.append(line)
-    todo = []
-    for text in comps.values():
-        for m in re.finditer(r"branch_computations=\{([^}]*)\}", text):
-            todo += [b.strip().lstrip("%") for b in m.group(1).split(",")]
-        todo += re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", text)
-    inside = set()
-    while todo:
-        c = todo.pop()
-        if c in comps and c not in inside:
-            inside.add(c)
-            todo += re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)", comps[c])
-    count = lambda text: len(re.findall(r" all-gather(?:-start)?\(", text))  # noqa: E731
-    return (sum(count(t) for c, t in comps.items() if c in inside),
-            sum(count(t) for t in comps.values()))
+    comps = hlo.computations(text)
+    inside = hlo.inside_branches(comps)
+    return (sum(len(hlo.all_gathers(t)) for c, t in comps.items() if c in inside),
+            sum(len(hlo.all_gathers(t)) for t in comps.values()))
 
 
 def worker(args) -> dict:
@@ -93,8 +74,8 @@ def worker(args) -> dict:
     compiled = jax.jit(tr.step_fn).lower(state.params, state.caches, state.opt_state,
                                          state.ahead, batch).compile()
     compile_s = time.perf_counter() - t0
-    hlo = compiled.as_text()
-    inside, total = branch_gathers(hlo)
+    text = compiled.as_text()
+    inside, total = branch_gathers(text)
     jax.clear_caches()
     t0 = time.perf_counter()
     tr = build_trainer(tc, mesh)
@@ -103,7 +84,7 @@ def worker(args) -> dict:
     jax.block_until_ready(state.params)
     first_s = time.perf_counter() - t0
     return dict(mode=args.worker, build_s=build_s, compile_s=compile_s, first_step_s=first_s,
-                hlo_bytes=len(hlo), gathers_in_branches=inside, gathers=total)
+                hlo_bytes=len(text), gathers_in_branches=inside, gathers=total)
 
 
 def main(argv=None) -> int:

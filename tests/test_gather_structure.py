@@ -8,8 +8,6 @@ of the tiny train step with every tensor compressed.
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import pytest
@@ -18,6 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ciera_jax
+from ciera_jax import hlo
 from ciera_jax.wire import ExponentWire, WordWire
 
 N = 8
@@ -97,37 +96,30 @@ def test_one_main_transfer_outside_conditionals_and_branches_only_transfer(mode,
     assert rest_gathers == 1, "the plain fallback is the one large transfer in a branch"
 
 
-def _computations(hlo: str) -> dict[str, str]:
-    comps, name, body = {}, None, []
-    for line in hlo.splitlines():
-        m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
-        if m and not line.startswith(" "):
-            name, body = m.group(1), []
-        elif line == "}" and name:
-            comps[name] = "\n".join(body)
-            name = None
-        elif name:
-            body.append(line)
-    return comps
+@pytest.mark.parametrize("mode", ["exponent", "word"])
+def test_compiled_gather_keeps_the_main_plane_out_of_branches(mode):
+    """The optimized CPU HLO of one gather: the main plane's all-gather runs in a computation
+    outside every conditional; the fallback's rest of the bits inside one."""
+    mesh = jax.make_mesh((N,), ("fsdp",))
 
+    def body(x, c):
+        return ciera_jax.all_gather(x, c, "fsdp")[:2]
 
-def _inside_branches(comps: dict[str, str]) -> set[str]:
-    """Computations run only inside a conditional's branch (transitively)."""
-    called = lambda text: set(re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)",  # noqa
-                                         text))
-    branches = set()
-    for text in comps.values():
-        for m in re.finditer(r"branch_computations=\{([^}]*)\}", text):
-            branches |= {b.strip().lstrip("%") for b in m.group(1).split(",")}
-        branches |= set(re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", text))
-    todo, seen = list(branches), set()
-    while todo:
-        c = todo.pop()
-        if c in seen or c not in comps:
-            continue
-        seen.add(c)
-        todo += called(comps[c])
-    return seen
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("fsdp"), P()),
+                               out_specs=(P(), P()), check_vma=False))
+    x = jax.device_put(jnp.zeros(SHAPE, jnp.bfloat16), NamedSharding(mesh, P("fsdp")))
+    comps = hlo.computations(fn.lower(x, ciera_jax.init_cache(SHAPE, jnp.bfloat16, mode))
+                             .compile().as_text())
+    in_branch = hlo.inside_branches(comps)
+    n_local = SHAPE[0] * SHAPE[1] // N
+    wire = ExponentWire(n_local, 2) if mode == "exponent" else WordWire(n_local, 2)
+    rest = 2 * n_local - (wire.main_bytes - 4)
+    where = {}
+    for name, body_text in comps.items():
+        for dtype, dims in hlo.all_gathers(body_text):
+            where.setdefault(dims[-1] if dims else 0, set()).add(name in in_branch)
+    assert where[wire.main_bytes] == {False}, where
+    assert where[rest] == {True}, where
 
 
 @pytest.mark.slow  # compiles the tiny train step twice (about a minute each on 2 cores)
@@ -140,14 +132,13 @@ def test_train_step_hlo_keeps_main_transfers_out_of_branches(cache):
     tr = build_trainer(tc, make_mesh(N))
     state = tr.prepare(tr.init_state(0))
     batch = tr.batch(data.load_dataset(None, 256, tc.length), 0, 0)
-    hlo = jax.jit(tr.step_fn).lower(state.params, state.caches, state.opt_state, state.ahead,
-                                    batch).compile().as_text()
-    comps = _computations(hlo)
-    in_branch = _inside_branches(comps)
+    text = jax.jit(tr.step_fn).lower(state.params, state.caches, state.opt_state, state.ahead,
+                                     batch).compile().as_text()
+    comps = hlo.computations(text)
+    in_branch = hlo.inside_branches(comps)
     u8_outside, big_inside = 0, 0  # (escape prefixes in the tiny model are < 2000 bytes)
-    for name, text in comps.items():
-        for m in re.finditer(r"= (\w+)\[([\d,]*)\][^ ]* all-gather(?:-start)?\(", text):
-            dtype, dims = m.group(1), [int(d) for d in m.group(2).split(",") if d]
+    for name, body in comps.items():
+        for dtype, dims in hlo.all_gathers(body):
             if name in in_branch:
                 big_inside += dtype == "u8" and max(dims, default=0) > 2000
             else:

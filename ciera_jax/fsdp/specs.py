@@ -20,10 +20,9 @@ from ciera_jax.fsdp.stacking import stack_of
 CACHE_SUFFIX = "_gather_cache"  # as fsdp.caches names a parameter's cache
 
 
-def split_axes(model: nnx.Module, axis_name: str = AXIS) -> dict[str, int]:
-    """``{parameter path: split axis}`` (counted in the held, possibly stacked, value) of every
-    parameter a module decorated for ``axis_name`` gathers."""
-    out = {}
+def _gathered_params(model: nnx.Module, axis_name: str):
+    """``(parameter path, sharded param)`` of every parameter a module decorated for
+    ``axis_name`` gathers (layer axes counted in the held, possibly stacked, value)."""
     mods = dict(iter_modules(model))
     for path, module in mods.items():
         spec = gather_spec(module)
@@ -31,23 +30,22 @@ def split_axes(model: nnx.Module, axis_name: str = AXIS) -> dict[str, int]:
             continue
         lead = 1 if stack_of(path, mods)[0] else 0
         for p in sharded_params(module, spec, lead=lead, strict=False):
-            out["/".join(map(str, (*path, p.key)))] = p.axis
-    return out
+            yield "/".join(map(str, (*path, p.key))), p
+
+
+def split_axes(model: nnx.Module, axis_name: str = AXIS) -> dict[str, int]:
+    """``{parameter path: split axis}`` (counted in the held, possibly stacked, value) of every
+    parameter a module decorated for ``axis_name`` gathers."""
+    return {key: p.axis for key, p in _gathered_params(model, axis_name)}
 
 
 def split_specs(model: nnx.Module, axis_name: str = AXIS) -> dict[str, tuple]:
     """``{parameter path: spec entries of the held value}`` (layer axes first, whole) of every
     gathered parameter whose spec names mesh axes besides ``axis_name`` (e.g. ``tp``)."""
     out = {}
-    mods = dict(iter_modules(model))
-    for path, module in mods.items():
-        spec = gather_spec(module)
-        if spec is None or spec.axis_name != axis_name:
-            continue
-        lead = 1 if stack_of(path, mods)[0] else 0
-        for p in sharded_params(module, spec, lead=lead, strict=False):
-            if any(without_axis(p.spec, axis_name)):
-                out["/".join(map(str, (*path, p.key)))] = (None,) * p.lead + tuple(p.spec)
+    for key, p in _gathered_params(model, axis_name):
+        if any(without_axis(p.spec, axis_name)):
+            out[key] = (None,) * p.lead + tuple(p.spec)
     return out
 
 
