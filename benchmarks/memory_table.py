@@ -10,7 +10,7 @@ tensor costs per GPU in exponent mode (1 B/param) and word mode (2 B/param; does
 the memory left for caches, the budgeted planner's best plan within it (per tensor plain /
 exponent / word) and its simulated step-time speedup over plain FSDP and over the equal-memory
 baseline (plain FSDP that keeps the gathered weights for the backward: 2 B/param, marked when
-it does not fit either). Prints a markdown table (the README's "Memory" section) and writes JSON.
+it does not fit either). Prints a markdown table (docs/planning.md, "Memory") and writes JSON.
 """
 
 from __future__ import annotations

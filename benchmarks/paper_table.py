@@ -11,7 +11,7 @@ word mode's equal-memory baseline), blockwise int8 (lossy), a single-pass entrop
 lossless peer, ZipNN/DietGPU class, 1.5x), CIERA exponent mode and CIERA word mode (its forward
 gather sends word deltas; its backward re-gather is gone, the cache holds the weights). Also the
 communication-bound corner (256 tokens/GPU), where the gather-only speedup stands next to the
-published 3.70x / 4.28x. Prints markdown tables (paste into the README) and writes JSON.
+published 3.70x / 4.28x. Prints markdown tables (docs/results.md) and writes JSON.
 
 If ``zipnn`` is importable it also measures ZipNN's ratio and throughput on a synthetic bf16
 tensor next to CIERA's measured exponent-mode wire ratio on the same tensor (optional).
