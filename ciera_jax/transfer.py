@@ -74,61 +74,38 @@ def _prefix(buf_B, *, size: int, axis_name):
     return varying_like(rows, buf_B, axis_name)  # every branch typed alike
 
 
-def section_layout(itemsizes, sizes_per_part):
-    """The rung-ordered buffer, as pieces: ``(buffer starts, source starts, prefix)``.
-
-    Every part's bytes are laid end to end (the source); the buffer takes, rung by rung, what
-    rung ``k`` adds to every part (a piece: part ``i``'s entries ``sizes[k-1]:sizes[k]``), so
-    rung ``k`` sends the buffer's first ``prefix[k]`` bytes. Pieces are few (rungs x parts):
-    the byte moves below are index arithmetic on these small tables, not per-byte constants.
-    """
-    starts = np.cumsum([0] + [b * s[-1] for b, s in zip(itemsizes, sizes_per_part)])
-    buf_starts, src_starts, prefix = [], [], [0]
-    for k in range(1, len(sizes_per_part[0])):
-        for b, sizes, start in zip(itemsizes, sizes_per_part, starts):
-            if sizes[k] > sizes[k - 1]:
-                buf_starts.append(prefix[-1] if not buf_starts else
-                                  buf_starts[-1] + piece_len)
-                src_starts.append(start + b * sizes[k - 1])
-                piece_len = b * (sizes[k] - sizes[k - 1])
-        prefix.append(buf_starts[-1] + piece_len if buf_starts else 0)
-    return np.asarray(buf_starts, np.int32), np.asarray(src_starts, np.int32), tuple(prefix)
-
-
-def _moved(index, from_starts, to_starts):
-    """``index`` in one layout -> the same byte in the other, by the piece it falls in."""
-    piece = jnp.searchsorted(jnp.asarray(from_starts), index, side="right") - 1
-    return jnp.asarray(to_starts)[piece] + (index - jnp.asarray(from_starts)[piece])
-
-
 def gather_section(parts, sizes_per_part, rung: jax.Array, axis_name):
     """All-gather the escape section: for the agreed ``rung``, the first
     ``sizes_per_part[i][rung]`` entries of every rank's ``parts[i]`` (each as long as its top
     size), in one transfer. Returns (N, len(part)) per part, zero past the prefix. ``rung``
     must be rank-invariant.
 
-    The parts' bytes are put in rung order (:func:`section_layout`) by one gather, so each
-    branch of the switch is one slice, one all-gather of a static size and one pad; the
-    receiver puts them back with one gather.
+    The parts are laid out rung by rung: what rung 1 adds to every part, then what rung 2
+    adds, and so on, so every rung's content is a prefix of one byte buffer, and each branch
+    of the switch is one slice, one all-gather of a static size and one pad.
     """
-    buf_starts, src_starts, prefix = section_layout([p.dtype.itemsize for p in parts],
-                                                    sizes_per_part)
+    n_rungs = len(sizes_per_part[0])
+    pieces, at = [], 0  # (part, first, stop, byte offset), in buffer order
+    prefix = [0]
+    for k in range(1, n_rungs):
+        for i, (part, sizes) in enumerate(zip(parts, sizes_per_part)):
+            first, stop = sizes[k - 1], sizes[k]
+            if stop > first:
+                pieces.append((i, first, stop, at))
+                at += (stop - first) * part.dtype.itemsize
+        prefix.append(at)
     n_ranks = lax.axis_size(axis_name)
-    if prefix[-1] == 0:
+    if at == 0:
         return [jnp.zeros((n_ranks, p.shape[0]), p.dtype) for p in parts]
-    flat = jnp.concatenate([_to_bytes(p) for p in parts])
-    buf = flat[_moved(jnp.arange(prefix[-1], dtype=jnp.int32), buf_starts, src_starts)]
+    buf = jnp.concatenate([_to_bytes(parts[i][a:b]) for i, a, b, _ in pieces])
     branches = [functools.partial(_prefix, size=size, axis_name=axis_name) for size in prefix]
     rows = lax.switch(rung, branches, buf)
-    order = np.argsort(src_starts, kind="stable")  # pieces in source order
-    back = _moved(jnp.arange(flat.shape[0], dtype=jnp.int32), src_starts[order],
-                  buf_starts[order])
-    rows = rows[:, back]
-    out, at = [], 0
-    for p in parts:
-        nb = p.shape[0] * p.dtype.itemsize
-        out.append(_from_bytes(rows[:, at:at + nb], p.dtype, p.shape[0]))
-        at += nb
+    out = []
+    for i, part in enumerate(parts):
+        got = [_from_bytes(rows[:, off:off + (b - a) * part.dtype.itemsize], part.dtype, b - a)
+               for j, a, b, off in pieces if j == i]
+        out.append(jnp.concatenate(got, axis=1) if got
+                   else jnp.zeros((n_ranks, part.shape[0]), part.dtype))
     return out
 
 
