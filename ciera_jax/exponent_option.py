@@ -23,7 +23,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from ciera_jax import escapes, kernels, selfcheck, transfer
 from ciera_jax.layout import full_to_rows, gathered_shape, rows_to_full

@@ -15,12 +15,11 @@ The code plane: ``b``-bit codes (``d + code_limit(b)``, or the escape code) pack
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ciera_jax.word_ladder import CODE_BITS, LEVEL1_LIMIT, LEVEL2, code_limit, escape_code
+from ciera_jax.word_ladder import CODE_BITS, LEVEL1_LIMIT, code_limit, escape_code
 
 N_DEMANDS = len(CODE_BITS) + 2  # escapes at each code width, raw words, changed exponents
 RAW, EXP_CHANGED = len(CODE_BITS), len(CODE_BITS) + 1  # indices into the demand vector

@@ -1,19 +1,15 @@
-"""Word mode's codec pieces against numpy: order map, deltas, packing, escape lists."""
+"""Word mode's codec pieces against numpy: order map, deltas, code packing, demand counts
+(the escape lists: tests/test_escapes.py)."""
 
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from bitdata import BF16, F32, WORD, adversarial, bits_of, special_words
 from ciera_jax import wordcodec as W
-from ciera_jax.word_ladder import LEVEL2, code_limit, escape_code
+from ciera_jax.word_ladder import code_limit, escape_code
 
 
 def test_ord_is_monotone_and_an_involution_on_every_bf16_word():
