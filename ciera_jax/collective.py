@@ -45,7 +45,7 @@ from ciera_jax.cache import ExponentCache, WordCache, is_cache
 from ciera_jax.exponent_option import Encoded
 from ciera_jax.gradient import attach_gather_grad
 from ciera_jax.layout import gathered_shape, rows_to_full
-from ciera_jax.wire import AGREEMENT_BYTES, CHECKSUM_BYTES, DEFAULT_CODE_BITS, agreement_bytes
+from ciera_jax.wire import AGREEMENT_BYTES, DEFAULT_CODE_BITS, agreement_bytes
 from ciera_jax.word_option import WordEncoded
 
 __all__ = ["AGREEMENT_BYTES", "Encoded", "IMPLS", "MODE_EXPONENT", "MODE_PLAIN", "MODE_WORD",
@@ -231,8 +231,7 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
     full = lax.cond(fallback, plain, compressed, (x_bits, main_NxL, decoded))
     wire = e.wire
     caps = wire.caps1 if word else wire.caps
-    sent = jnp.where(fallback, wire.n * dtype.itemsize + CHECKSUM_BYTES,
-                     wire.main_bytes + section)
+    sent = jnp.where(fallback, wire.fallback_bytes, wire.main_bytes + section)
     stats = dict(
         sent_bytes=(sent + agreement_bytes("word" if word else "exponent")).astype(jnp.int32),
         plain_bytes=jnp.int32(wire.n * dtype.itemsize),
