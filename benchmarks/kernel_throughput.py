@@ -176,7 +176,7 @@ def _escape_rows(dtype_name, mb, x, reps, copy_gbps) -> list[dict]:
         flags = jax.random.uniform(jax.random.key(2), (n,)) < share
         cap = int(n * share * 1.25)
         pack = jax.jit(lambda v, f, cap=cap: escapes.pack(
-            v, escapes.pack_flags(f[None])[0], cap))
+            v, f, escapes.pack_flags(f[None])[0], cap))
         section = jax.block_until_ready(pack(bits, flags))
         expand = jax.jit(lambda s, f, cap=cap: jnp.where(f, escapes.expand(
             s[None], escapes.slots(escapes.pack_flags(f[None]), n, cap))[0], 0))

@@ -58,15 +58,16 @@ def ranks(words_RxW: jax.Array, n: int) -> jax.Array:
     return (before_word[:, :, None] + in_word).reshape(rows, -1)[:, :n]
 
 
-def pack(values_N: jax.Array, words_W: jax.Array, capacity: int) -> jax.Array:
-    """Sender: the flagged ``values_N`` (one row, flags packed in ``words_W``) in position
-    order, in a (capacity,) buffer (zeros after the last; flags past ``capacity`` dropped: the
-    agreement sends such a step to the fallback)."""
+def pack(values_N: jax.Array, flags_N: jax.Array, words_W: jax.Array,
+         capacity: int) -> jax.Array:
+    """Sender: the flagged ``values_N`` (one row; ``flags_N`` and the same flags packed in
+    ``words_W``, which the caller has made already) in position order, in a (capacity,) buffer
+    (zeros after the last; flags past ``capacity`` dropped: the agreement sends such a step to
+    the fallback)."""
     n = values_N.shape[0]
     if capacity == 0:
         return jnp.zeros((0,), values_N.dtype)
-    flags = unpack_flags(words_W[None], n)[0]
-    slot = jnp.where(flags, ranks(words_W[None], n)[0], capacity)
+    slot = jnp.where(flags_N, ranks(words_W[None], n)[0], capacity)
     return jnp.zeros((capacity,), values_N.dtype).at[slot].set(values_N, mode="drop")
 
 

@@ -72,10 +72,12 @@ def encode(x, cached_exp, primed, axis: int, n_ranks: int, csum, impl: str) -> E
     """``x``: this rank's shard; ``cached_exp``: its slice of the cached exponents."""
     exp, payload, changed = kernels.encode(x, cached_exp, impl=impl)
     wire = ExponentWire(x.size, x.dtype.itemsize)
-    flags_W = escapes.pack_flags(changed.reshape(1, -1))[0]
-    summary_S = escapes.pack_flags((flags_W != 0)[None])[0]
-    listed_C = escapes.pack(flags_W, summary_S, wire.word_caps[-1])
-    patch_exp = escapes.pack(exp.reshape(-1), flags_W, wire.caps[-1])
+    changed_N = changed.reshape(-1)
+    flags_W = escapes.pack_flags(changed_N[None])[0]
+    nonzero_W = flags_W != 0
+    summary_S = escapes.pack_flags(nonzero_W[None])[0]
+    listed_C = escapes.pack(flags_W, nonzero_W, summary_S, wire.word_caps[-1])
+    patch_exp = escapes.pack(exp.reshape(-1), changed_N, flags_W, wire.caps[-1])
     # An unprimed cache knows no exponent: all of them count as changed.
     count = jnp.where(primed, escapes.count(flags_W[None])[0], x.size).astype(jnp.int32)
     demand = jnp.where(primed, count, jnp.int32(INT32_MAX))

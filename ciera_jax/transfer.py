@@ -51,10 +51,9 @@ def plain_rest(main_NxL: jax.Array, bits: jax.Array, axis_name) -> jax.Array:
     return _from_bytes(rows, bits.dtype, bits.size)
 
 
-def _to_bytes(a: jax.Array) -> jax.Array:
-    if a.dtype.itemsize == 1:
-        return lax.bitcast_convert_type(a, jnp.uint8)
-    return lax.bitcast_convert_type(a, jnp.uint8).reshape(-1)
+def _to_bytes(a_N: jax.Array) -> jax.Array:
+    """A flat array's little-endian bytes, flat."""
+    return lax.bitcast_convert_type(a_N, jnp.uint8).reshape(-1)
 
 
 def _from_bytes(rows_NxB: jax.Array, dtype, count: int) -> jax.Array:

@@ -74,11 +74,11 @@ def encode(x, cached_words, primed, axis: int, n_ranks: int, csum, impl: str,
     wire = WordWire(x.size, x.dtype.itemsize, code_bits)
     d, counts = kernels.word_encode(x, cached_words, impl=impl)
     d = d.reshape(-1)
-    esc = escapes.pack_flags(wordcodec.beyond(d, code_limit(code_bits))[None])[0]
+    esc = wordcodec.beyond(d, code_limit(code_bits))
     raw = wordcodec.beyond(d, LEVEL1_LIMIT)
-    level1 = jnp.where(raw, LEVEL2, d).astype(jnp.int8)
-    level1 = escapes.pack(level1, esc, wire.caps1[-1])
-    level2 = escapes.pack(codec.to_bits(x).reshape(-1), escapes.pack_flags(raw[None])[0],
+    level1 = escapes.pack(jnp.where(raw, LEVEL2, d).astype(jnp.int8), esc,
+                          escapes.pack_flags(esc[None])[0], wire.caps1[-1])
+    level2 = escapes.pack(codec.to_bits(x).reshape(-1), raw, escapes.pack_flags(raw[None])[0],
                           wire.caps2[-1])
     codes = wordcodec.pack_codes(wordcodec.codes_of(d, code_bits), code_bits)
     counts = jnp.stack([counts[CODE_BITS.index(code_bits)], counts[wordcodec.RAW],

@@ -45,7 +45,7 @@ def test_pack_lists_flagged_values_in_order_and_expand_puts_them_back(n, density
     @jax.jit
     def roundtrip(values, flags):
         words = escapes.pack_flags(flags[None])[0]
-        section = escapes.pack(values, words, cap)
+        section = escapes.pack(values, flags, words, cap)
         back = escapes.expand(section[None], escapes.slots(words[None], n, cap))[0]
         return section, back
 
@@ -62,4 +62,5 @@ def test_pack_drops_what_does_not_fit():
     flags = jnp.ones((40,), jnp.bool_)
     values = jnp.arange(40, dtype=jnp.uint8)
     words = escapes.pack_flags(flags[None])[0]
-    np.testing.assert_array_equal(np.asarray(escapes.pack(values, words, 8)), np.arange(8))
+    np.testing.assert_array_equal(np.asarray(escapes.pack(values, flags, words, 8)),
+                                  np.arange(8))
