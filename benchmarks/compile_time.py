@@ -1,6 +1,6 @@
 """Compile time of the train step, plain vs CIERA's two cache modes, and the compiled program.
 
-For each mode it builds the ``ciera train`` trainer (``models.train``; default ``tiny`` with
+For each mode it builds the ``ciera train`` trainer (``ciera_models.train``; default ``tiny`` with
 ``--plan all``: every gathered tensor compressed), then times, in a fresh process per mode (so
 no mode reuses another's compiled pieces) and in interleaved rounds (plain, exponent, word,
 plain, ...: every mode sees the same machine load):
@@ -58,8 +58,8 @@ def worker(args) -> dict:
     import jax
 
     from ciera_jax.devices import make_mesh
-    from models.data import load_dataset
-    from models.train import TrainConfig, build_trainer
+    from ciera_models.data import load_dataset
+    from ciera_models.train import TrainConfig, build_trainer
 
     gather, cache = ("plain", "exponent") if args.worker == "plain" else ("ciera", args.worker)
     tc = TrainConfig(config=args.config, gather=gather, cache=cache, plan=args.plan,

@@ -1,7 +1,7 @@
 """Train-step time of the MoE model under FSDP: plain, int8 and CIERA gathers, same run.
 
 For each config (default ``tiny`` and ``small``) on N devices (default 8 emulated CPU devices; on
-GPU every local device) it builds one trainer per mode (``models.train``: stacked layers under
+GPU every local device) it builds one trainer per mode (``ciera_models.train``: stacked layers under
 ``lax.scan``, the next layer's gather prefetched, one agreement per step, encoding for step t+1
 at the end of step t), compiles them, runs ``--warmup`` steps each (the first primes CIERA's
 caches), then times ``--steps`` more steps **interleaved** (plain, int8, ciera, plain, ...) on the
@@ -80,8 +80,8 @@ def time_config(name: str, args, mesh) -> list[dict]:
     # Imported here: JAX must start after main() has set the device count.
     import jax
 
-    from models.data import load_dataset
-    from models.train import TrainConfig, build_trainer
+    from ciera_models.data import load_dataset
+    from ciera_models.train import TrainConfig, build_trainer
 
     trainers, states = {}, {}
     for mode in args.modes:

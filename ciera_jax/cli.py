@@ -4,7 +4,7 @@ A subcommand ``X`` lives in a module ``X_cli.py`` exposing ``add_arguments(parse
 ``run(args) -> int``; its docstring's first line is its help. It stays light to import (heavy
 imports inside ``run``), because building this parser imports every subcommand module. Modules
 register in ``pyproject.toml`` under ``[project.entry-points."ciera.commands"]``, so this
-file names no implementation and the library never imports ``models/``. After adding one,
+file names no implementation and the library never imports ``ciera_models/``. After adding one,
 reinstall (``pip install -e .``) so the entry point is recorded.
 """
 

@@ -2,8 +2,8 @@
 the tensor inventory they imply.
 
 The inventory (name, shape, kind of every weight) is the single source the Flax model in
-``models/``, the planner and the simulator all read, so parameter counts cannot drift between
-them. The library owns the shapes; the model that trains on them lives in ``models/``.
+``ciera_models/``, the planner and the simulator all read, so parameter counts cannot drift between
+them. The library owns the shapes; the model that trains on them lives in ``ciera_models/``.
 """
 
 from __future__ import annotations

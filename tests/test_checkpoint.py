@@ -9,8 +9,8 @@ import shutil
 import numpy as np
 import pytest
 
-from models import checkpoint as ckpt
-from models.train import TrainConfig, make_mesh, train
+from ciera_models import checkpoint as ckpt
+from ciera_models.train import TrainConfig, make_mesh, train
 
 STEPS = 20
 TC = TrainConfig(config="tiny", schedule_steps=STEPS)  # test_train's

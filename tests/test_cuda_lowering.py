@@ -129,8 +129,8 @@ def test_train_step_lowers_for_cuda():
     """The compiled ``ciera train`` step (tiny config, 8 ranks), its gathers with
     ``impl="auto"`` resolved as on an H100/H200: Mosaic GPU encode and decode kernels inside
     (exponent or word mode, whichever the plan gives the tensors)."""
-    from models import data
-    from models.train import TrainConfig, build_trainer, make_mesh
+    from ciera_models import data
+    from ciera_models.train import TrainConfig, build_trainer, make_mesh
 
     tc = TrainConfig(config="tiny", schedule_steps=20)  # test_train's: a shared trainer
     tr = build_trainer(tc, make_mesh(8))

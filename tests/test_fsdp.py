@@ -114,7 +114,7 @@ def test_missing_caches_is_a_clear_error(mesh):
 
 
 def test_rule_table_and_divisibility():
-    from models.sharding import RULES
+    from ciera_models.sharding import RULES
 
     assert fsdp.rule_axis("w_gate_ExDxF", RULES) == 1
     assert fsdp.rule_axis("w_down_ExFxD", RULES) == 2

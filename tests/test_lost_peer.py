@@ -12,8 +12,8 @@ import time
 import pytest
 
 from ciera_jax.launch import free_port
-from models import peers
-from models.failures import EXIT_PEER_LOST
+from ciera_models import peers
+from ciera_models.failures import EXIT_PEER_LOST
 
 TRAIN = [sys.executable, "-m", "ciera_jax.cli", "train", "--schedule-steps", "40",
          "--log-every", "1", "--devices", "4", "--num-processes", "2"]

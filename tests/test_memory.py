@@ -16,7 +16,7 @@ from ciera_jax import fsdp, memory
 from ciera_jax.planner import (cache_budget, check_budget, choose_modes, mode_options,
                                modes_summary, plan_model_modes, plan_modes)
 from ciera_jax.shapes import get_config, tensor_inventory
-from models.model import Transformer
+from ciera_models.model import Transformer
 
 N = 8
 

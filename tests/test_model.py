@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import configs, data
-from models.model import MoE, Transformer, abstract_model, param_count, rms_norm, swiglu
+from ciera_models import configs, data
+from ciera_models.model import MoE, Transformer, abstract_model, param_count, rms_norm, swiglu
 
 BIG = [n for n, c in configs.CONFIGS.items() if c.published_total_params]
 

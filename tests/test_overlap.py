@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from jax.extend import core as jcore
 
-from models import data
-from models.train import TrainConfig, build_trainer, make_mesh
+from ciera_models import data
+from ciera_models.train import TrainConfig, build_trainer, make_mesh
 
 TC = TrainConfig(config="tiny", schedule_steps=20)  # test_train's config: shared trainer
 

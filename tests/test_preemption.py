@@ -14,8 +14,8 @@ import pytest
 
 from ciera_jax import cli
 from ciera_jax.launch import free_port
-from models.preemption import EXIT_PREEMPTED, PreemptionGuard
-from models.train import TrainConfig, make_mesh, train
+from ciera_models.preemption import EXIT_PREEMPTED, PreemptionGuard
+from ciera_models.train import TrainConfig, make_mesh, train
 
 STEPS = 20
 TC = TrainConfig(config="tiny", schedule_steps=STEPS)  # test_train's: the trainer is shared
@@ -73,7 +73,7 @@ def test_first_signal_asks_second_exits_at_once():
         assert guard.signal_name == "SIGINT"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
     code = ("import os, signal, time\n"
-            "from models.preemption import PreemptionGuard\n"
+            "from ciera_models.preemption import PreemptionGuard\n"
             "with PreemptionGuard() as g:\n"
             "    os.kill(os.getpid(), signal.SIGTERM)\n"
             "    print('asked', g.signal_name, flush=True)\n"

@@ -21,10 +21,10 @@ import orbax.checkpoint as ocp
 import pytest
 
 from ciera_jax import cli
-from models import checkpoint as ckpt
-from models import run_lock
-from models.failures import EXIT_NO_GOOD_CHECKPOINT, EXIT_WRITE_FAILED, NoGoodCheckpoint, WriteFailed
-from models.train import TrainConfig, make_mesh, train
+from ciera_models import checkpoint as ckpt
+from ciera_models import run_lock
+from ciera_models.failures import EXIT_NO_GOOD_CHECKPOINT, EXIT_WRITE_FAILED, NoGoodCheckpoint, WriteFailed
+from ciera_models.train import TrainConfig, make_mesh, train
 
 STEPS = 20
 TC = TrainConfig(config="tiny", schedule_steps=STEPS)  # test_train's

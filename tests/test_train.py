@@ -11,10 +11,10 @@ import pytest
 from flax import nnx
 
 from ciera_jax import cli, fsdp
-from models import data
-from models.model import Transformer, abstract_model
-from models.plan_policy import cache_modes
-from models.train import TrainConfig, make_mesh, make_plan, train
+from ciera_models import data
+from ciera_models.model import Transformer, abstract_model
+from ciera_models.plan_policy import cache_modes
+from ciera_models.train import TrainConfig, make_mesh, make_plan, train
 
 STEPS = 20
 TC = TrainConfig(config="tiny", schedule_steps=STEPS)  # the CLI's defaults, horizon 20

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from ciera_jax import cache, cli, fsdp
-from models import checkpoint as ckpt
-from models import train_cli
-from models.data import TOKEN_DTYPES
-from models.train_config import PLANS, RunConfig, TrainConfig, from_args
+from ciera_models import checkpoint as ckpt
+from ciera_models import train_cli
+from ciera_models.data import TOKEN_DTYPES
+from ciera_models.train_config import PLANS, RunConfig, TrainConfig, from_args
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -15,10 +15,10 @@ from flax import nnx
 
 from ciera_jax import fsdp, memory
 from flax_nets import LM, MLP, batches, make_mesh, same_bits, train_jit, train_shard_map
-from models import data
-from models.state import build_trainer, bytes_per_device
-from models.train import TrainConfig, train
-from models.train import make_mesh as train_mesh
+from ciera_models import data
+from ciera_models.state import build_trainer, bytes_per_device
+from ciera_models.train import TrainConfig, train
+from ciera_models.train import make_mesh as train_mesh
 from test_flax_transforms import REMATS, D, F, call, compressed, fit_jit
 
 STEPS = 20

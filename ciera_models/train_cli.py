@@ -15,7 +15,7 @@ import dataclasses
 import os
 import sys
 
-from models.train_config import RunConfig, TrainConfig, add_fields, from_args, option
+from ciera_models.train_config import RunConfig, TrainConfig, add_fields, from_args, option
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +50,7 @@ def _init_distributed(launch: LaunchConfig) -> None:
         if launch.peer_timeout < 1:
             raise ValueError(f"--peer-timeout must be a positive number of seconds, got "
                              f"{launch.peer_timeout}")
-        from models import peers
+        from ciera_models import peers
 
         peers.initialize(launch.coordinator, launch.num_processes, launch.process_id,
                          launch.peer_timeout)
@@ -65,7 +65,7 @@ def _schedule_steps(tc: TrainConfig, run: RunConfig) -> int:
     if tc.schedule_steps is not None:
         return tc.schedule_steps
     if run.resume and run.checkpoint_dir:
-        from models import checkpoint  # imports orbax: only when resuming
+        from ciera_models import checkpoint  # imports orbax: only when resuming
 
         meta = checkpoint.latest_meta(run.checkpoint_dir) or {}
         saved = meta.get("train_config", meta)  # older checkpoints: top-level keys
@@ -76,16 +76,16 @@ def _schedule_steps(tc: TrainConfig, run: RunConfig) -> int:
 
 def run(args) -> int:
     from ciera_jax.devices import setup_devices
-    from models import configs
-    from models.loop import check_inputs
+    from ciera_models import configs
+    from ciera_models.loop import check_inputs
 
     tc, run_cfg = from_args(TrainConfig, args), from_args(RunConfig, args)
     configs.get_config(tc.config)  # unknown config -> KeyError with the choices
     check_inputs(tc, run_cfg)  # bad input fails here, before JAX starts
     setup_devices(run_cfg.devices)  # before JAX creates its backends
     launch = from_args(LaunchConfig, args)
-    from models import peers
-    from models.failures import PeerLost, RunFailure
+    from ciera_models import peers
+    from ciera_models.failures import PeerLost, RunFailure
 
     peers.progress["checkpoint_dir"] = run_cfg.checkpoint_dir
     try:
@@ -96,8 +96,8 @@ def run(args) -> int:
 
     import jax
 
-    from models.loop import train
-    from models.preemption import EXIT_PREEMPTED
+    from ciera_models.loop import train
+    from ciera_models.preemption import EXIT_PREEMPTED
     from ciera_jax.devices import make_mesh
 
     multi = jax.process_count() > 1

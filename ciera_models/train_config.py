@@ -18,8 +18,8 @@ import dataclasses
 import importlib
 import typing
 
-from models import configs
-from models.data import TOKEN_DTYPES
+from ciera_models import configs
+from ciera_models.data import TOKEN_DTYPES
 
 
 class LazyChoices(collections.abc.Sequence):

@@ -22,12 +22,12 @@ from jax.sharding import PartitionSpec as P
 import ciera_jax
 from ciera_jax import fsdp
 from ciera_jax.fsdp import AXIS, ExponentCacheVar
-from models import configs
-from models.data import Dataset
-from models.model import Transformer
-from models.optimizer import make_optimizer
-from models.plan_policy import cache_modes, make_plan
-from models.step import AHEAD_SPECS, all_words, make_step
+from ciera_models import configs
+from ciera_models.data import Dataset
+from ciera_models.model import Transformer
+from ciera_models.optimizer import make_optimizer
+from ciera_models.plan_policy import cache_modes, make_plan
+from ciera_models.step import AHEAD_SPECS, all_words, make_step
 
 
 @dataclasses.dataclass

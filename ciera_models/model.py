@@ -21,8 +21,8 @@ from jax import lax
 
 from ciera_jax import fsdp
 from ciera_jax.fsdp import gathered
-from models.configs import ModelConfig
-from models.sharding import RULES
+from ciera_models.configs import ModelConfig
+from ciera_models.sharding import RULES
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 INIT_STD = 0.02

@@ -7,14 +7,14 @@ One concern per module: :mod:`models.train_config` (the settings, one field per 
 :mod:`models.preemption`, :mod:`models.loop` (:func:`train`).
 """
 
-from models.loop import RunResult, check_inputs, train
-from models.metrics import summarize
-from models.optimizer import make_optimizer, make_schedule
-from models.params_hash import flat_params, params_sha256
-from models.plan_policy import PLANS, make_plan
+from ciera_models.loop import RunResult, check_inputs, train
+from ciera_models.metrics import summarize
+from ciera_models.optimizer import make_optimizer, make_schedule
+from ciera_models.params_hash import flat_params, params_sha256
+from ciera_models.plan_policy import PLANS, make_plan
 from ciera_jax.devices import make_mesh
-from models.state import Trainer, TrainState, build_trainer
-from models.train_config import RunConfig, TrainConfig
+from ciera_models.state import Trainer, TrainState, build_trainer
+from ciera_models.train_config import RunConfig, TrainConfig
 
 __all__ = ["TrainConfig", "RunConfig", "Trainer", "TrainState", "build_trainer", "make_mesh",
            "train", "check_inputs", "params_sha256", "flat_params", "summarize", "RunResult",

@@ -33,9 +33,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from models.failures import NoGoodCheckpoint, WriteFailed, describe_os_error
-from models.params_hash import host_array, params_sha256
-from models.preemption import agree
+from ciera_models.failures import NoGoodCheckpoint, WriteFailed, describe_os_error
+from ciera_models.params_hash import host_array, params_sha256
+from ciera_models.preemption import agree
 
 # A resumed run must agree on these, or the checkpoint does not fit (shapes, data) or is not
 # the run it claims to continue.

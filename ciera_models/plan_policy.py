@@ -16,7 +16,7 @@ import re
 import jax
 
 from ciera_jax import memory, planner
-from models.train_config import PLANS
+from ciera_models.train_config import PLANS
 EXPERT_WEIGHT = re.compile(r"w_(gate|up|down)_Ex\w+")
 
 

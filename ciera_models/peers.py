@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-from models.failures import EXIT_PEER_LOST, PeerLost
+from ciera_models.failures import EXIT_PEER_LOST, PeerLost
 
 DEFAULT_TIMEOUT_S = 60
 # set by the training loop: the last finished step and the checkpoint folder, for the line

@@ -21,14 +21,14 @@ from typing import Callable
 
 from ciera_jax.devices import make_mesh
 from ciera_jax.outputs import check_output_file
-from models import checkpoint as ckpt
-from models import faults, metrics, peers, run_lock
-from models.failures import WriteFailed, describe_os_error
-from models.data import load_dataset
-from models.params_hash import params_sha256
-from models.preemption import PreemptionGuard, agree
-from models.state import TrainState, build_trainer, bytes_per_device
-from models.train_config import CACHE_MODES, RunConfig, TrainConfig
+from ciera_models import checkpoint as ckpt
+from ciera_models import faults, metrics, peers, run_lock
+from ciera_models.failures import WriteFailed, describe_os_error
+from ciera_models.data import load_dataset
+from ciera_models.params_hash import params_sha256
+from ciera_models.preemption import PreemptionGuard, agree
+from ciera_models.state import TrainState, build_trainer, bytes_per_device
+from ciera_models.train_config import CACHE_MODES, RunConfig, TrainConfig
 
 
 @dataclasses.dataclass
