@@ -45,6 +45,7 @@ from ciera_jax.cache import ExponentCache, WordCache, is_cache
 from ciera_jax.exponent_option import Encoded
 from ciera_jax.gradient import attach_gather_grad
 from ciera_jax.layout import gathered_shape, rows_to_full
+from ciera_jax.varying import varying_like
 from ciera_jax.wire import AGREEMENT_BYTES, DEFAULT_CODE_BITS, agreement_bytes
 from ciera_jax.word_option import WordEncoded
 
@@ -221,10 +222,10 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
         bits, main, _ = args
         rows = transfer.plain_rest(main, bits, axis_name)
         full = codec.from_bits(rows_to_full(rows, e.shard_shape, e.axis), dtype)
-        return transfer.varying_like(full, operands, axis_name)
+        return varying_like(full, operands, axis_name)
 
     def compressed(args):
-        return transfer.varying_like(args[2], operands, axis_name)
+        return varying_like(args[2], operands, axis_name)
 
     # The one conditional with a large transfer: taken only when some rank overflowed the
     # top rung or a cache is unprimed (the agreement makes ``fallback`` rank-invariant).
@@ -250,7 +251,7 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
     new_cache = _refreshed(cache, full)
     # The gathered tensor differs by nothing across ranks, but lax.all_gather types it as
     # varying; match that so callers can mix it with per-rank values as they would a gather.
-    full = lax.pcast(full, axis_name, to="varying")
+    full = varying_like(full, x, None)
     return attach_gather_grad(x, full, axis_name, e.axis), new_cache, stats
 
 

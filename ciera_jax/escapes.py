@@ -1,26 +1,33 @@
-"""Escapes with implied positions: flags packed 32 to a word, ranks by popcount.
+"""Escapes with implied positions: flags packed 32 to a word, work in proportion to the escapes.
 
 A compressed gather sends a few values per tensor out of line (changed exponents, far word
-moves) in position order, and their positions are implied by a flag per element (the bitmap, or
+moves) in position order; their positions are implied by a flag per element (the bitmap, or
 the escape code in the code plane). The sender packs the flagged values into a capacity buffer;
-the receiver gives every flagged element its value back. Both need each flag's rank: how many
-flags come before it in its row. No scan over elements: the flags are packed 32 to a uint32
-word, a cumulative sum runs over the words only (1/32 of the elements), and the rank inside a
-word is ``population_count(word & ((1 << lane) - 1))``; on a GPU that is a warp ballot and a
-popcount.
+the receiver puts every value back at its element.
+
+Both walk the *slots* (the escapes, in order), never the elements: slot ``j``'s element is found
+by :func:`select`, a binary search over the running count of flags per 32-flag word (a scan
+over 1/32 of the elements), then a 5-step search inside the word by popcount. The walk is a
+loop over chunks of :data:`SLOT_CHUNK` slots whose trip count is the number of escapes, so a
+step in which little changed costs little, and a gather or scatter of every element (what
+XLA:CPU runs 1-2 orders of magnitude slower than a copy) never happens.
 
 Shape letters: R rows (one per rank on the receiver, 1 on the sender), n elements per row,
-W = ceil(n/32) flag words per row, C a capacity.
+W = ceil(n/32) flag words per row, S slots per chunk, C a capacity.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ciera_jax.varying import carry_typed
 from ciera_jax.wire import FLAG_WORD_BITS
 
+SLOT_CHUNK = 4096  # slots per loop trip: a few loop overheads per tensor at steady state
 
 
 def _lanes():
@@ -43,43 +50,90 @@ def unpack_flags(words_RxW: jax.Array, n: int) -> jax.Array:
     return bits.reshape(rows, -1)[:, :n].astype(jnp.bool_)
 
 
+def _popcount(words):
+    return lax.population_count(words).astype(jnp.int32)
+
+
 def count(words_RxW: jax.Array) -> jax.Array:
     """Flags per row, int32 (R,)."""
-    return jnp.sum(lax.population_count(words_RxW).astype(jnp.int32), axis=1)
+    return jnp.sum(_popcount(words_RxW), axis=1)
 
 
-def ranks(words_RxW: jax.Array, n: int) -> jax.Array:
-    """int32 (R, n): for every element, the number of flags before it in its row."""
-    rows = words_RxW.shape[0]
-    per_word = lax.population_count(words_RxW).astype(jnp.int32)
-    before_word = jnp.cumsum(per_word, axis=1) - per_word
-    below_lane = (jnp.uint32(1) << _lanes()) - jnp.uint32(1)
-    in_word = lax.population_count(words_RxW[:, :, None] & below_lane).astype(jnp.int32)
-    return (before_word[:, :, None] + in_word).reshape(rows, -1)[:, :n]
+def running_count(words_RxW: jax.Array) -> jax.Array:
+    """int32 (R, W): flags in words ``0..w`` of each row (an inclusive scan over words)."""
+    return lax.associative_scan(jnp.add, _popcount(words_RxW), axis=1)
 
 
-def pack(values_N: jax.Array, flags_N: jax.Array, words_W: jax.Array,
-         capacity: int) -> jax.Array:
-    """Sender: the flagged ``values_N`` (one row; ``flags_N`` and the same flags packed in
-    ``words_W``, which the caller has made already) in position order, in a (capacity,) buffer
-    (zeros after the last; flags past ``capacity`` dropped: the agreement sends such a step to
-    the fallback)."""
-    n = values_N.shape[0]
+def select(words_RxW: jax.Array, running_RxW: jax.Array, slot_RxS: jax.Array) -> jax.Array:
+    """int32 (R, S): the element of each row's ``slot``-th flag (0-based), or
+    ``32 * W`` where the row has no such flag. ``running_RxW``: :func:`running_count`."""
+    n_words = words_RxW.shape[1]
+    take = lambda a, i: jnp.take_along_axis(a, i, axis=1)  # noqa: E731
+    # The first word whose running count passes the slot.
+    lo = jnp.zeros_like(slot_RxS)
+    hi = jnp.full_like(slot_RxS, n_words)
+    for _ in range(max(1, math.ceil(math.log2(n_words + 1)))):
+        mid = (lo + hi) // 2
+        right = take(running_RxW, jnp.minimum(mid, n_words - 1)) <= slot_RxS
+        right &= mid < n_words
+        lo, hi = jnp.where(right, mid + 1, lo), jnp.where(right, hi, mid)
+    w = jnp.minimum(lo, n_words - 1)
+    word = take(words_RxW, w)
+    k = slot_RxS - (take(running_RxW, w) - _popcount(word))  # the flag's rank in its word
+    # The lowest lane whose lanes 0..lane hold more than k flags.
+    lane = jnp.zeros_like(slot_RxS)
+    for step in (16, 8, 4, 2, 1):
+        below = word & ((jnp.uint32(1) << (lane + step).astype(jnp.uint32)) - 1)
+        lane = jnp.where(_popcount(below) <= k, lane + step, lane)
+    return jnp.where(lo < n_words, FLAG_WORD_BITS * w + lane, FLAG_WORD_BITS * n_words)
+
+
+def for_each_chunk(words_RxW: jax.Array, limit_R: jax.Array, body, init):
+    """Run ``body(slot_RxS, element_RxS, live_RxS, carry) -> carry`` over the slots of every row
+    in chunks of :data:`SLOT_CHUNK`, for as many chunks as the fullest row needs: slot ``j`` of
+    row ``r`` is live when the row has a ``j``-th flag and ``j < limit_R[r]``."""
+    running = running_count(words_RxW)
+    total_R = jnp.minimum(running[:, -1], limit_R)
+    chunk = SLOT_CHUNK
+    trips = (jnp.max(total_R) + chunk - 1) // chunk
+    lane_S = jnp.arange(chunk, dtype=jnp.int32)
+
+    def step(i, carry):
+        slot = jnp.broadcast_to(i * chunk + lane_S, (words_RxW.shape[0], chunk))
+        live = slot < total_R[:, None]
+        return body(slot, select(words_RxW, running, slot), live, carry)
+
+    return lax.fori_loop(0, trips, step, carry_typed(step, init))
+
+
+def pack(values_N: jax.Array, words_W: jax.Array, capacity: int) -> jax.Array:
+    """Sender: the values of the flagged elements (``words_W``: the flags, packed) in position
+    order, in a (capacity,) buffer, zeros after the last (flags past ``capacity`` are dropped:
+    the agreement sends such a step to the fallback)."""
     if capacity == 0:
         return jnp.zeros((0,), values_N.dtype)
-    slot = jnp.where(flags_N, ranks(words_W[None], n)[0], capacity)
-    return jnp.zeros((capacity,), values_N.dtype).at[slot].set(values_N, mode="drop")
+    padded = -(-capacity // SLOT_CHUNK) * SLOT_CHUNK
+
+    def body(slot, element, live, out):
+        v = jnp.where(live[0], values_N[jnp.minimum(element[0], values_N.shape[0] - 1)], 0)
+        return lax.dynamic_update_slice(out, v.astype(out.dtype), (slot[0, 0],))
+
+    out = for_each_chunk(words_W[None], jnp.full((1,), capacity, jnp.int32), body,
+                         jnp.zeros((padded,), values_N.dtype))
+    return out[:capacity]
 
 
-def slots(words_RxW: jax.Array, n: int, capacity: int) -> jax.Array:
-    """Receiver: int32 (R, n), each flagged element's slot in its row's section (clamped, so
-    elements without a flag point somewhere valid: mask them)."""
-    return jnp.minimum(ranks(words_RxW, n), max(capacity - 1, 0))
+def fill(dest_RxN: jax.Array, words_RxW: jax.Array, limit_R: jax.Array, values_at, init=None):
+    """Receiver: ``dest_RxN`` with each row's flagged elements set, in order, to
+    ``values_at(slot_RxS, element_RxS, live_RxS, carry) -> (values_RxS, carry)`` (the slots'
+    values, read from the row's section; ``carry`` starts at ``init``)."""
+    n = dest_RxN.shape[1]
+    rows = jnp.arange(dest_RxN.shape[0])[:, None]
 
+    def body(slot, element, live, state):
+        dest, carry = state
+        values, carry = values_at(slot, element, live, carry)
+        at = jnp.where(live, element, n)  # past the end: dropped
+        return dest.at[rows, at].set(values.astype(dest.dtype), mode="drop"), carry
 
-def expand(section_RxC: jax.Array, slot_RxN: jax.Array) -> jax.Array:
-    """Receiver: (R, n), every element's value at its slot of its row's section (zero when the
-    section is empty)."""
-    if section_RxC.shape[1] == 0:
-        return jnp.zeros(slot_RxN.shape, section_RxC.dtype)
-    return jnp.take_along_axis(section_RxC, slot_RxN, axis=1)
+    return for_each_chunk(words_RxW, limit_R, body, (dest_RxN, init))[0]

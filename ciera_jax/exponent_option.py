@@ -74,10 +74,9 @@ def encode(x, cached_exp, primed, axis: int, n_ranks: int, csum, impl: str) -> E
     wire = ExponentWire(x.size, x.dtype.itemsize)
     changed_N = changed.reshape(-1)
     flags_W = escapes.pack_flags(changed_N[None])[0]
-    nonzero_W = flags_W != 0
-    summary_S = escapes.pack_flags(nonzero_W[None])[0]
-    listed_C = escapes.pack(flags_W, nonzero_W, summary_S, wire.word_caps[-1])
-    patch_exp = escapes.pack(exp.reshape(-1), changed_N, flags_W, wire.caps[-1])
+    summary_S = escapes.pack_flags((flags_W != 0)[None])[0]
+    listed_C = escapes.pack(flags_W, summary_S, wire.word_caps[-1])
+    patch_exp = escapes.pack(exp.reshape(-1), flags_W, wire.caps[-1])
     # An unprimed cache knows no exponent: all of them count as changed.
     count = jnp.where(primed, escapes.count(flags_W[None])[0], x.size).astype(jnp.int32)
     demand = jnp.where(primed, count, jnp.int32(INT32_MAX))
@@ -93,20 +92,20 @@ def exchange(e: Encoded, cache_exp, agreed, x_bits, axis_name, dtype, impl: str)
     rung, overflow = transfer.pick_rung(wire.caps, agreed)
     main_NxL, sent_N = transfer.gather_main(e.payload.reshape(-1), x_bits, overflow,
                                             e.checksum, axis_name)
-    n_summary = wire.summary_words
-    summary_NxS, listed_NxC, patch_NxK = transfer.gather_section(
+    section = transfer.gather_section(
         [e.summary, e.flag_words, e.patch_exp],
-        [tuple(n_summary if c else 0 for c in wire.caps), wire.word_caps, wire.caps],
+        [tuple(wire.summary_words if c else 0 for c in wire.caps), wire.word_caps, wire.caps],
         rung, axis_name)
-    n_words = flag_words(n)
-    flags_NxW = jnp.where(
-        escapes.unpack_flags(summary_NxS, n_words),
-        escapes.expand(listed_NxC, escapes.slots(summary_NxS, n_words, wire.word_caps[-1])),
-        jnp.uint32(0))
-    new_exp_Nxn = escapes.expand(patch_NxK, escapes.slots(flags_NxW, n, wire.caps[-1]))
-    changed_Nxn = escapes.unpack_flags(flags_NxW, n)
-    exp_Nxn = jnp.where(changed_Nxn, new_exp_Nxn,
-                        full_to_rows(cache_exp, e.shard_shape, e.axis, e.n_ranks))
+    # Escapes of escapes: the nonzero flag words back in place, then the exponents (a row's
+    # section is all zeros past the agreed rung: nothing to place).
+    every_S = jnp.arange(wire.summary_words, dtype=jnp.int32)
+    summary_NxS = section.read(0, jnp.broadcast_to(every_S, (e.n_ranks, wire.summary_words)))
+    flags_NxW = escapes.fill(jnp.zeros((e.n_ranks, flag_words(n)), jnp.uint32), summary_NxS,
+                             _per_row(wire.word_caps, rung, e.n_ranks),
+                             lambda slot, _, __, c: (section.read(1, slot), c))
+    exp_Nxn = escapes.fill(full_to_rows(cache_exp, e.shard_shape, e.axis, e.n_ranks), flags_NxW,
+                           _per_row(wire.caps, rung, e.n_ranks),
+                           lambda slot, _, __, c: (section.read(2, slot), c))
     exp_full = rows_to_full(exp_Nxn, e.shard_shape, e.axis)
     payload_full = rows_to_full(main_NxL.reshape(e.n_ranks, n_planes, n), e.shard_shape, e.axis)
     # One pass: the weights and every rank's checksum of them (fused on GPU where it can be).
@@ -115,3 +114,8 @@ def exchange(e: Encoded, cache_exp, agreed, x_bits, axis_name, dtype, impl: str)
     sent = transfer.section_bytes(wire.section_sizes, rung)
     return (full, selfcheck.failed_shards(full, sent_N, e.axis, got_N), rung, overflow, sent,
             main_NxL)
+
+
+def _per_row(caps, rung, n_ranks):
+    """The agreed rung's capacity, for every row."""
+    return jnp.full((n_ranks,), jnp.asarray(caps, jnp.int32)[rung])

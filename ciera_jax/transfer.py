@@ -12,6 +12,7 @@ Shape letters: N ranks, L bytes per rank, C a capacity.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -20,6 +21,7 @@ import numpy as np
 from jax import lax
 
 from ciera_jax import selfcheck
+from ciera_jax.varying import varying_like
 
 
 def gather_rows(buf_L: jax.Array, axis_name) -> jax.Array:
@@ -73,39 +75,65 @@ def _prefix(buf_B, *, size: int, axis_name):
     return varying_like(rows, buf_B, axis_name)  # every branch typed alike
 
 
-def gather_section(parts, sizes_per_part, rung: jax.Array, axis_name):
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """Every rank's escape section as gathered: byte rows (N, B), zero past the agreed rung's
+    prefix, and where each part's entries lie in them (``pieces``: per part, (first, stop, byte
+    offset) of each run of entries)."""
+
+    rows: jax.Array
+    pieces: tuple
+    dtypes: tuple
+
+    def read(self, part: int, slot_RxS: jax.Array) -> jax.Array:
+        """Entries ``slot_RxS`` of ``part`` in every row (any value where the slot is past the
+        part's top capacity: mask it)."""
+        pieces = self.pieces[part]
+        itemsize = np.dtype(self.dtypes[part]).itemsize
+        if not pieces:
+            return jnp.zeros(slot_RxS.shape, self.dtypes[part])
+        firsts = np.asarray([p[0] for p in pieces], np.int32)
+        offsets = np.asarray([p[2] for p in pieces], np.int32)
+        k = jnp.sum(slot_RxS[..., None] >= firsts[1:], axis=-1)  # which run holds the slot
+        at = jnp.asarray(offsets)[k] + (slot_RxS - jnp.asarray(firsts)[k]) * itemsize
+        at = jnp.clip(at, 0, self.rows.shape[1] - itemsize)
+        word = jnp.zeros(slot_RxS.shape, jnp.uint32)
+        for b in range(itemsize):
+            byte = jnp.take_along_axis(self.rows, at + b, axis=1)
+            word |= byte.astype(jnp.uint32) << (8 * b)
+        unsigned = jnp.dtype(f"uint{8 * itemsize}")
+        return lax.bitcast_convert_type(word.astype(unsigned), self.dtypes[part])
+
+
+def gather_section(parts, sizes_per_part, rung: jax.Array, axis_name) -> Section:
     """All-gather the escape section: for the agreed ``rung``, the first
     ``sizes_per_part[i][rung]`` entries of every rank's ``parts[i]`` (each as long as its top
-    size), in one transfer. Returns (N, len(part)) per part, zero past the prefix. ``rung``
-    must be rank-invariant.
+    size), in one transfer. ``rung`` must be rank-invariant.
 
     The parts are laid out rung by rung: what rung 1 adds to every part, then what rung 2
     adds, and so on, so every rung's content is a prefix of one byte buffer, and each branch
-    of the switch is one slice, one all-gather of a static size and one pad.
+    of the switch is one slice, one all-gather of a static size and one pad. Receivers read
+    entries in place (:meth:`Section.read`): nothing is copied out part by part.
     """
     n_rungs = len(sizes_per_part[0])
-    pieces, at = [], 0  # (part, first, stop, byte offset), in buffer order
+    pieces = [[] for _ in parts]  # per part: (first, stop, byte offset)
+    order, at = [], 0
     prefix = [0]
     for k in range(1, n_rungs):
         for i, (part, sizes) in enumerate(zip(parts, sizes_per_part)):
             first, stop = sizes[k - 1], sizes[k]
             if stop > first:
-                pieces.append((i, first, stop, at))
+                pieces[i].append((first, stop, at))
+                order.append(part[first:stop])
                 at += (stop - first) * part.dtype.itemsize
         prefix.append(at)
+    dtypes = tuple(p.dtype for p in parts)
     n_ranks = lax.axis_size(axis_name)
     if at == 0:
-        return [jnp.zeros((n_ranks, p.shape[0]), p.dtype) for p in parts]
-    buf = jnp.concatenate([_to_bytes(parts[i][a:b]) for i, a, b, _ in pieces])
+        return Section(jnp.zeros((n_ranks, 0), jnp.uint8), tuple(map(tuple, pieces)), dtypes)
+    buf = jnp.concatenate([_to_bytes(p) for p in order])
     branches = [functools.partial(_prefix, size=size, axis_name=axis_name) for size in prefix]
-    rows = lax.switch(rung, branches, buf)
-    out = []
-    for i, part in enumerate(parts):
-        got = [_from_bytes(rows[:, off:off + (b - a) * part.dtype.itemsize], part.dtype, b - a)
-               for j, a, b, off in pieces if j == i]
-        out.append(jnp.concatenate(got, axis=1) if got
-                   else jnp.zeros((n_ranks, part.shape[0]), part.dtype))
-    return out
+    return Section(lax.switch(rung, branches, buf), tuple(map(tuple, pieces)), dtypes)
 
 
 def pick_rung(caps: tuple[int, ...], agreed: jax.Array):
@@ -119,18 +147,3 @@ def pick_rung(caps: tuple[int, ...], agreed: jax.Array):
 def section_bytes(sizes: tuple[int, ...], rung: jax.Array) -> jax.Array:
     """int32: the bytes of the rung's prefix (``sizes``: bytes per rung)."""
     return jnp.asarray(sizes, jnp.int32)[rung]
-
-
-def vma(x) -> set:
-    """The mesh axes ``x`` varies over (its type's manual-axis varying set)."""
-    t = jax.typeof(x)
-    mat = getattr(t, "manual_axis_type", None)  # JAX 0.10's type; older ones have .vma
-    return set(mat.varying) if mat is not None else set(getattr(t, "vma", ()))
-
-
-def varying_like(x, operands, axis_name) -> jax.Array:
-    """``x`` typed to vary over every mesh axis ``operands`` vary over, but the gather's: both
-    sides of a conditional then return the same type, whatever the inputs vary over."""
-    want = set().union(*(vma(a) for a in jax.tree.leaves(operands))) - {axis_name}
-    missing = tuple(sorted(want - vma(x)))
-    return lax.pcast(x, missing, to="varying") if missing else x

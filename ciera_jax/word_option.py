@@ -76,9 +76,10 @@ def encode(x, cached_words, primed, axis: int, n_ranks: int, csum, impl: str,
     d = d.reshape(-1)
     esc = wordcodec.beyond(d, code_limit(code_bits))
     raw = wordcodec.beyond(d, LEVEL1_LIMIT)
-    level1 = escapes.pack(jnp.where(raw, LEVEL2, d).astype(jnp.int8), esc,
-                          escapes.pack_flags(esc[None])[0], wire.caps1[-1])
-    level2 = escapes.pack(codec.to_bits(x).reshape(-1), raw, escapes.pack_flags(raw[None])[0],
+    esc_W = escapes.pack_flags(wordcodec.beyond(d, code_limit(code_bits))[None])[0]
+    raw = wordcodec.beyond(d, LEVEL1_LIMIT)
+    level1 = escapes.pack(jnp.where(raw, LEVEL2, d).astype(jnp.int8), esc_W, wire.caps1[-1])
+    level2 = escapes.pack(codec.to_bits(x).reshape(-1), escapes.pack_flags(raw[None])[0],
                           wire.caps2[-1])
     codes = wordcodec.pack_codes(wordcodec.codes_of(d, code_bits), code_bits)
     counts = jnp.stack([counts[CODE_BITS.index(code_bits)], counts[wordcodec.RAW],
@@ -99,23 +100,29 @@ def exchange(e: WordEncoded, cache_words, agreed, x_bits, axis_name, dtype, impl
     overflow = over1 | over2
     rung = jnp.where(overflow, 0, jnp.maximum(rung1, rung2))
     main_NxL, sent_N = transfer.gather_main(e.codes, x_bits, overflow, e.checksum, axis_name)
-    level1_NxC, level2_NxC = transfer.gather_section([e.level1, e.level2],
-                                                     [wire.caps1, wire.caps2], rung, axis_name)
+    section = transfer.gather_section([e.level1, e.level2], [wire.caps1, wire.caps2], rung,
+                                      axis_name)
 
     codes_Nxn = wordcodec.unpack_codes(main_NxL, b, n)
     cached_Nxn = full_to_rows(cache_words, e.shard_shape, e.axis, e.n_ranks)
     dense_Nxn = kernels.word_decode(cached_Nxn, codes_Nxn, b, impl=impl)
-    esc_Nxn = codes_Nxn == escape_code(b)
-    slot_Nxn = escapes.slots(escapes.pack_flags(esc_Nxn), n, wire.caps1[-1])
-    level1_Nxn = escapes.expand(level1_NxC, slot_Nxn)
-    # Level 2 holds the raw words of level 1's LEVEL2 entries, in their order.
-    is_raw_NxC = level1_NxC == LEVEL2
-    raw_slot_NxC = escapes.slots(escapes.pack_flags(is_raw_NxC), level1_NxC.shape[1],
-                                 wire.caps2[-1])
-    raw_Nxn = escapes.expand(escapes.expand(level2_NxC, raw_slot_NxC), slot_Nxn)
-    moved_Nxn = wordcodec.apply_delta(cached_Nxn, level1_Nxn.astype(jnp.int32))
-    escaped_Nxn = jnp.where(level1_Nxn == LEVEL2, raw_Nxn, moved_Nxn)
-    bits_Nxn = jnp.where(esc_Nxn, escaped_Nxn, dense_Nxn)
+    rows = jnp.arange(e.n_ranks)[:, None]
+
+    def escaped(slot, element, live, raw_before_N):
+        """The escapes' words: the cached word moved by level 1's int8, or level 2's raw word
+        (level 2 holds the raw words of level 1's LEVEL2 entries, in their order)."""
+        move = section.read(0, slot)
+        raw = (move == LEVEL2) & live
+        raw_rank = raw_before_N[:, None] + jnp.cumsum(raw, axis=1, dtype=jnp.int32) - raw
+        cached = cached_Nxn[rows, jnp.minimum(element, n - 1)]
+        moved = wordcodec.apply_delta(cached, move.astype(jnp.int32))
+        words = jnp.where(raw, section.read(1, raw_rank), moved)
+        return words, raw_before_N + jnp.sum(raw, axis=1, dtype=jnp.int32)
+
+    esc_NxW = escapes.pack_flags(codes_Nxn == escape_code(b))
+    limit = jnp.full((e.n_ranks,), jnp.asarray(wire.caps1, jnp.int32)[rung])
+    bits_Nxn = escapes.fill(dense_Nxn, esc_NxW, limit, escaped,
+                            jnp.zeros((e.n_ranks,), jnp.int32))
     full = codec.from_bits(rows_to_full(bits_Nxn, e.shard_shape, e.axis), dtype)
     sent = transfer.section_bytes(wire.section_sizes, rung)
     return (full, selfcheck.failed_shards(full, sent_N, e.axis), rung, overflow, sent,

@@ -1,11 +1,13 @@
-"""Escapes with implied positions: packed flags, ranks by popcount, pack and expand, against
-numpy on any length (not only multiples of 32) and any density."""
+"""Escapes with implied positions: packed flags, select by running count and popcount, pack
+and fill, against numpy on any length (not only multiples of 32), any density, and more slots
+than one loop chunk."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,46 +16,75 @@ from ciera_jax import escapes
 
 @jax.jit
 def _packed(flags_RxN):
+    n = flags_RxN.shape[1]
     words = escapes.pack_flags(flags_RxN)
-    return (words, escapes.unpack_flags(words, flags_RxN.shape[1]), escapes.count(words),
-            escapes.ranks(words, flags_RxN.shape[1]))
+    slots = jnp.broadcast_to(jnp.arange(n + 2, dtype=jnp.int32), (flags_RxN.shape[0], n + 2))
+    return (words, escapes.unpack_flags(words, n), escapes.count(words),
+            escapes.select(words, escapes.running_count(words), slots))
 
 
 @settings(max_examples=20, deadline=None)
 @given(n=st.sampled_from([1, 31, 32, 33, 100, 1000]), rows=st.integers(1, 3),
        density=st.sampled_from([0.0, 0.01, 0.3, 1.0]), seed=st.integers(0, 2**16))
-def test_flags_round_trip_count_and_rank(n, rows, density, seed):
+def test_flags_round_trip_count_and_select(n, rows, density, seed):
     flags = np.random.default_rng(seed).random((rows, n)) < density
-    words, back, count, ranks = _packed(jnp.asarray(flags))
+    words, back, count, element = _packed(jnp.asarray(flags))
     assert words.shape == (rows, -(-n // 32)) and words.dtype == jnp.uint32
     np.testing.assert_array_equal(np.asarray(back), flags)
     np.testing.assert_array_equal(np.asarray(count), flags.sum(axis=1))
-    np.testing.assert_array_equal(np.asarray(ranks), np.cumsum(flags, axis=1) - flags)
+    past_end = 32 * words.shape[1]
+    for r in range(rows):
+        where = np.nonzero(flags[r])[0]
+        want = np.full(n + 2, past_end)
+        want[:len(where)] = where
+        np.testing.assert_array_equal(np.asarray(element[r]), want)
+
+
+def _roundtrip(values, flags, cap):
+    """pack on one row, fill on three rows made from it (the middle one flag-free)."""
+    words = escapes.pack_flags(flags[None])[0]
+    section = escapes.pack(values, words, cap)
+    rows_flags = jnp.stack([flags, jnp.zeros_like(flags), flags])
+    rows_words = escapes.pack_flags(rows_flags)
+    sections = jnp.stack([section, jnp.zeros_like(section), section])
+    dest = jnp.full((3, values.shape[0]), 7, values.dtype)
+    back = escapes.fill(dest, rows_words, jnp.full((3,), cap, jnp.int32),
+                        lambda slot, _, __, c: (jnp.take_along_axis(
+                            sections, jnp.minimum(slot, cap - 1), axis=1), c))
+    return section, back
 
 
 @settings(max_examples=20, deadline=None)
 @given(n=st.sampled_from([5, 64, 777]), density=st.sampled_from([0.0, 0.05, 0.5, 1.0]),
        slack=st.sampled_from([0, 3]), seed=st.integers(0, 2**16))
-def test_pack_lists_flagged_values_in_order_and_expand_puts_them_back(n, density, slack, seed):
+def test_pack_lists_flagged_values_in_order_and_fill_puts_them_back(n, density, slack, seed):
     rng = np.random.default_rng(seed)
     flags = rng.random(n) < density
     values = rng.integers(0, 1 << 16, n).astype(np.uint16)
-    cap = int(flags.sum()) + slack
-    if cap == 0:
-        cap = 1
-
-    @jax.jit
-    def roundtrip(values, flags):
-        words = escapes.pack_flags(flags[None])[0]
-        section = escapes.pack(values, flags, words, cap)
-        back = escapes.expand(section[None], escapes.slots(words[None], n, cap))[0]
-        return section, back
-
-    section, back = map(np.asarray, roundtrip(jnp.asarray(values), jnp.asarray(flags)))
+    cap = max(int(flags.sum()) + slack, 1)
+    section, back = map(np.asarray, jax.jit(_roundtrip, static_argnums=2)(
+        jnp.asarray(values), jnp.asarray(flags), cap))
     k = int(flags.sum())
     np.testing.assert_array_equal(section[:k], values[flags])
     assert (section[k:] == 0).all(), "slots after the last flagged value stay zero"
-    np.testing.assert_array_equal(back[flags], values[flags])
+    for r in (0, 2):
+        np.testing.assert_array_equal(back[r], np.where(flags, values, 7))
+    assert (back[1] == 7).all(), "a row without flags is left as it was"
+
+
+@pytest.mark.parametrize("density", [0.3, 1.0])
+def test_more_escapes_than_one_chunk(density):
+    """Several trips of the slot loop (SLOT_CHUNK slots each), a partial last one included."""
+    n = 4 * escapes.SLOT_CHUNK + 1000
+    rng = np.random.default_rng(3)
+    flags = rng.random(n) < density
+    values = rng.integers(0, 1 << 16, n).astype(np.uint16)
+    cap = int(flags.sum())
+    assert cap > escapes.SLOT_CHUNK
+    section, back = map(np.asarray, jax.jit(_roundtrip, static_argnums=2)(
+        jnp.asarray(values), jnp.asarray(flags), cap))
+    np.testing.assert_array_equal(section, values[flags])
+    np.testing.assert_array_equal(back[0], np.where(flags, values, 7))
 
 
 def test_pack_drops_what_does_not_fit():
@@ -62,5 +93,4 @@ def test_pack_drops_what_does_not_fit():
     flags = jnp.ones((40,), jnp.bool_)
     values = jnp.arange(40, dtype=jnp.uint8)
     words = escapes.pack_flags(flags[None])[0]
-    np.testing.assert_array_equal(np.asarray(escapes.pack(values, flags, words, 8)),
-                                  np.arange(8))
+    np.testing.assert_array_equal(np.asarray(escapes.pack(values, words, 8)), np.arange(8))
