@@ -4,7 +4,7 @@
         |
         +-- agree: ONE pmax over the demands of every layer of every compressed tensor (their
         |          ``Encoded`` came in ``ahead``, made at the end of the previous step)
-        +-- forward (``fsdp.Engine``): embed; each layer stack under ``lax.scan``, the body
+        +-- forward (``fsdp.prepare``): embed; each layer stack under ``lax.scan``, the body
         |          gathering layer l+1 (exchange: switch on the agreed tier + decode; or the
         |          plain / int8 gather) next to the compute of layer l; head. Tensors the plan
         |          leaves plain use the plain gather. Gathered computes are rematerialized:
@@ -28,6 +28,7 @@ import math
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -112,14 +113,15 @@ def make_step(tc, mesh, graphdef, param_specs, opt_specs, tx, tensors, compress)
     ``prepare_fn(params, caches) -> ahead`` encodes at the start (first step, after restore)."""
     n = mesh.shape[AXIS]
 
-    def loss_fn(params, caches, caches_d, encoded, agreed, tokens):
-        model = fsdp.merge(graphdef, params, caches)
-        engine = fsdp.Engine(tc.gather, tensors, caches=caches_d, encoded=encoded, agreed=agreed,
+    def loss_fn(params, caches, encoded, agreed, tokens):
+        model = fsdp.prepare(fsdp.merge(graphdef, params, caches), encoded, agreed, tc.gather,
                              word_backward=tc.word_backward)
-        with engine.active():
-            loss, parts = model.loss(tokens, tc.lb_coef, tc.z_coef)
+        loss, parts = model.loss(tokens, tc.lb_coef, tc.z_coef)
+        # The gathers' new caches and stats are the model's state after the forward.
+        new_caches = fsdp.cache_dict(nnx.state(model, fsdp.GatherCacheVar))
+        stats = fsdp.gather_stats(model)
         # Mean over the global batch: each rank's mean over its equal share, divided by n.
-        return loss / n, (loss, parts, engine.new_caches, engine.stats)
+        return loss / n, (loss, parts, new_caches, {k: stats[k] for k in tensors})
 
     def prepare(params, caches):
         encoded = fsdp.encode_tensors(tensors, fsdp.param_dict(params), fsdp.cache_dict(caches),
@@ -133,9 +135,8 @@ def make_step(tc, mesh, graphdef, param_specs, opt_specs, tx, tensors, compress)
         # tensors gathered once this step: the backward reads their word caches
         words = {k for k in encoded if isinstance(caches_d[k], ciera_jax.WordCache)}
         once = {k: k in words and tc.word_backward == "cache" for k in tensors}
-        grads, (loss, parts, new_caches, stats) = jax.grad(loss_fn, has_aux=True)(
-            params, caches, caches_d, encoded, agreed, tokens)
-        caches_d = {**caches_d, **new_caches}
+        grads, (loss, parts, caches_d, stats) = jax.grad(loss_fn, has_aux=True)(
+            params, caches, encoded, agreed, tokens)
         # The gathers' self-check failures (per rank) ride on the norm's psum: no extra
         # collective, and after it every rank knows which tensors failed anywhere.
         grads, gnorm, failed_flat = fsdp.clip_by_global_norm(
@@ -166,8 +167,7 @@ def make_step(tc, mesh, graphdef, param_specs, opt_specs, tx, tensors, compress)
                    **{k: lax.pmean(v, AXIS) for k, v in parts.items()},
                    "verify_failed": sum((jnp.sum(v) for v in failed.values()), jnp.int32(0)),
                    "gather": per_layer_stats(tensors, stats)}
-        caches = fsdp.with_caches(caches, {k: caches_d[k] for k in caches_d
-                                           if k in new_caches or k in failed})
+        caches = fsdp.with_caches(caches, caches_d)
         return new_params, caches, new_opt_state, ahead_next, metrics
 
     sm = jax.shard_map(local_step, mesh=mesh,

@@ -60,7 +60,7 @@ class TrainConfig:
     config: str = option("tiny", f"model config: {', '.join(configs.CONFIGS)}", metavar="NAME")
     gather: str = option("ciera", "ciera: lossless, compressed; plain: the lossless baseline "
                          "(same params bitwise); int8: the lossy baseline (ZeRO++ qwZ style)",
-                         choices=LazyChoices("ciera_jax.fsdp.context", "GATHER_MODES"),
+                         choices=LazyChoices("ciera_jax.fsdp.plan", "GATHER_MODES"),
                          metavar="MODE")
     batch_size: int = option(16, "global batch, in sequences (divisible by the devices)")
     seq_len: int | None = option(None, "tokens per sequence", default_text="the config's")
@@ -95,7 +95,7 @@ class TrainConfig:
         "cache", "how the backward gets word-mode weights: cache (read the full words the "
         "forward's gather left in the word cache: no backward gather) or regather (the same "
         "exact gather again); both give params bitwise equal to --gather plain",
-        choices=LazyChoices("ciera_jax.fsdp.engine", "WORD_BACKWARDS"), metavar="HOW")
+        choices=LazyChoices("ciera_jax.fsdp.plan", "WORD_BACKWARDS"), metavar="HOW")
 
     @property
     def model(self) -> configs.ModelConfig:

@@ -92,7 +92,7 @@ def train_jit(make, mesh, mode, tokens, lr=3e-3, cache="exponent"):
 
         @nnx.jit
         def step(model, opt, toks):
-            with fsdp.gather_mode(mode):
+            with fsdp.gather_mode(model, mode):
                 loss, grads = nnx.value_and_grad(lm_loss)(model, toks)
             opt.update(model, grads)
             return loss, fsdp.gather_stats(model)
@@ -122,7 +122,7 @@ def train_shard_map(make, mesh, mode, tokens, lr=3e-3, cache="exponent"):
 
     def loss_fn(params, caches, toks):
         m = fsdp.merge(graphdef, params, caches, rest)
-        with fsdp.gather_mode(mode):
+        with fsdp.gather_mode(m, mode):
             loss = lm_loss(m, toks) / jax.lax.axis_size(axes)  # mean over the global batch
         return loss, (nnx.state(m, fsdp.ExponentCacheVar), fsdp.gather_stats(m))
 

@@ -215,7 +215,7 @@ def train(build, mesh, tokens, mode=None, gather="ciera", lr=3e-3):
         history = []
         jax.monitoring.register_event_duration_secs_listener(listen)
         try:
-            with fsdp.gather_mode(gather):
+            with fsdp.gather_mode(model, gather):
                 for toks in tokens:
                     before = len(compiles)
                     loss, stats = step(model, opt, toks)

@@ -97,5 +97,5 @@ def test_missing_cache_is_an_error_naming_the_parameter():
     with pytest.raises(ValueError, match=r"MLP/(up|down)/kernel: gather 'ciera' needs an exponent "
                                          r"cache .*attach_caches"):
         trace(model, X, mesh)
-    with fsdp.gather_mode("plain"):  # the plain baseline needs none
+    with fsdp.gather_mode(model, "plain"):  # the plain baseline needs none
         trace(model, X, mesh)

@@ -41,7 +41,7 @@ def test_every_flax_layer_kind_is_gathered():
 
     def run(mode, state, toks):
         m = nnx.merge(graphdef, state)
-        with fsdp.gather_mode(mode):
+        with fsdp.gather_mode(m, mode):
             y, grads = nnx.value_and_grad(lambda m: jnp.sum(jnp.square(m(toks))))(m)
         return y, grads, fsdp.gather_stats(m)
 
@@ -106,7 +106,7 @@ def test_explicit_mesh_axes_jax_default():
 
             @nnx.jit
             def step(model, opt, x):
-                with fsdp.gather_mode(mode):
+                with fsdp.gather_mode(model, mode):
                     grads = nnx.grad(lambda m: jnp.mean(jnp.square(m(x))))(model)
                 opt.update(model, grads)
                 return fsdp.gather_stats(model)

@@ -145,21 +145,28 @@ def test_a_step_traced_under_one_mode_never_runs_it_under_another():
             loss = loss_fn(model, toks)
             return fsdp.gather_stats(model), loss
 
-        with fsdp.gather_mode("ciera"):
+        with fsdp.gather_mode(model, "ciera"):
             step(model, toks[0])
             ciera, _ = step(model, toks[1])
-        with fsdp.gather_mode("plain"):
+        with fsdp.gather_mode(model, "plain"):  # a static field of the modules: jit retraces
             plain, _ = step(model, toks[1])
+        fsdp.set_gather_mode(model, "ciera")  # the mode traced first: no third trace
+        again, _ = step(model, toks[1])
     assert len(traces) == 2
+    assert all(int(s["tier"]) >= 0 for s in again.values())
     assert all(int(s["tier"]) >= 0 for s in ciera.values())  # compressed
     assert all(int(s["tier"]) == -1 for s in plain.values())  # really plain
     assert all(int(s["sent_bytes"]) == int(s["plain_bytes"]) for s in plain.values())
 
 
-def test_default_engine_has_no_silent_stats():
-    with fsdp.gather_mode("ciera") as engine:
-        with pytest.raises(RuntimeError, match="fsdp.gather_stats"):
-            engine.stats  # noqa: B018
+def test_gather_mode_yields_the_model_and_restores_its_mode():
+    with jax.set_mesh(make_mesh((8, 1))):
+        model = shard_gemma(Transformer(nnx.Rngs(0), layers=1))
+    before = nnx.graphdef(model)
+    with fsdp.gather_mode(model, "int8") as same:
+        assert same is model and {fsdp.plan_of(m).mode for m in (
+            model.blocks[0], model)} == {"int8"}
+    assert nnx.graphdef(model) == before  # as it was: a step traced before is reused
 
 
 def test_auto_mode_plans_per_tensor_within_memory():

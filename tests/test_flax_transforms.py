@@ -37,7 +37,7 @@ def fit_jit(make, apply, mode, mesh, cache="exponent"):
             def loss_fn(model):
                 return jnp.mean(jnp.square(apply(model, x) - jnp.roll(x, 1, axis=-1)))
 
-            with fsdp.gather_mode(mode):
+            with fsdp.gather_mode(model, mode):
                 grads = nnx.grad(loss_fn)(model)
             opt.update(model, grads)
             return fsdp.gather_stats(model)
@@ -106,7 +106,7 @@ def test_remat_inside_user_shard_map():
     def run(mode, wrap):
         def loss_fn(params, caches, x):
             m = fsdp.merge(graphdef, params, caches, rest)
-            with fsdp.gather_mode(mode):
+            with fsdp.gather_mode(m, mode):
                 y = wrap(m, x)
             loss = jnp.mean(jnp.square(y)) / jax.lax.axis_size("fsdp")
             return loss, (nnx.state(m, fsdp.ExponentCacheVar), fsdp.gather_stats(m))

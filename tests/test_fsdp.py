@@ -41,7 +41,7 @@ class MLP(nnx.Module):
 def make_step(mesh, graphdef, specs, mode):
     def loss_fn(params, caches, x):
         model = fsdp.merge(graphdef, params, caches)
-        with fsdp.gather_mode(mode):
+        with fsdp.gather_mode(model, mode):
             y = model(x)
         loss = jnp.mean(jnp.square(y)) / lax.axis_size("fsdp")  # global mean over ranks
         return loss, (y, nnx.state(model, fsdp.ExponentCacheVar), fsdp.gather_stats(model))
@@ -105,8 +105,7 @@ def test_missing_caches_is_a_clear_error(mesh):
     specs = fsdp.state_specs(model, params, n=N)
 
     def f(params, x):
-        with fsdp.gather_mode("ciera"):
-            return nnx.merge(graphdef, params)(x)
+        return fsdp.set_gather_mode(nnx.merge(graphdef, params), "ciera")(x)
 
     with pytest.raises(ValueError, match="attach_caches"):
         jax.shard_map(f, mesh=mesh, in_specs=(specs, P("fsdp")), out_specs=P("fsdp"))(
@@ -127,7 +126,10 @@ def test_rule_table_and_divisibility():
     with pytest.raises(ValueError, match="does not divide"):
         fsdp.check_divisible("w", (12, 5), 0, 8)
     with pytest.raises(ValueError, match="unknown gather"):
-        with fsdp.gather_mode("zip"):
+        with fsdp.gather_mode(MLP(8, 8, nnx.Rngs(0)), "zip"):
+            pass
+    with pytest.raises(TypeError, match="gather_mode.model, 'plain'"):
+        with fsdp.gather_mode("plain"):  # the mode lives on the model's modules now
             pass
 
 
@@ -195,9 +197,9 @@ class Stacked(nnx.Module):
         return fsdp.scan_layers(self.layers, self.first(x))[0]
 
 
-def test_prepared_engine_leaves_caches_and_stats_in_module_state(mesh):
-    # The trainer's engine (prefetching scan, step-level agreement) also leaves what it
-    # gathered in module state, the same values it collects in its dicts.
+def test_prepared_step_leaves_caches_and_stats_in_module_state(mesh):
+    # The trainer's way (prefetching scan, step-level agreement): what the gathers made is
+    # the model's state after the forward, the same a per-call gather leaves.
     model = fsdp.attach_caches(Stacked(nnx.Rngs(0)))
     tensors = fsdp.gathered_tensors(model)
     assert sorted(tensors) == ["first/w_in", "first/w_out", "layers/mlp/w_in", "layers/mlp/w_out"]
@@ -207,23 +209,26 @@ def test_prepared_engine_leaves_caches_and_stats_in_module_state(mesh):
 
     @jax.jit
     @functools.partial(jax.shard_map, mesh=mesh, in_specs=(specs, P(), P("fsdp")),
-                       out_specs=P())
+                       out_specs=(P(), P(), P("fsdp"), P(), P(), P("fsdp")))
     def step(params, caches, x):
         caches_d = fsdp.cache_dict(caches)
         encoded = fsdp.encode_tensors(tensors, fsdp.param_dict(params), caches_d, compress)
-        engine = fsdp.Engine("ciera", tensors, caches=caches_d, encoded=encoded,
-                             agreed=fsdp.agree_tensors(tensors, encoded))
-        m = fsdp.merge(graphdef, params, caches)
-        with engine.active():
-            m(x)
-        state = fsdp.cache_dict(nnx.state(m, fsdp.ExponentCacheVar))
-        return engine.new_caches, engine.stats, state, fsdp.gather_stats(m)
+        m = fsdp.prepare(fsdp.merge(graphdef, params, caches), encoded,
+                         fsdp.agree_tensors(tensors, encoded))
+        y = m(x)
+        per_call = fsdp.merge(graphdef, params, caches)  # each call encodes and agrees itself
+        y_call = per_call(x)
+        return (fsdp.cache_dict(nnx.state(m, fsdp.GatherCacheVar)), fsdp.gather_stats(m), y,
+                fsdp.cache_dict(nnx.state(per_call, fsdp.GatherCacheVar)),
+                fsdp.gather_stats(per_call), y_call)
 
     x = jax.random.normal(jax.random.key(1), (16, 16), jnp.bfloat16)
-    new, stats, state, leaves = step(fsdp.put(params, specs, mesh),
-                                     fsdp.put(caches, P(), mesh), x)
-    assert sorted(new) == sorted(tensors) and sorted(stats) == sorted(tensors)
-    for k in tensors:
-        assert all(np.array_equal(a, b) for a, b in zip(_bits(new[k]), _bits(state[k])))
-        assert all(np.array_equal(a, b) for a, b in zip(_bits(stats[k]), _bits(leaves[k])))
+    state, leaves, y, state_call, leaves_call, y_call = step(
+        fsdp.put(params, specs, mesh), fsdp.put(caches, P(), mesh), x)
+    # the one gather, prepared or per call: the same caches, stats and outputs, bit for bit
+    for a, b in zip(_bits((state, leaves, y)), _bits((state_call, leaves_call, y_call))):
+        np.testing.assert_array_equal(a, b)
+    assert sorted(state) == sorted(tensors) and sorted(leaves) == sorted(tensors)
+    assert all(bool(np.all(np.asarray(c.primed))) for c in state.values())  # the gathers primed
+    assert all(bool(np.all(np.asarray(s["fallback"]) == 1)) for s in leaves.values())
     assert np.asarray(leaves["layers/mlp/w_in"]["tier"]).shape == (2,)

@@ -6,7 +6,7 @@ Wrap module instances with :func:`shard` (each block, then the root) or decorate
 mesh axis (Flax's ``nnx.with_partitioning`` metadata first, then
 ``fsdp_axis`` metadata, then a rule table passed to the decorator) is cast to the compute
 dtype and all-gathered just before use, through CIERA's exponent-reuse gather (or the plain /
-int8 baselines, :func:`gather_mode`), over the ``fsdp`` axis only: other mesh axes in a
+int8 baselines, :func:`set_gather_mode`, a static field of each module), over the ``fsdp`` axis only: other mesh axes in a
 parameter's spec (tensor, expert parallel) stay split. Two programming models: inside the user's
 ``jax.shard_map``, or under ``jit`` with ``jax.set_mesh`` and eagerly sharded parameters, where
 the decorator opens its own ``shard_map`` region for the gathers. Caches
@@ -26,22 +26,28 @@ the decorator opens its own ``shard_map`` region for the gathers. Caches
 One concern per module, imports one way: :mod:`.axes` (where a call gathers), :mod:`.rules`
 (rule tables, specs of one axis), :mod:`.discovery` (which params, which axis),
 :mod:`.stacking`, :mod:`.caches`, :mod:`.stats`, :mod:`.specs` (state PartitionSpecs,
-placement), :mod:`.clipping`, :mod:`.inventory` (a model's gathered tensors), :mod:`.phases`
-(a step's encode and one agreement), :mod:`.context` (the active engine), :mod:`.engine`
-(the one gather path), :mod:`.layer_stack`, :mod:`.decorator`, :mod:`.wrap` (by instance).
+placement), :mod:`.clipping`, :mod:`.inventory` (the one walk over a model: its gathering
+modules and tensors), :mod:`.plan` (a module's static gather mode), :mod:`.gather` (the one
+gather: shards, caches and plan in; fulls, new caches and stats out), :mod:`.percall` (a call
+gathering on its own), :mod:`.phases` and :mod:`.prepared` (a train step's encode, one
+agreement, and gathers with prefetch and the one custom VJP), :mod:`.layer_stack`,
+:mod:`.decorator`, :mod:`.wrap` (by instance).
 """
 
 from ciera_jax.fsdp.axes import AXIS, invariant
 from ciera_jax.fsdp.caches import (CACHE_MODES, ExponentCacheVar, GatherCacheVar, attach_caches,
                                    cache_dict, with_caches)
 from ciera_jax.fsdp.clipping import clip_by_global_norm, global_sq_norm
-from ciera_jax.fsdp.context import GATHER_MODES, active_engine
 from ciera_jax.fsdp.decorator import gathered
 from ciera_jax.fsdp.discovery import GatherSpec
-from ciera_jax.fsdp.engine import Engine, gather_mode
-from ciera_jax.fsdp.inventory import GatheredTensor, gathered_tensors, param_dict
+from ciera_jax.fsdp.gather import gather
+from ciera_jax.fsdp.inventory import (GatheredTensor, Gatherer, gathered_tensors, gatherers,
+                                      param_dict)
 from ciera_jax.fsdp.layer_stack import scan_layers
 from ciera_jax.fsdp.phases import agree_tensors, encode_tensors
+from ciera_jax.fsdp.plan import (GATHER_MODES, WORD_BACKWARDS, Plan, gather_mode, plan_of,
+                                 set_gather_mode)
+from ciera_jax.fsdp.prepared import GatherInputs, prepare
 from ciera_jax.fsdp.rules import check_divisible, d_axis, rule_axis, spec_for
 from ciera_jax.fsdp.specs import merge, param_specs, put, split_axes, state_specs
 from ciera_jax.fsdp.stacking import stack, stack_size
@@ -49,11 +55,12 @@ from ciera_jax.fsdp.stats import GatherStats, gather_stats, wire_ratio
 from ciera_jax.fsdp.wrap import is_sharded, shard
 
 __all__ = [
-    "AXIS", "CACHE_MODES", "GATHER_MODES", "Engine", "ExponentCacheVar", "GatherCacheVar",
-    "GatherSpec", "GatherStats", "is_sharded", "shard", "wire_ratio",
-    "GatheredTensor", "active_engine", "agree_tensors", "attach_caches", "cache_dict",
-    "check_divisible", "clip_by_global_norm", "d_axis", "encode_tensors", "gather_mode",
-    "gather_stats", "gathered", "gathered_tensors", "global_sq_norm", "invariant", "merge",
-    "param_dict", "param_specs", "put", "rule_axis", "scan_layers", "spec_for", "split_axes",
-    "stack", "stack_size", "state_specs", "with_caches",
+    "AXIS", "CACHE_MODES", "GATHER_MODES", "WORD_BACKWARDS", "ExponentCacheVar",
+    "GatherCacheVar", "GatherInputs", "GatherSpec", "GatherStats", "GatheredTensor", "Gatherer",
+    "Plan", "agree_tensors", "attach_caches", "cache_dict", "check_divisible",
+    "clip_by_global_norm", "d_axis", "encode_tensors", "gather", "gather_mode", "gather_stats",
+    "gathered", "gathered_tensors", "gatherers", "global_sq_norm", "invariant", "is_sharded",
+    "merge", "param_dict", "param_specs", "plan_of", "prepare", "put", "rule_axis",
+    "scan_layers", "set_gather_mode", "shard", "spec_for", "split_axes", "stack", "stack_size",
+    "state_specs", "wire_ratio", "with_caches",
 ]

@@ -1,6 +1,8 @@
 """The :func:`gathered` decorator: a sharded module's parameters are gathered just before its
-``__call__`` runs, through the active :class:`~ciera_jax.fsdp.Engine` (a default ``ciera`` one
-when none is active)."""
+``__call__`` runs. What the call does is the module's static plan
+(:mod:`ciera_jax.fsdp.plan`): on its own (:mod:`.percall`), prepared by a train step
+(:mod:`.prepared`), or nothing but the call when a prepared layer stack holds its full
+weights already."""
 
 from __future__ import annotations
 
@@ -9,10 +11,10 @@ from typing import Callable
 
 import jax.numpy as jnp
 
-from ciera_jax.fsdp.axes import AXIS
-from ciera_jax.fsdp.context import active_engine
-from ciera_jax.fsdp.discovery import GATHER_ATTR, GatherSpec
-from ciera_jax.fsdp.engine import Engine
+from ciera_jax.fsdp import percall, prepared
+from ciera_jax.fsdp.axes import AXIS, MANUAL, REGION, placement
+from ciera_jax.fsdp.discovery import GATHER_ATTR, GatherSpec, module_name
+from ciera_jax.fsdp.plan import plan_of
 from ciera_jax.fsdp.rules import Rules
 
 
@@ -22,11 +24,11 @@ def gathered(axis_name: str = AXIS, *, dtype=jnp.bfloat16, rules: Rules = (),
 
     Every parameter under the module (its Flax layers included) that is split over
     ``axis_name`` (by Flax's partitioning metadata, ``fsdp_axis`` metadata or ``rules``, see
-    :mod:`ciera_jax.fsdp.discovery`) is cast to ``dtype`` and gathered with the active engine's
-    gather (:func:`gather_mode`; default ``ciera``), so the body sees full weights. Inside the
-    user's ``jax.shard_map`` the gathers run there; under ``jit`` with a mesh set (no
-    ``shard_map``) the call opens a ``shard_map`` region for them and the body runs under
-    sharding propagation. Exponent caches (:func:`attach_caches`) and stats
+    :mod:`ciera_jax.fsdp.discovery`) is cast to ``dtype`` and gathered with the module's gather
+    mode (:func:`~ciera_jax.fsdp.set_gather_mode`; default ``ciera``), so the body sees full
+    weights. Inside the user's ``jax.shard_map`` the gathers run there; under ``jit`` with a
+    mesh set (no ``shard_map``) the call opens a ``shard_map`` region for them and the body
+    runs under sharding propagation. Caches (:func:`attach_caches`) and stats
     (:func:`gather_stats`) are module state. Without any mesh the params are only cast.
     ``replicate``: a regex over parameter paths (or True) that may stay whole when no source
     covers them; any other uncovered weight of 2+ dimensions is an error.
@@ -36,10 +38,25 @@ def gathered(axis_name: str = AXIS, *, dtype=jnp.bfloat16, rules: Rules = (),
     def deco(fn):
         @functools.wraps(fn)
         def wrapper(self, *args, **kwargs):
-            engine = active_engine() or Engine("ciera", axis_name=axis_name)
-            return engine.call(self, fn, args, kwargs, spec)
+            return call(self, fn, args, kwargs, spec)
 
         setattr(wrapper, GATHER_ATTR, spec)
         return wrapper
 
     return deco
+
+
+def call(module, fn, args, kwargs, spec: GatherSpec):
+    """One call of a gathering module, as its plan says."""
+    plan = plan_of(module)
+    if plan.held:
+        return fn(module, *args, **kwargs)
+    if plan.prepared:
+        place = placement(spec.axis_name, module_name(module))
+        if place == MANUAL:
+            return prepared.call(module, fn, args, kwargs, plan)
+        if place == REGION:
+            raise ValueError(f"{module_name(module)}: a step prepared by fsdp.prepare runs "
+                             "inside shard_map; under jit without shard_map, gather per call "
+                             "(fsdp.set_gather_mode)")
+    return percall.call(module, fn, args, kwargs, spec, plan)

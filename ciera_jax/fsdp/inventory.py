@@ -9,7 +9,8 @@ import dataclasses
 import jax
 from flax import nnx
 
-from ciera_jax.fsdp.discovery import gather_spec, iter_modules, path_key, sharded_params
+from ciera_jax.fsdp.discovery import (GatherSpec, ShardedParam, gather_spec, iter_modules,
+                                      path_key, sharded_params)
 from ciera_jax.fsdp.stacking import stack_of
 
 
@@ -40,22 +41,48 @@ class GatheredTensor:
         return f"{self.stack_path}/{layer}{self.key[len(self.stack_path):]}"
 
 
-def gathered_tensors(model: nnx.Module) -> dict[str, GatheredTensor]:
-    """Every parameter a decorated module gathers, keyed by path (model order)."""
-    out = {}
+@dataclasses.dataclass(frozen=True)
+class Gatherer:
+    """One gathering module of a model: its ``path``, the ``module``, its options (``spec``),
+    the layers of the stack it lies in (``layers``, 0: none; ``stack_path``) and the
+    parameters it gathers (``params``, keys below the module)."""
+
+    path: tuple
+    module: nnx.Module
+    spec: GatherSpec
+    layers: int
+    stack_path: tuple
+    params: tuple[ShardedParam, ...]
+
+    def key(self, p: ShardedParam) -> str:
+        """The model-wide key of parameter ``p`` (``layers/mlp/w_gate_ExDxF``)."""
+        return "/".join(map(str, (*self.path, p.key)))
+
+
+def gatherers(model: nnx.Module) -> list[Gatherer]:
+    """The one walk over a model: every gathering module and the parameters it gathers, in
+    model order. The tensor inventory, the caches, the state specs and a prepared step read
+    it."""
     mods = dict(iter_modules(model))
+    out = []
     for path, module in mods.items():
         spec = gather_spec(module)
         if spec is None:
             continue
         n, spath = stack_of(path, mods)
-        for p in sharded_params(module, spec, lead=1 if n else 0, strict=False):
-            key = "/".join(map(str, (*path, p.key)))
-            if key in out:  # under two decorated modules: the outer one gathers it
-                continue
-            out[key] = GatheredTensor(key, p.axis - p.lead, p.layer_shape,
-                                      spec.dtype or p.var.get_value().dtype,
-                                      n, "/".join(map(str, spath)), p.spec)
+        params = tuple(sharded_params(module, spec, lead=1 if n else 0, strict=False))
+        out.append(Gatherer(path, module, spec, n, spath, params))
+    return out
+
+
+def gathered_tensors(model: nnx.Module) -> dict[str, GatheredTensor]:
+    """Every parameter a gathering module gathers, keyed by path (model order)."""
+    out = {}
+    for g in gatherers(model):
+        for p in g.params:
+            out[g.key(p)] = GatheredTensor(g.key(p), p.axis - p.lead, p.layer_shape,
+                                           g.spec.dtype or p.var.get_value().dtype,
+                                           g.layers, "/".join(map(str, g.stack_path)), p.spec)
     return out
 
 

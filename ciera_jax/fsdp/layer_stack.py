@@ -1,21 +1,24 @@
-"""Running a layer stack built by :func:`~ciera_jax.fsdp.stack`: with a prepared engine inside
-``shard_map``, prefetching layer l+1 during layer l; otherwise an ``nnx.scan`` whose decorated
-layers gather per layer (their caches and stats stack with the layers)."""
+"""Running a layer stack built by :func:`~ciera_jax.fsdp.stack`: prepared by a train step
+(inside ``shard_map``), prefetching layer l+1 during layer l; otherwise an ``nnx.scan`` whose
+gathering layers gather per layer (their caches and stats stack with the layers)."""
 
 from __future__ import annotations
 
 from flax import nnx
 
+from ciera_jax.fsdp import prepared
 from ciera_jax.fsdp.axes import axis_bound
-from ciera_jax.fsdp.context import active_engine
+from ciera_jax.fsdp.discovery import gather_spec, iter_modules
+from ciera_jax.fsdp.plan import plan_of
 
 
 def scan_layers(stack_module, x, *args):
     """Apply the layers of ``stack_module`` in order: ``x, y = layer(x, *args)``; returns
     ``(x, ys)`` with the ``y`` of every layer stacked."""
-    engine = active_engine()
-    if engine is not None and engine.prepared and axis_bound(engine.axis_name):
-        return engine.scan(stack_module, x, *args)
+    specs = [(gather_spec(m), plan_of(m)) for _, m in iter_modules(stack_module)
+             if gather_spec(m) is not None]
+    if specs and specs[0][1].prepared and axis_bound(specs[0][0].axis_name):
+        return prepared.scan(stack_module, x, *args)
 
     def body(x, layer):
         return layer(x, *args)

@@ -1,0 +1,128 @@
+"""A gathering module's call on its own: gather the parameters it holds (encoding and agreeing
+for this call alone in ``ciera`` mode), then run the call on a copy of the module that holds
+the full weights. Differentiable through the gather (its backward is a ``psum_scatter``).
+
+The module itself is never changed while the call runs: its copy holds the full weights,
+its new caches and stats; afterwards the copy's state other than parameters (those new
+caches and stats, and whatever sub-modules changed) is written into the module, once."""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+import ciera_jax.cache as cache_lib
+import ciera_jax.codec as codec
+from ciera_jax.fsdp.axes import MANUAL, REGION, UNSHARDED, axis_size, placement
+from ciera_jax.fsdp.caches import PLAIN_ATTR, GatherCacheVar, cache_attr
+from ciera_jax.fsdp.discovery import (GatherSpec, module_name, module_path, path_key,
+                                      sharded_params)
+from ciera_jax.fsdp.gather import gather, gather_region
+from ciera_jax.fsdp.inventory import GatheredTensor
+from ciera_jax.fsdp.plan import Plan
+from ciera_jax.fsdp.rules import check_divisible
+from ciera_jax.fsdp.stacking import stack_size
+from ciera_jax.fsdp.stats import record
+
+
+def copy_with(module, values: dict):
+    """A copy of ``module`` (fresh Variables) whose parameters named in ``values`` (``{path
+    below the module: value}``) hold those values."""
+    graphdef, state = nnx.split(module)
+    state = jax.tree_util.tree_map_with_path(lambda p, v: values.get(path_key(p), v), state)
+    return nnx.merge(graphdef, state)
+
+
+def write_back(module, copy) -> None:
+    """The copy's state other than parameters into ``module`` (one write per Variable)."""
+    nnx.update(module, nnx.state(copy, nnx.Not(nnx.Param)))
+
+
+def checked_params(module, spec: GatherSpec, place: str) -> list:
+    """The parameters a call of ``module`` gathers; raises when there are none."""
+    where = module_name(module)
+    params = sharded_params(module, spec)
+    if place != UNSHARDED and not params:
+        raise ValueError(
+            f"{where}: decorated with @gathered(axis_name={spec.axis_name!r}) but none of "
+            f"its parameters is split over {spec.axis_name!r}, so nothing would be "
+            f"gathered; annotate them (nnx.with_partitioning(init, ({spec.axis_name!r}, "
+            f"None)), fsdp_axis= metadata or rules=) or remove the decorator")
+    if place != UNSHARDED and stack_size(module):
+        raise ValueError(f"{where}: a layer stack is run with fsdp.scan_layers, not called")
+    return params
+
+
+def call_tensor(module, p, spec: GatherSpec, place: str) -> GatheredTensor:
+    """The tensor one call gathers for parameter ``p`` (its full shape: the shard's over
+    the gather axis inside ``shard_map``, the global one under ``jit``)."""
+    value = p.var.get_value()
+    shape = list(value.shape)
+    if place == REGION:
+        check_divisible(f"{module_name(module)}/{p.key}", tuple(shape), p.axis,
+                        axis_size(spec.axis_name), spec.axis_name)
+    else:
+        shape[p.axis] *= axis_size(spec.axis_name)
+    prefix = module_path(module)
+    return GatheredTensor(f"{prefix}/{p.key}" if prefix else p.key, p.axis, tuple(shape),
+                          spec.dtype or value.dtype, spec=p.spec)
+
+
+def call(module, fn, args, kwargs, spec: GatherSpec, plan: Plan):
+    """A gathering module's call: gather its sharded params, run ``fn`` on the full ones."""
+    place = placement(spec.axis_name, module_name(module))
+    params = checked_params(module, spec, place)
+    if place == UNSHARDED:  # whole already: only cast
+        cast = {p.key: p.var.get_value().astype(spec.dtype) for p in params
+                if spec.dtype is not None}
+        copy = copy_with(module, cast)
+        out = fn(copy, *args, **kwargs)
+        write_back(module, copy)
+        return out
+    tensors, shards, caches = {}, {}, {}
+    for p in params:
+        t = tensors[p.key] = call_tensor(module, p, spec, place)
+        shards[p.key] = p.var.get_value().astype(t.dtype)
+        if (plan.mode == "ciera" and codec.is_compressible(t.dtype)
+                and p.name not in getattr(p.owner, PLAIN_ATTR, ())):
+            caches[p.key] = cache_of(p, t, f"{module_name(module)}/{p.key}")
+    if place == MANUAL:
+        fulls, new_caches, stats = gather(tensors, shards, caches, plan, spec.axis_name)
+    else:
+        fulls, new_caches, stats = gather_region(tensors, shards, caches, plan, spec.axis_name)
+    copy = copy_with(module, fulls)
+    leave_state(copy, params, new_caches, stats)
+    out = fn(copy, *args, **kwargs)
+    write_back(module, copy)
+    return out
+
+
+def leave_state(module, params: list, new_caches: dict, stats: dict) -> None:
+    """New caches into the cache variables beside ``params`` (found in ``module`` by path),
+    ``stats`` onto ``module``."""
+    for p in params:
+        if new_caches.get(p.key) is not None:
+            owner = module
+            for part in p.key.split("/")[:-1]:
+                owner = owner[int(part)] if part.isdigit() else getattr(owner, part)
+            getattr(owner, cache_attr(p.name)).set_value(new_caches[p.key])
+    record(module, stats)
+
+
+def cache_of(p, t: GatheredTensor, name: str):
+    """The cache beside parameter ``p``, checked against the tensor it serves."""
+    var = getattr(p.owner, cache_attr(p.name), None)
+    if not isinstance(var, GatherCacheVar):
+        raise ValueError(f"{name}: gather 'ciera' needs an exponent cache for this parameter "
+                         f"and it has none: call ciera_jax.fsdp.attach_caches(model) once "
+                         f"after building the model (or gather with fsdp.gather_mode(model, "
+                         f"'plain'))")
+    cache = var.get_value()
+    shape = getattr(cache, "shape", None)
+    if cache_lib.is_cache(cache) and shape is not None and tuple(shape) != t.shape:
+        raise ValueError(f"{name}: its cache is for shape {tuple(shape)} but the gather is "
+                         f"{t.shape}; layers stacked with nnx.vmap are recognised when built "
+                         f"from Flax layers (Linear, Einsum, Embed, Conv, norms); otherwise "
+                         f"call fsdp.attach_caches inside the function that builds one layer, "
+                         f"or build the stack with fsdp.stack")
+    return cache

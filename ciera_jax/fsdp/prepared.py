@@ -1,0 +1,309 @@
+"""Gathers prepared for a train step (inside its ``shard_map``): the step encoded every
+compressed tensor at the end of the previous step and agreed on all of them with ONE collective
+(:mod:`ciera_jax.fsdp.phases`); :func:`prepare` hands each gathering module its tensors'
+``Encoded`` and agreement, as module state, with a static :class:`~ciera_jax.fsdp.plan.Plan`.
+
+A prepared module's call gathers with them (:func:`call`), and a layer stack run by
+:func:`~ciera_jax.fsdp.scan_layers` gathers layer l+1 while layer l computes (:func:`scan`).
+Both go through :func:`_run`, the one custom VJP: the forward keeps no gathered weights as
+residuals; the backward reads a word-cache tensor's full words from the cache the forward left
+(no second gather, no second copy), and gathers every other tensor again (the same exact, pure
+function). Either way the compute sees its weights through one ``optimization_barrier``,
+forward and backward, so XLA compiles the same matmuls whichever path delivered them and the
+parameters stay bitwise those of a plain gather.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+import ciera_jax.cache as cache_lib
+from ciera_jax.fsdp.axes import AXIS, axis_size, varying_axes
+from ciera_jax.fsdp.caches import GatherCacheVar, cache_attr
+from ciera_jax.fsdp.discovery import (gather_spec, iter_modules, module_path, path_key,
+                                      sharded_params)
+from ciera_jax.fsdp.gather import gather_one
+from ciera_jax.fsdp.inventory import GatheredTensor, gatherers
+from ciera_jax.fsdp.plan import DEFAULT_WORD_BACKWARD, Plan, plan_of, set_plan
+from ciera_jax.fsdp.stacking import stack_size
+from ciera_jax.fsdp.stats import GatherStats, record
+
+INPUTS_ATTR = "ciera_gather_inputs"
+
+
+class GatherInputs(nnx.Variable):
+    """A prepared module's ``{parameter path below it: (Encoded, agreed)}`` for this step
+    (per layer in a stack). Made inside the step, never checkpointed."""
+
+
+def prepare(model: nnx.Module, encoded: dict, agreed: dict, mode: str = "ciera", *,
+            word_backward: str = DEFAULT_WORD_BACKWARD, impl: str = "auto") -> nnx.Module:
+    """Hand every gathering module of ``model`` the step's gather inputs (``encoded`` and
+    ``agreed``: ``{tensor key: ...}``, from :func:`~ciera_jax.fsdp.encode_tensors` and
+    :func:`~ciera_jax.fsdp.agree_tensors`) and a prepared plan; returns ``model``. Call it
+    inside the step's ``shard_map`` on the model merged there; read the new caches and
+    stats from the model's state after the forward."""
+    missing = [k for k in encoded if k not in agreed]
+    if missing:
+        raise ValueError(f"no agreement for {missing}: run agree_tensors once per step")
+    encoded = encoded if mode == "ciera" else {}
+    for g in gatherers(model):
+        set_plan(g.module, Plan(mode, impl, prepared=True, word_backward=word_backward))
+        mine = {p.key: (encoded[g.key(p)], agreed[g.key(p)]) for p in g.params
+                if g.key(p) in encoded}
+        if mine:
+            setattr(g.module, INPUTS_ATTR, GatherInputs(mine))
+    return model
+
+
+def _inputs(module) -> dict:
+    var = getattr(module, INPUTS_ATTR, None)
+    return var.get_value() if isinstance(var, GatherInputs) else {}
+
+
+def _members(module, layers: int) -> list:
+    """(key below ``module``, gathering module, its param, tensor, gather inputs or None) of
+    every parameter gathered under ``module`` (a stack of ``layers``, or one call: 0)."""
+    out = []
+    lead = 1 if layers else 0
+    n_ranks = None
+    for rel, gm in iter_modules(module):
+        spec = gather_spec(gm)
+        if spec is None or (not layers and rel):
+            continue
+        n_ranks = n_ranks or axis_size(spec.axis_name)
+        inputs = _inputs(gm)
+        for p in sharded_params(gm, spec, lead=lead, strict=False):
+            key = "/".join(map(str, (*rel, p.key)))
+            shape = list(p.layer_shape)
+            shape[p.axis - p.lead] *= n_ranks
+            prefix = module_path(module)
+            t = GatheredTensor(f"{prefix}/{key}" if prefix else key, p.axis - p.lead,
+                               tuple(shape), spec.dtype or p.var.get_value().dtype,
+                               layers, prefix, p.spec)
+            gin = None
+            if p.key in inputs:
+                enc, agreed = inputs[p.key]
+                gin = (enc, getattr(p.owner, cache_attr(p.name)).get_value(), agreed)
+            out.append((key, gm, p, t, gin))
+    return out
+
+
+def _leave(members, caches: dict, stats: dict) -> None:
+    """New caches into their variables, stats onto the gathering modules (once each)."""
+    per_module: dict = {}
+    for key, gm, p, _, _ in members:
+        if key in caches:
+            getattr(p.owner, cache_attr(p.name)).set_value(caches[key])
+        per_module.setdefault(id(gm), (gm, {}))[1][p.key] = stats[key]
+    for gm, st in per_module.values():
+        record(gm, st)
+
+
+def call(module, fn, args, kwargs, plan: Plan):
+    """A prepared module's call inside the step's ``shard_map``."""
+    names = tuple(kwargs)
+    args = tuple(args) + tuple(kwargs.values())
+
+    def body(m, x, *a):
+        pos, kw = a[:len(a) - len(names)], dict(zip(names, a[len(a) - len(names):]))
+        return x, fn(m, *pos, **kw)
+
+    _, y = _scan(module, (), args, plan, 0, body)
+    return y
+
+
+def scan(stack_module, x, *args):
+    """Run a prepared layer stack: layer l computes on weights gathered during layer l-1.
+    ``x, y = layer(x, *args)``; returns ``(x, ys)``."""
+    plan = next(plan_of(m) for _, m in iter_modules(stack_module) if gather_spec(m))
+    return _scan(stack_module, x, args, plan, stack_size(stack_module),
+                 lambda m, x, *a: m(x, *a))
+
+
+def _scan(module, x, args, plan: Plan, layers: int, body):
+    members = _members(module, layers)
+    graphdef, params, skipped, rest = nnx.split(
+        module, nnx.Param, (GatherCacheVar, GatherInputs, GatherStats), ...)
+    keys = [path_key(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    leaves, treedef = jax.tree.flatten(params)
+    values = dict(zip(keys, leaves))
+    dummy = jax.tree.map(lambda a: np.zeros((), a.dtype), skipped)  # held modules read none
+    tensors = {k: t for k, _, _, t, _ in members}
+    inputs = {k: gin for k, _, _, _, gin in members}
+    shards = {k: values[k].astype(t.dtype) for k, t in tensors.items()}
+    others = {k: v for k, v in values.items() if k not in tensors}
+
+    def compute(fulls, others, call_args):
+        rest, (x, *args) = call_args
+        fulls = lax.optimization_barrier(fulls)
+        copy = nnx.merge(graphdef, jax.tree.unflatten(
+            treedef, [fulls[k] if k in fulls else others[k] for k in keys]), dummy, rest)
+        for _, m in iter_modules(copy):  # they hold full weights: their calls only run
+            if gather_spec(m) is not None:
+                set_plan(m, dataclasses.replace(plan_of(m), held=True))
+        return body(copy, x, *args)
+
+    held = set() if plan.word_backward != "cache" else {
+        k for k, gin in inputs.items() if gin is not None and isinstance(
+            gin[1], cache_lib.WordCache)}
+    axis_name = gather_spec(members[0][1]).axis_name if members else AXIS
+    run = _run(compute, tensors, held, layers, plan, axis_name)
+    x, ys, cs, ss = run(shards, others, rest, x, tuple(args), inputs)
+    _leave(members, cs, ss)
+    return x, ys
+
+
+def _run(compute, tensors: dict, held: set, n: int, plan: Plan, axis_name: str):
+    """``run(shards, others, rest, x, args, inputs) -> (x, ys, new caches, stats)`` over
+    ``n`` stacked layers (0: one call, nothing stacked), with its own backward.
+
+    Forward: a scan whose body gathers layer l+1 (independent of the activations) next to
+    layer l's compute. A held tensor's word-cache stack is carried through the scan and
+    updated one layer at a time in place (each gather reads its layer's old words and writes
+    the new ones), so the step holds one stack of words, which is also what the backward
+    reads. Residuals: each layer's input activation, the shards, the gather inputs and the
+    new caches (no gathered weights). Backward: the layers in reverse, each recomputed on its
+    full weights and its cotangents ``psum_scatter``-ed."""
+    def at(tree, i):
+        if i is None:
+            return tree
+        return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+
+    head = lambda tree: jax.tree.map(lambda a: a[:-1], tree)  # noqa: E731
+    first = lambda tree: jax.tree.map(lambda a: a[None], tree)  # noqa: E731
+    cat = lambda a, b: jnp.concatenate([a, b], axis=0)  # noqa: E731
+
+    def put(stack, i, c):
+        if i is None:
+            return c
+        return jax.tree.map(lambda s, v: lax.dynamic_update_index_in_dim(s, v, i, 0), stack, c)
+
+    def gather_at(t, shard, gin):
+        return gather_one(t, shard, gin, plan, axis_name)
+
+    def backward_fulls(shards, inputs, held_caches):
+        """Held keys from their (new) word cache, the rest gathered again."""
+        return {k: _typed_like_gather(cache_lib.cached_full(held_caches[k]), shards[k],
+                                      axis_name) if k in held_caches else
+                gather_at(tensors[k], lax.stop_gradient(shards[k]), inputs[k])[0]
+                for k in shards}
+
+    def scatter(ct_fulls, shards):
+        """Weight cotangents: the transpose of the all-gather (``psum_scatter``)."""
+        return {k: lax.psum_scatter(ct_fulls[k], axis_name, scatter_dimension=tensors[k].axis,
+                                    tiled=True).astype(shards[k].dtype) for k in shards}
+
+    def forward(shards, others, rest, x, args, inputs):
+        frozen = lax.stop_gradient(shards)
+        stacks = {k: inputs[k][1] for k in held}  # old words in; new words out, in place
+
+        def fetch(i, stacks):
+            fulls, caches, stats = {}, {}, {}
+            for k, t in tensors.items():
+                gin = at(inputs[k], i)
+                if k in held:  # this layer's old words from the carried stack
+                    gin = (gin[0], at(stacks[k], i), gin[2])
+                fulls[k], c, stats[k] = gather_at(t, at(frozen[k], i), gin)
+                if c is not None:
+                    if k in held:
+                        stacks = {**stacks, k: put(stacks[k], i, c)}
+                    else:
+                        caches[k] = c
+            return fulls, caches, stats, stacks
+
+        def layer(i, fulls, x):
+            return compute(fulls, at(others, i), (at(rest, i), (x, *args)))
+
+        fulls, c0, s0, stacks = fetch(0 if n else None, stacks)
+        if n <= 1:
+            x_last = x
+            x, y = layer(0 if n else None, fulls, x)
+            ys, cs, ss, x_in = ((first(y), first(c0), first(s0), None) if n else
+                                (y, c0, s0, None))
+        else:
+            def body(carry, i):
+                x, fulls, stacks = carry
+                nxt, c, s, stacks = fetch(i + 1, stacks)  # independent of layer i
+                x_next, y = layer(i, fulls, x)
+                return (x_next, nxt, stacks), (y, c, s, x)
+
+            (x_last, fulls, stacks), (ys, cs, ss, x_in) = lax.scan(
+                body, (x, fulls, stacks), jnp.arange(n - 1))
+            x, y = layer(n - 1, fulls, x_last)
+            ys = jax.tree.map(lambda a, b: cat(a, b[None]), ys, y)
+            cs = jax.tree.map(lambda a, b: cat(a[None], b), c0, cs)
+            ss = jax.tree.map(lambda a, b: cat(a[None], b), s0, ss)
+        cs = {**cs, **stacks}
+        res = (shards, others, rest, args, inputs, {k: cs[k] for k in held}, x_in, x_last)
+        return (x, ys, cs, ss), res
+
+    def backward(res, cts):
+        shards, others, rest, args, inputs, held_caches, x_in, x_last = res
+        ct_x, ct_ys = cts[0], cts[1]
+
+        def layer_bwd(i, x, ct_x, ct_y):
+            fulls = backward_fulls(at(shards, i), at(inputs, i), at(held_caches, i))
+            _, vjp = jax.vjp(compute, fulls, at(others, i), (at(rest, i), (x, *args)))
+            ct_fulls, ct_others, (ct_rest, (ct_x, *ct_args)) = vjp((ct_x, ct_y))
+            # float0 cotangents (integer state, integer args) cannot ride in a scan
+            return ct_x, (scatter(ct_fulls, at(shards, i)), ct_others,
+                          _drop_float0(ct_rest), _drop_float0(tuple(ct_args)))
+
+        last_i = n - 1 if n else None
+        ct_x, last = layer_bwd(last_i, x_last, ct_x, at(ct_ys, last_i))
+        if n <= 1:
+            grads, ct_args = (first(last[:3]) if n else last[:3]), last[3]
+        else:
+            def body(carry, xs):
+                ct_x, ct_args = carry
+                i, x, ct_y = xs
+                ct_x, (g_shards, g_others, g_rest, g_args) = layer_bwd(i, x, ct_x, ct_y)
+                ct_args = jax.tree.map(jnp.add, ct_args, g_args)
+                return (ct_x, ct_args), (g_shards, g_others, g_rest)
+
+            (ct_x, ct_args), grads = lax.scan(
+                body, (ct_x, last[3]), (jnp.arange(n - 1), x_in, head(ct_ys)), reverse=True)
+            grads = jax.tree.map(lambda a, b: cat(a, b[None]), grads, last[:3])
+        g_shards, g_others, g_rest = grads
+        return (g_shards, g_others, _with_float0(rest, g_rest), ct_x,
+                _with_float0(args, ct_args), _float0_like(inputs))
+
+    run = jax.custom_vjp(lambda *a: forward(*a)[0])
+    run.defvjp(forward, backward)
+    return run
+
+
+def _typed_like_gather(full, shard, axis_name):
+    """A full tensor read from a cache, typed like a gather's result: varying over the gather
+    axis (as ``lax.all_gather`` types it) and over every other axis the shard varies over."""
+    want = (varying_axes(shard) | {axis_name}) & set(jax.sharding.get_abstract_mesh().manual_axes)
+    missing = tuple(sorted(want - varying_axes(full)))
+    return lax.pcast(full, missing, to="varying") if missing else full
+
+
+def _float0_like(tree):
+    def one(a):
+        a = jnp.asarray(a) if not hasattr(a, "dtype") else a
+        if jnp.issubdtype(a.dtype, jnp.inexact):
+            return jnp.zeros_like(a)
+        return np.zeros(a.shape, jax.dtypes.float0)
+    return jax.tree.map(one, tree)
+
+
+def _drop_float0(tree):
+    """float0 cotangent leaves as a bool scalar placeholder (:func:`_with_float0` undoes it)."""
+    return jax.tree.map(lambda c: jnp.zeros((), jnp.bool_)
+                        if getattr(c, "dtype", None) == jax.dtypes.float0 else c, tree)
+
+
+def _with_float0(primal, ct):
+    """Cotangents of ``primal``: ``ct``'s leaves for inexact leaves, float0 for the rest."""
+    return jax.tree.map(lambda p, c: c if jnp.issubdtype(jnp.result_type(p), jnp.inexact)
+                        else np.zeros(jnp.shape(p), jax.dtypes.float0), primal, ct)
