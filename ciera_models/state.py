@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import ciera_jax
 from ciera_jax import fsdp
-from ciera_jax.fsdp import AXIS, ExponentCacheVar
+from ciera_jax.fsdp import AXIS, GatherCacheVar
 from ciera_models import configs
 from ciera_models.data import Dataset
 from ciera_models.model import Transformer
@@ -125,7 +125,7 @@ class Trainer:
 
     def init_state(self, seed: int) -> TrainState:
         model = fsdp.attach_caches(Transformer(self.tc.model, nnx.Rngs(seed)))
-        _, params, caches = nnx.split(model, nnx.Param, ExponentCacheVar)
+        _, params, caches = nnx.split(model, nnx.Param, GatherCacheVar)
         params = fsdp.put(params, self.param_specs, self.mesh)
         caches = fsdp.put(with_cache_modes(caches, self.tensors, self.cache_modes), P(),
                           self.mesh)
@@ -147,7 +147,7 @@ def build_trainer(tc, mesh: Mesh) -> Trainer:
         raise ValueError(f"unknown gather {tc.gather!r}; choose one of: "
                          f"{', '.join(fsdp.GATHER_MODES)}")
     abstract = nnx.eval_shape(lambda: fsdp.attach_caches(Transformer(cfg, nnx.Rngs(0))))
-    graphdef, params, caches = nnx.split(abstract, nnx.Param, ExponentCacheVar)
+    graphdef, params, caches = nnx.split(abstract, nnx.Param, GatherCacheVar)
     # The rule table's specs; raises if the mesh does not divide a split dimension.
     param_specs = fsdp.state_specs(abstract, params, AXIS, n=n)
     if tc.batch_size % n:

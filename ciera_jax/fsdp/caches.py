@@ -17,11 +17,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ciera_jax.cache as cache_lib
-from ciera_jax.fsdp.discovery import (gather_spec, iter_modules, path_key, set_module_path,
-                                      sharded_params)
+from ciera_jax.fsdp.discovery import iter_modules, path_key, set_module_path
+from ciera_jax.fsdp.inventory import gatherers
 from ciera_jax.fsdp.rules import without_axis
-from ciera_jax.fsdp.specs import CACHE_SUFFIX
-from ciera_jax.fsdp.stacking import stack_of, stack_size
+from ciera_jax.fsdp.stacking import stack_size
 from ciera_jax.fsdp.stats import ensure_stats
 
 CACHE_MODES = ("exponent", "word", "auto")
@@ -30,7 +29,8 @@ PLAIN_ATTR = "ciera_plain"  # on a module: keys of params the plan gathers plain
 
 class GatherCacheVar(nnx.Variable):
     """The cache of one gathered parameter: an exponent cache (1 B/param) or a word cache
-    (2 B per bf16 param), shaped like the parameter gathered over the FSDP axis.
+    (2 B per bf16 param), shaped like the parameter gathered over the FSDP axis. Its
+    ``param`` metadata names the parameter beside it (same module) that it serves.
 
     Derived state: it is carried through the train step like optimizer state but never
     checkpointed; a fresh (unprimed) cache re-primes on its first gather, bitwise exactly.
@@ -42,7 +42,13 @@ ExponentCacheVar = GatherCacheVar  # the name before word caches; kept for one r
 
 def cache_attr(name: str) -> str:
     """The attribute beside parameter ``name`` that holds its cache."""
-    return f"{name}{CACHE_SUFFIX}"
+    return f"{name}_gather_cache"
+
+
+def param_key(path, var: GatherCacheVar) -> str:
+    """The path key of the parameter a cache at ``path`` serves (read from its metadata)."""
+    owner = path_key(path).rpartition("/")[0]
+    return f"{owner}/{var.param}" if owner else var.param
 
 
 def new_cache(layer_shape, dtype, layers: int = 0, mode: str = "exponent"):
@@ -131,48 +137,36 @@ def attach_caches(model: nnx.Module, mode: str = "exponent", *, memory_gb=None,
     if mode not in CACHE_MODES:
         raise ValueError(f"attach_caches: unknown mode {mode!r}; choose one of {CACHE_MODES}")
     mesh = jax.sharding.get_abstract_mesh()
-    mods = dict(iter_modules(model))
+    for path, module in iter_modules(model):  # stacks run by scan_layers name theirs too
+        if stack_size(module):
+            set_module_path(module, "/".join(map(str, path)))
     todo = []
-    for path, module in mods.items():
-        spec = gather_spec(module)
-        if spec is None:
-            if stack_size(module):
-                set_module_path(module, "/".join(map(str, path)))
-            continue
-        set_module_path(module, "/".join(map(str, path)))
-        n, _ = stack_of(path, mods)
-        for p in sharded_params(module, spec, lead=1 if n else 0, strict=False):
+    for g in gatherers(model):
+        set_module_path(g.module, "/".join(map(str, g.path)))
+        for p in g.params:
             if p.lead > 1:
-                raise ValueError(f"{path_key(path)}/{p.key}: {p.lead} stacked axes; one "
-                                 "layer axis is supported")
-            todo.append((path, module, spec, n or (p.var.get_value().shape[0] if p.lead
-                                                   else 0), p))
+                raise ValueError(f"{g.key(p)}: {p.lead} stacked axes; one layer axis is "
+                                 "supported")
+            todo.append((g, p, g.layers or (p.var.get_value().shape[0] if p.lead else 0)))
     if mode == "auto":
-        n_fsdp = {}
-        found = {}
-        for path, module, spec, n, p in todo:
-            key = "/".join(map(str, (*path, p.key)))
-            dtype = spec.dtype or p.var.get_value().dtype
-            local = without_axis(p.spec, spec.axis_name)
-            found[key] = (_local_shape(p, local, mesh), dtype, n)
-            n_fsdp[key] = 1 if mesh.empty else mesh.shape.get(spec.axis_name, 1)
-        sizes = set(n_fsdp.values()) or {1}
-        modes = _planned_modes(found, max(sizes), memory_gb, profile) if found else {}
-    for path, module, spec, n, p in todo:
-        key = "/".join(map(str, (*path, p.key)))
-        local = without_axis(p.spec, spec.axis_name)
-        m = modes[key] if mode == "auto" else mode
+        found = {g.key(p): (_local_shape(p, without_axis(p.spec, g.spec.axis_name), mesh),
+                            g.spec.dtype or p.var.get_value().dtype, n) for g, p, n in todo}
+        n_fsdp = {1 if mesh.empty else mesh.shape.get(g.spec.axis_name, 1) for g, _, _ in todo}
+        modes = _planned_modes(found, max(n_fsdp or {1}), memory_gb, profile) if found else {}
+    for g, p, n in todo:
+        m = modes[g.key(p)] if mode == "auto" else mode
         if m == "plain":
             plain = set(getattr(p.owner, PLAIN_ATTR, ()))
             object.__setattr__(p.owner, PLAIN_ATTR, frozenset(plain | {p.name}))
             continue
         if not hasattr(p.owner, cache_attr(p.name)):
-            dtype = spec.dtype or p.var.get_value().dtype
+            dtype = g.spec.dtype or p.var.get_value().dtype
+            local = without_axis(p.spec, g.spec.axis_name)
             cache = placer(local, n)(new_cache(p.layer_shape, dtype, n, m))
-            setattr(p.owner, cache_attr(p.name), GatherCacheVar(cache))
+            setattr(p.owner, cache_attr(p.name), GatherCacheVar(cache, param=p.name))
     per_module: dict = {}
-    for path, module, spec, n, p in todo:
-        per_module.setdefault(id(module), (module, n, []))[2].append(p.key)
+    for g, p, n in todo:
+        per_module.setdefault(id(g.module), (g.module, n, []))[2].append(p.key)
     if stats is None:
         stats = not mesh.empty
     for module, n, keys in per_module.values() if stats else ():
@@ -186,7 +180,7 @@ def cache_dict(caches: nnx.State) -> dict:
     pairs = jax.tree_util.tree_flatten_with_path(
         caches, is_leaf=lambda v: isinstance(v, nnx.Variable))[0]
     for path, var in pairs:
-        out[path_key(path)[:-len(CACHE_SUFFIX)]] = var.get_value()
+        out[param_key(path, var)] = var.get_value()
     return out
 
 
@@ -194,7 +188,7 @@ def with_caches(caches: nnx.State, new: dict) -> nnx.State:
     """``caches`` with the entries of ``new`` (``{parameter path: cache}``) replaced."""
 
     def one(path, var):
-        k = path_key(path)[:-len(CACHE_SUFFIX)]
+        k = param_key(path, var)
         return var.replace(value=new[k]) if k in new else var
 
     return jax.tree_util.tree_map_with_path(one, caches,

@@ -11,10 +11,11 @@ from typing import Callable
 
 import jax.numpy as jnp
 
-from ciera_jax.fsdp import percall, prepared
 from ciera_jax.fsdp.axes import AXIS, MANUAL, REGION, placement
 from ciera_jax.fsdp.discovery import GATHER_ATTR, GatherSpec, module_name
+from ciera_jax.fsdp.percall import call as call_alone
 from ciera_jax.fsdp.plan import plan_of
+from ciera_jax.fsdp.prepared import call as call_prepared
 from ciera_jax.fsdp.rules import Rules
 
 
@@ -54,9 +55,9 @@ def call(module, fn, args, kwargs, spec: GatherSpec):
     if plan.prepared:
         place = placement(spec.axis_name, module_name(module))
         if place == MANUAL:
-            return prepared.call(module, fn, args, kwargs, plan)
+            return call_prepared(module, fn, args, kwargs, plan)
         if place == REGION:
             raise ValueError(f"{module_name(module)}: a step prepared by fsdp.prepare runs "
                              "inside shard_map; under jit without shard_map, gather per call "
                              "(fsdp.set_gather_mode)")
-    return percall.call(module, fn, args, kwargs, spec, plan)
+    return call_alone(module, fn, args, kwargs, spec, plan)

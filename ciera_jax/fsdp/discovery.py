@@ -46,7 +46,8 @@ class GatherSpec:
 class ShardedParam:
     """One parameter to gather: ``key`` its path below the decorated module (``up/kernel``),
     ``owner``/``name`` the module attribute holding it, ``axis`` its split axis counted in the
-    value it holds, ``lead`` how many leading axes are stacked layers (never split)."""
+    value it holds, ``lead`` how many leading axes are stacked layers (never split), ``spec``
+    one layer's partitioning entries."""
 
     key: str
     owner: Any
@@ -55,6 +56,7 @@ class ShardedParam:
     axis: int
     lead: int = 0
     spec: tuple = ()
+    path: tuple = ()  # the graph path below the decorated module (key, with list indices)
 
     @property
     def layer_shape(self) -> tuple[int, ...]:
@@ -195,5 +197,5 @@ def sharded_params(module, spec: GatherSpec, lead: int = 0,
             raise ValueError(f"{where}/{key}: split axis {axis} is a stacked layer axis; split "
                              "a dimension of one layer's tensor")
         if axis is not None:
-            out.append(ShardedParam(key, owner, name, var, axis, plead, local))
+            out.append(ShardedParam(key, owner, name, var, axis, plead, local, path))
     return out

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from flax import nnx
 
-from ciera_jax.fsdp import prepared
 from ciera_jax.fsdp.axes import axis_bound
 from ciera_jax.fsdp.discovery import gather_spec, iter_modules
 from ciera_jax.fsdp.plan import plan_of
+from ciera_jax.fsdp.prepared import scan as prepared_scan
 
 
 def scan_layers(stack_module, x, *args):
@@ -18,7 +18,7 @@ def scan_layers(stack_module, x, *args):
     specs = [(gather_spec(m), plan_of(m)) for _, m in iter_modules(stack_module)
              if gather_spec(m) is not None]
     if specs and specs[0][1].prepared and axis_bound(specs[0][0].axis_name):
-        return prepared.scan(stack_module, x, *args)
+        return prepared_scan(stack_module, x, *args)
 
     def body(x, layer):
         return layer(x, *args)

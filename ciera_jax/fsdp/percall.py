@@ -100,12 +100,10 @@ def call(module, fn, args, kwargs, spec: GatherSpec, plan: Plan):
 def leave_state(module, params: list, new_caches: dict, stats: dict) -> None:
     """New caches into the cache variables beside ``params`` (found in ``module`` by path),
     ``stats`` onto ``module``."""
+    nodes = dict(nnx.iter_graph(module))
     for p in params:
         if new_caches.get(p.key) is not None:
-            owner = module
-            for part in p.key.split("/")[:-1]:
-                owner = owner[int(part)] if part.isdigit() else getattr(owner, part)
-            getattr(owner, cache_attr(p.name)).set_value(new_caches[p.key])
+            getattr(nodes[p.path[:-1]], cache_attr(p.name)).set_value(new_caches[p.key])
     record(module, stats)
 
 

@@ -26,8 +26,7 @@ from jax import lax
 import ciera_jax.cache as cache_lib
 from ciera_jax.fsdp.axes import AXIS, axis_size, varying_axes
 from ciera_jax.fsdp.caches import GatherCacheVar, cache_attr
-from ciera_jax.fsdp.discovery import (gather_spec, iter_modules, module_path, path_key,
-                                      sharded_params)
+from ciera_jax.fsdp.discovery import gather_spec, iter_modules, module_path, path_key
 from ciera_jax.fsdp.gather import gather_one
 from ciera_jax.fsdp.inventory import GatheredTensor, gatherers
 from ciera_jax.fsdp.plan import DEFAULT_WORD_BACKWARD, Plan, plan_of, set_plan
@@ -69,29 +68,27 @@ def _inputs(module) -> dict:
 
 def _members(module, layers: int) -> list:
     """(key below ``module``, gathering module, its param, tensor, gather inputs or None) of
-    every parameter gathered under ``module`` (a stack of ``layers``, or one call: 0)."""
+    every parameter gathered under ``module`` (a stack of ``layers``), or (``layers=0``) of
+    ``module``'s own call, read from the inventory of ``module``."""
     out = []
-    lead = 1 if layers else 0
-    n_ranks = None
-    for rel, gm in iter_modules(module):
-        spec = gather_spec(gm)
-        if spec is None or (not layers and rel):
-            continue
-        n_ranks = n_ranks or axis_size(spec.axis_name)
-        inputs = _inputs(gm)
-        for p in sharded_params(gm, spec, lead=lead, strict=False):
-            key = "/".join(map(str, (*rel, p.key)))
+    prefix = module_path(module)
+    for g in gatherers(module):
+        if not layers and g.path:
+            continue  # a gathering sub-module of one call gathers its own
+        n_ranks = axis_size(g.spec.axis_name)
+        inputs = _inputs(g.module)
+        for p in g.params:
+            key = g.key(p)
             shape = list(p.layer_shape)
             shape[p.axis - p.lead] *= n_ranks
-            prefix = module_path(module)
             t = GatheredTensor(f"{prefix}/{key}" if prefix else key, p.axis - p.lead,
-                               tuple(shape), spec.dtype or p.var.get_value().dtype,
+                               tuple(shape), g.spec.dtype or p.var.get_value().dtype,
                                layers, prefix, p.spec)
             gin = None
             if p.key in inputs:
                 enc, agreed = inputs[p.key]
                 gin = (enc, getattr(p.owner, cache_attr(p.name)).get_value(), agreed)
-            out.append((key, gm, p, t, gin))
+            out.append((key, g.module, p, t, gin))
     return out
 
 

@@ -13,40 +13,31 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ciera_jax.fsdp.axes import AXIS
-from ciera_jax.fsdp.discovery import gather_spec, iter_modules, path_key, sharded_params
+from ciera_jax.fsdp.caches import GatherCacheVar, param_key
+from ciera_jax.fsdp.discovery import path_key
+from ciera_jax.fsdp.inventory import gatherers
 from ciera_jax.fsdp.rules import check_divisible, spec_for, without_axis
-from ciera_jax.fsdp.stacking import stack_of
-
-CACHE_SUFFIX = "_gather_cache"  # as fsdp.caches names a parameter's cache
 
 
-def _gathered_params(model: nnx.Module, axis_name: str):
-    """``(parameter path, sharded param)`` of every parameter a module decorated for
-    ``axis_name`` gathers (layer axes counted in the held, possibly stacked, value)."""
-    mods = dict(iter_modules(model))
-    for path, module in mods.items():
-        spec = gather_spec(module)
-        if spec is None or spec.axis_name != axis_name:
+def _split(model: nnx.Module, axis_name: str) -> tuple[dict, dict]:
+    """From one walk over the model (:func:`~ciera_jax.fsdp.gatherers`): ``{parameter path:
+    split axis}`` (counted in the held, possibly stacked, value) of every parameter a module
+    gathering over ``axis_name`` gathers, and ``{parameter path: spec entries of the held
+    value}`` (layer axes first, whole) of those whose spec names other mesh axes (``tp``)."""
+    axes, full = {}, {}
+    for g in gatherers(model):
+        if g.spec.axis_name != axis_name:
             continue
-        lead = 1 if stack_of(path, mods)[0] else 0
-        for p in sharded_params(module, spec, lead=lead, strict=False):
-            yield "/".join(map(str, (*path, p.key))), p
+        for p in g.params:
+            axes[g.key(p)] = p.axis
+            if any(without_axis(p.spec, axis_name)):
+                full[g.key(p)] = (None,) * p.lead + tuple(p.spec)
+    return axes, full
 
 
 def split_axes(model: nnx.Module, axis_name: str = AXIS) -> dict[str, int]:
-    """``{parameter path: split axis}`` (counted in the held, possibly stacked, value) of every
-    parameter a module decorated for ``axis_name`` gathers."""
-    return {key: p.axis for key, p in _gathered_params(model, axis_name)}
-
-
-def split_specs(model: nnx.Module, axis_name: str = AXIS) -> dict[str, tuple]:
-    """``{parameter path: spec entries of the held value}`` (layer axes first, whole) of every
-    gathered parameter whose spec names mesh axes besides ``axis_name`` (e.g. ``tp``)."""
-    out = {}
-    for key, p in _gathered_params(model, axis_name):
-        if any(without_axis(p.spec, axis_name)):
-            out[key] = (None,) * p.lead + tuple(p.spec)
-    return out
+    """``{parameter path: split axis}`` of every parameter gathered over ``axis_name``."""
+    return _split(model, axis_name)[0]
 
 
 def state_specs(model: nnx.Module, state, axis_name: str = AXIS, n: int | None = None):
@@ -56,8 +47,7 @@ def state_specs(model: nnx.Module, state, axis_name: str = AXIS, n: int | None =
     gathered weight (the parameter's spec without ``axis_name``); everything else (norms,
     stats) replicated. With ``n`` given, checks that the mesh size divides every split
     dimension."""
-    axes = split_axes(model, axis_name)
-    full = split_specs(model, axis_name)
+    axes, full = _split(model, axis_name)
 
     def one(path, var):
         key = path_key(path)
@@ -68,8 +58,8 @@ def state_specs(model: nnx.Module, state, axis_name: str = AXIS, n: int | None =
             check_divisible(key, shape, axis, n, axis_name)
         if key in full:
             return P(*full[key])
-        param = key[:-len(CACHE_SUFFIX)] if key.endswith(CACHE_SUFFIX) else None
-        if param in full and isinstance(var, nnx.Variable):
+        param = param_key(path, var) if isinstance(var, GatherCacheVar) else None
+        if param in full:
             kept = without_axis(full[param], axis_name)
             return var.replace(value=jax.tree.map(
                 lambda leaf: P(*kept) if len(getattr(leaf, "shape", ())) == len(kept) else P(),
