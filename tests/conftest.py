@@ -1,6 +1,14 @@
-"""Eight emulated CPU devices for every test; must run before JAX is imported."""
+"""Eight emulated CPU devices for every test; must run before JAX is imported.
 
+Also what the suite shares to stay fast on 2 cores: one 20-step ``tiny`` training per gather
+mode for the whole session (``tiny_run``), and the tests that drop JAX's compiled functions
+(``jax.clear_caches()``) run last, so that the steps compiled before them are not compiled again.
+"""
+
+import functools
 import os
+
+import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flag = "--xla_force_host_platform_device_count=8"
@@ -12,3 +20,30 @@ import jax  # noqa: E402
 # Start the backend now, with 8 devices, so that no test (e.g. a CLI run with --devices 4)
 # can re-flag XLA for the rest of the session.
 assert len(jax.devices()) >= 8, jax.devices()
+
+TINY_STEPS = 20  # ``ciera train --config tiny --schedule-steps 20``: test_train's runs
+
+# Files whose tests call jax.clear_caches(): everything compiled earlier in the session (the
+# shared trainers, the gather harness) would compile again after them.
+CLEARS_CACHES = ("test_no_deprecations.py",)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    last = [i for i in items if i.path.name in CLEARS_CACHES]
+    if last:
+        items[:] = [i for i in items if i.path.name not in CLEARS_CACHES] + last
+
+
+@pytest.fixture(scope="session")
+def tiny_run():
+    """``tiny_run(gather)``: the RunResult of 20 steps of ``TrainConfig(config="tiny",
+    schedule_steps=20, gather=gather)`` from seed 0 on 8 devices, trained once per session
+    (the ``ciera`` one is the straight run every resume test ends bitwise on)."""
+    from ciera_models.train import TrainConfig, make_mesh, train
+
+    @functools.cache
+    def run(gather: str = "ciera"):
+        tc = TrainConfig(config="tiny", schedule_steps=TINY_STEPS, gather=gather)
+        return train(tc, steps=TINY_STEPS, seed=0, mesh=make_mesh(8), log=None)
+
+    return run

@@ -17,8 +17,8 @@ TC = TrainConfig(config="tiny", schedule_steps=STEPS)  # test_train's
 
 
 @pytest.fixture(scope="module")
-def straight_sha():
-    return train(TC, steps=STEPS, seed=0, mesh=make_mesh(8), log=None).sha256
+def straight_sha(tiny_run):
+    return tiny_run("ciera").sha256  # conftest's: train(TC, steps=STEPS), once per session
 
 
 def test_save_killed_midway_resumes_from_the_previous_one(tmp_path, straight_sha):

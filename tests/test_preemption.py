@@ -1,8 +1,11 @@
 """Preemption: a real SIGTERM to a training process mid-run finishes the step, saves, says where,
 and exits 75; --resume then ends bitwise where a straight run ends. A second signal exits at
-once. The multi-process run (2 processes over gloo, only one of them signalled) is slow.
+once. In the fast lane the signalled process is this one (``ciera train`` in-process, on the
+session's compiled step); the same run as a child process, and the multi-process run (2
+processes over gloo, only one of them signalled), are slow: each compiles the step anew.
 """
 
+import builtins
 import os
 import re
 import signal
@@ -14,8 +17,9 @@ import pytest
 
 from ciera_jax import cli
 from ciera_jax.launch import free_port
+from ciera_models import train_cli
 from ciera_models.preemption import EXIT_PREEMPTED, PreemptionGuard
-from ciera_models.train import TrainConfig, make_mesh, train
+from ciera_models.train import TrainConfig
 
 STEPS = 20
 TC = TrainConfig(config="tiny", schedule_steps=STEPS)  # test_train's: the trainer is shared
@@ -24,8 +28,8 @@ TRAIN = [sys.executable, "-m", "ciera_jax.cli", "train", "--steps", str(STEPS),
 
 
 @pytest.fixture(scope="module")
-def straight_sha():
-    return train(TC, steps=STEPS, seed=0, mesh=make_mesh(8), log=None).sha256
+def straight_sha(tiny_run):
+    return tiny_run("ciera").sha256  # conftest's: train(TC, steps=STEPS), once per session
 
 
 def _signal_after(procs, step: int, sig, target=0, timeout_s=600) -> list[str]:
@@ -51,7 +55,37 @@ def _preempted_at(out: str, sig: str, ck) -> int:
     return int(m.group(1))
 
 
-def test_sigterm_mid_run_saves_and_resume_is_bitwise(tmp_path, straight_sha, capsys):
+def _resume_is_bitwise(ck, stopped, straight_sha, capsys):
+    assert cli.main(["train", "--steps", str(STEPS), "--checkpoint-dir", str(ck),
+                     "--resume"]) == 0  # --schedule-steps comes from the checkpoint
+    res = capsys.readouterr().out
+    assert f"resumed from {ck} at step {stopped}" in res
+    assert res.strip().splitlines()[-1] == f"params_sha256={straight_sha}"
+
+
+def test_sigterm_mid_run_saves_and_resume_is_bitwise(tmp_path, straight_sha, capsys,
+                                                     monkeypatch):
+    """``ciera train`` in this process; a real SIGTERM to it once step 3 is reported."""
+    ck = tmp_path / "ck"
+
+    def print_then_signal(*args, **kw):  # the command's progress lines go through print
+        builtins.print(*args, **kw)
+        if args and re.search(rf"step +3/{STEPS}\b", str(args[0])):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with monkeypatch.context() as m:
+        m.setattr(train_cli, "print", print_then_signal, raising=False)
+        code = cli.main([*TRAIN[3:], "--checkpoint-dir", str(ck)])
+    out = capsys.readouterr().out
+    assert code == EXIT_PREEMPTED, out[-3000:]
+    stopped = _preempted_at(out, "SIGTERM", ck)
+    assert stopped == 3  # it finished the step it was in, then stopped
+    assert "SIGTERM received: finishing this step" in out
+    _resume_is_bitwise(ck, stopped, straight_sha, capsys)
+
+
+@pytest.mark.slow  # the child compiles the train step anew
+def test_sigterm_to_a_child_process_saves_and_resume_is_bitwise(tmp_path, straight_sha, capsys):
     ck = tmp_path / "ck"
     proc = subprocess.Popen([*TRAIN, "--checkpoint-dir", str(ck)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -60,11 +94,7 @@ def test_sigterm_mid_run_saves_and_resume_is_bitwise(tmp_path, straight_sha, cap
     stopped = _preempted_at(out, "SIGTERM", ck)
     assert 3 <= stopped < STEPS  # it finished the step it was in, then stopped
     assert "SIGTERM received: finishing this step" in out
-    assert cli.main(["train", "--steps", str(STEPS), "--checkpoint-dir", str(ck),
-                     "--resume"]) == 0  # --schedule-steps comes from the checkpoint
-    res = capsys.readouterr().out
-    assert f"resumed from {ck} at step {stopped}" in res
-    assert res.strip().splitlines()[-1] == f"params_sha256={straight_sha}"
+    _resume_is_bitwise(ck, stopped, straight_sha, capsys)
 
 
 def test_first_signal_asks_second_exits_at_once():

@@ -28,11 +28,18 @@ from ciera_models.train import TrainConfig, make_mesh, train
 
 STEPS = 20
 TC = TrainConfig(config="tiny", schedule_steps=STEPS)  # test_train's
+RESUMED = 16  # a resume from the newest checkpoint (15) runs to here: one step, or six from 10
 
 
 @pytest.fixture(scope="module")
-def straight_sha():
-    return train(TC, steps=STEPS, seed=0, mesh=make_mesh(8), log=None).sha256
+def straight_sha(tiny_run):
+    return tiny_run("ciera").sha256  # conftest's: train(TC, steps=STEPS), once per session
+
+
+@pytest.fixture(scope="module")
+def resumed_sha():
+    """Where a straight run is at step RESUMED (the schedule is TC's: 20 steps)."""
+    return train(TC, steps=RESUMED, seed=0, mesh=make_mesh(8), log=None).sha256
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +58,7 @@ def _copy(saved, tmp_path) -> Path:
 
 
 def _resume(ck, logs, **kw):
-    return train(TC, steps=kw.pop("steps", STEPS), seed=0, mesh=make_mesh(8),
+    return train(TC, steps=kw.pop("steps", RESUMED), seed=0, mesh=make_mesh(8),
                  checkpoint_dir=str(ck), checkpoint_every=5, resume=True, log=logs.append, **kw)
 
 
@@ -83,13 +90,13 @@ FILES = {
 
 
 @pytest.mark.parametrize("kind", list(FILES))
-def test_a_flipped_byte_in_any_file_never_goes_unnoticed(kind, saved, tmp_path, straight_sha):
+def test_a_flipped_byte_in_any_file_never_goes_unnoticed(kind, saved, tmp_path, resumed_sha):
     ck = _copy(saved, tmp_path)
     where, must_catch = FILES[kind]
     _flip(where(ck / "15"))
     logs: list[str] = []
     res = _resume(ck, logs)
-    assert res.sha256 == straight_sha  # from step 15 (harmless) or from 10 (set aside)
+    assert res.sha256 == resumed_sha  # from step 15 (harmless) or from 10 (set aside)
     damaged = [line for line in logs if "is damaged" in line]
     if must_catch or damaged:
         assert damaged and damaged[0].startswith(f"checkpoint step 15 in {ck} is damaged (")
@@ -100,22 +107,22 @@ def test_a_flipped_byte_in_any_file_never_goes_unnoticed(kind, saved, tmp_path, 
         assert f"resumed from {ck} at step 15 (caches re-prime)" in logs
 
 
-def test_a_flipped_array_byte_is_named_by_its_digest(saved, tmp_path, straight_sha):
+def test_a_flipped_array_byte_is_named_by_its_digest(saved, tmp_path, resumed_sha):
     """Raw array bytes that still decode: only the digest sees the change."""
     ck = _copy(saved, tmp_path)
     _flip(_biggest(ck / "15" / "state/ocdbt.process_0/d"), at=0.9)
     logs: list[str] = []
-    assert _resume(ck, logs).sha256 == straight_sha
+    assert _resume(ck, logs).sha256 == resumed_sha
     assert any("is damaged (" in line for line in logs), logs
 
 
-def test_a_truncated_array_file_falls_back(saved, tmp_path, straight_sha):
+def test_a_truncated_array_file_falls_back(saved, tmp_path, resumed_sha):
     ck = _copy(saved, tmp_path)
     f = _biggest(ck / "15" / "state/ocdbt.process_0/d")
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     logs: list[str] = []
     res = _resume(ck, logs)
-    assert res.sha256 == straight_sha and res.history[0]["step"] == 11
+    assert res.sha256 == resumed_sha and res.history[0]["step"] == 11
     line = next(line for line in logs if "is damaged" in line)
     assert "its arrays cannot be read" in line or "does not match its digest" in line, line
     assert "Traceback" not in "\n".join(logs)
@@ -128,7 +135,7 @@ def test_a_truncated_array_file_falls_back(saved, tmp_path, straight_sha):
     ("strip digests", "its metadata lacks params_sha256, opt_state_sha256"),
 ])
 def test_damaged_metadata_falls_back_before_compiling(damage, why, saved, tmp_path,
-                                                      straight_sha):
+                                                      resumed_sha):
     ck = _copy(saved, tmp_path)
     meta = ck / "15" / "meta" / "metadata"
     if damage == "delete":
@@ -144,9 +151,9 @@ def test_damaged_metadata_falls_back_before_compiling(damage, why, saved, tmp_pa
         meta.write_text(json.dumps(m))
     logs: list[str] = []
     res = _resume(ck, logs)
-    assert res.sha256 == straight_sha
+    assert res.sha256 == resumed_sha
     assert f"checkpoint step 15 in {ck} is damaged ({why}" in logs[0], logs[:2]
-    assert ckpt.latest_meta(str(ck))["step"] == STEPS  # the run saved 15 and 20 anew
+    assert ckpt.latest_meta(str(ck))["step"] == RESUMED  # the run saved 15 and 16 anew
 
 
 def test_all_checkpoints_damaged_is_one_line_and_exit_66(saved, tmp_path, capsys):
@@ -168,14 +175,14 @@ def test_all_checkpoints_damaged_is_one_line_and_exit_66(saved, tmp_path, capsys
     assert err.startswith("ciera train: --resume: none of the checkpoints in ")
 
 
-def test_a_checkpoint_without_digests_still_restores(saved, tmp_path, straight_sha):
+def test_a_checkpoint_without_digests_still_restores(saved, tmp_path, resumed_sha):
     """Saved before digests existed: restored, with a note that it is not verified."""
     ck = _copy(saved, tmp_path)
     meta = ck / "15" / "meta" / "metadata"
     m = {k: v for k, v in json.loads(meta.read_text()).items() if k not in ckpt.DIGESTS}
     meta.write_text(json.dumps(m))
     logs: list[str] = []
-    assert _resume(ck, logs).sha256 == straight_sha
+    assert _resume(ck, logs).sha256 == resumed_sha
     assert any("predates digests: its arrays are not verified" in line for line in logs)
     assert f"resumed from {ck} at step 15 (caches re-prime)" in logs
 
@@ -271,7 +278,7 @@ def test_a_signal_without_checkpoint_dir_says_nothing_was_saved():
 # ---- a full disk ------------------------------------------------------------------------
 
 def test_a_failed_checkpoint_write_is_one_line_and_keeps_the_previous(saved, tmp_path,
-                                                                      monkeypatch, straight_sha):
+                                                                      monkeypatch, resumed_sha):
     ck = _copy(saved, tmp_path)
 
     def full(*a, **k):
@@ -283,10 +290,11 @@ def test_a_failed_checkpoint_write_is_one_line_and_keeps_the_previous(saved, tmp
             _resume(ck, [])
     msg = str(e.value)
     assert e.value.exit_code == EXIT_WRITE_FAILED == 74 and "\n" not in msg
-    assert msg.startswith(f"checkpoint: saving step 20 to {ck} failed (No space left on device; ")
+    assert msg.startswith(f"checkpoint: saving step {RESUMED} to {ck} failed (No space left "
+                          "on device; ")
     assert "free there); the newest checkpoint is still step 15" in msg
     logs: list[str] = []
-    assert _resume(ck, logs).sha256 == straight_sha  # space again: nothing was lost
+    assert _resume(ck, logs).sha256 == resumed_sha  # space again: nothing was lost
     assert f"resumed from {ck} at step 15 (caches re-prime)" in logs
 
 
@@ -309,7 +317,7 @@ def test_a_full_disk_under_the_metrics_file_loses_nothing(saved, tmp_path, strai
         out = small / "m.jsonl"
         if mounted:
             with pytest.raises(WriteFailed) as e:
-                _resume(ck, [], metrics_out=str(out), trace_every=1)
+                _resume(ck, [], metrics_out=str(out), trace_every=1, steps=STEPS)
         else:
             real_write = os.write
 
@@ -323,7 +331,7 @@ def test_a_full_disk_under_the_metrics_file_loses_nothing(saved, tmp_path, strai
             os.write, saved_write = write, os.write
             try:
                 with pytest.raises(WriteFailed) as e:
-                    _resume(ck, [], metrics_out=str(out), trace_every=1)
+                    _resume(ck, [], metrics_out=str(out), trace_every=1, steps=STEPS)
             finally:
                 os.write = saved_write
         msg = str(e.value)
@@ -341,7 +349,7 @@ def test_a_full_disk_under_the_metrics_file_loses_nothing(saved, tmp_path, strai
     with pytest.raises(ValueError):
         json.loads(lines[-1])  # the write was cut short
     logs: list[str] = []
-    res = _resume(ck, logs, metrics_out=str(moved))
+    res = _resume(ck, logs, metrics_out=str(moved), steps=STEPS)
     assert res.sha256 == straight_sha
     assert f"metrics: dropped 1 line(s) of {moved} that a failed write cut short" in logs
     rows = [json.loads(line) for line in moved.read_text().splitlines()]

@@ -1,7 +1,8 @@
 """Lossless end to end: FSDP training with the CIERA gather is bitwise plain FSDP training.
 
 One TrainConfig for all runs, so the compiled step is shared in-process (it is memoized by
-``build_trainer``); 20 steps of ``tiny`` on the 8 emulated devices of conftest.
+``build_trainer``); 20 steps of ``tiny`` on the 8 emulated devices of conftest, each gather
+mode's run trained once per session (conftest's ``tiny_run``).
 """
 
 import json
@@ -20,14 +21,20 @@ STEPS = 20
 TC = TrainConfig(config="tiny", schedule_steps=STEPS)  # the CLI's defaults, horizon 20
 
 
+class _Runs(dict):
+    """{gather mode: RunResult} of the session's shared 20-step runs, trained on first use."""
+
+    def __init__(self, tiny_run):
+        super().__init__()
+        self._run = tiny_run
+
+    def __missing__(self, mode):
+        return self._run(mode)
+
+
 @pytest.fixture(scope="module")
-def runs():
-    mesh = make_mesh(8)
-    out = {}
-    for mode in ("ciera", "plain", "int8"):
-        out[mode] = train(TrainConfig(**{**TC.__dict__, "gather": mode}), steps=STEPS, seed=0,
-                          mesh=mesh, log=None)
-    return out
+def runs(tiny_run):
+    return _Runs(tiny_run)  # conftest's tiny_run: TC with gather=mode, 20 steps, seed 0
 
 
 def test_ciera_is_bitwise_plain_and_sends_less(runs):
