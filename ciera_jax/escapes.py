@@ -64,13 +64,41 @@ def running_count(words_RxW: jax.Array) -> jax.Array:
     return lax.associative_scan(jnp.add, _popcount(words_RxW), axis=1)
 
 
+def ranks(words_RxW: jax.Array, n: int) -> jax.Array:
+    """int32 (R, n): for every element, the number of flags before it in its row."""
+    rows = words_RxW.shape[0]
+    before_word = running_count(words_RxW) - _popcount(words_RxW)
+    below_lane = (jnp.uint32(1) << _lanes()) - jnp.uint32(1)
+    in_word = _popcount(words_RxW[:, :, None] & below_lane)
+    return (before_word[:, :, None] + in_word).reshape(rows, -1)[:, :n]
+
+
+def pack_dense(values_N: jax.Array, words_W: jax.Array, capacity: int) -> jax.Array:
+    """:func:`pack` by one scatter of every element: for short arrays (the flag words of the
+    two-level bitmap, 1/32 of a tensor), where a loop would cost more than it saves."""
+    n = values_N.shape[0]
+    flags = unpack_flags(words_W[None], n)[0]
+    slot = jnp.where(flags, ranks(words_W[None], n)[0], capacity)
+    return jnp.zeros((capacity,), values_N.dtype).at[slot].set(values_N, mode="drop")
+
+
+def expand_dense(section_RxC: jax.Array, words_RxW: jax.Array, n: int) -> jax.Array:
+    """Inverse of :func:`pack_dense` per row: (R, n), each flagged element's value, zero
+    elsewhere."""
+    if section_RxC.shape[1] == 0:
+        return jnp.zeros((words_RxW.shape[0], n), section_RxC.dtype)
+    slot = jnp.minimum(ranks(words_RxW, n), section_RxC.shape[1] - 1)
+    got = jnp.take_along_axis(section_RxC, slot, axis=1)
+    return jnp.where(unpack_flags(words_RxW, n), got, jnp.zeros((), got.dtype))
+
+
 def select(words_RxW: jax.Array, running_RxW: jax.Array, slot_RxS: jax.Array) -> jax.Array:
     """int32 (R, S): the element of each row's ``slot``-th flag (0-based), or
     ``32 * W`` where the row has no such flag. ``running_RxW``: :func:`running_count`."""
     n_words = words_RxW.shape[1]
     take = lambda a, i: jnp.take_along_axis(a, i, axis=1, mode="clip")  # noqa: E731
     # The first word whose running count passes the slot.
-    lo = jax.vmap(lambda r, s: jnp.searchsorted(r, s, side="right", method="scan_unrolled"))(
+    lo = jax.vmap(lambda r, s: jnp.searchsorted(r, s, side="right", method="scan"))(
         running_RxW, slot_RxS).astype(jnp.int32)
     w = jnp.minimum(lo, n_words - 1)
     word = take(words_RxW, w)
@@ -81,6 +109,11 @@ def select(words_RxW: jax.Array, running_RxW: jax.Array, slot_RxS: jax.Array) ->
         below = word & ((jnp.uint32(1) << (lane + step).astype(jnp.uint32)) - 1)
         lane = jnp.where(_popcount(below) <= k, lane + step, lane)
     return jnp.where(lo < n_words, FLAG_WORD_BITS * w + lane, FLAG_WORD_BITS * n_words)
+
+
+def take(section_RxC: jax.Array, slot_RxS: jax.Array) -> jax.Array:
+    """Each row's entries at ``slot_RxS`` (clamped: mask slots that are not live)."""
+    return jnp.take_along_axis(section_RxC, slot_RxS, axis=1, mode="clip")
 
 
 def for_each_chunk(words_RxW: jax.Array, limit_R: jax.Array, body, init):

@@ -75,7 +75,7 @@ def encode(x, cached_exp, primed, axis: int, n_ranks: int, csum, impl: str) -> E
     changed_N = changed.reshape(-1)
     flags_W = escapes.pack_flags(changed_N[None])[0]
     summary_S = escapes.pack_flags((flags_W != 0)[None])[0]
-    listed_C = escapes.pack(flags_W, summary_S, wire.word_caps[-1])
+    listed_C = escapes.pack_dense(flags_W, summary_S, wire.word_caps[-1])
     patch_exp = escapes.pack(exp.reshape(-1), flags_W, wire.caps[-1])
     # An unprimed cache knows no exponent: all of them count as changed.
     count = jnp.where(primed, escapes.count(flags_W[None])[0], x.size).astype(jnp.int32)
@@ -92,20 +92,16 @@ def exchange(e: Encoded, cache_exp, agreed, x_bits, axis_name, dtype, impl: str)
     rung, overflow = transfer.pick_rung(wire.caps, agreed)
     main_NxL, sent_N = transfer.gather_main(e.payload.reshape(-1), x_bits, overflow,
                                             e.checksum, axis_name)
-    section = transfer.gather_section(
+    summary_NxS, listed_NxC, patch_NxK = transfer.gather_section(
         [e.summary, e.flag_words, e.patch_exp],
         [tuple(wire.summary_words if c else 0 for c in wire.caps), wire.word_caps, wire.caps],
         rung, axis_name)
-    # Escapes of escapes: the nonzero flag words back in place, then the exponents (a row's
-    # section is all zeros past the agreed rung: nothing to place).
-    every_S = jnp.arange(wire.summary_words, dtype=jnp.int32)
-    summary_NxS = section.read(0, jnp.broadcast_to(every_S, (e.n_ranks, wire.summary_words)))
-    flags_NxW = escapes.fill(jnp.zeros((e.n_ranks, flag_words(n)), jnp.uint32), summary_NxS,
-                             _per_row(wire.word_caps, rung, e.n_ranks),
-                             lambda slot, _, __, c: (section.read(1, slot), c))
+    # Escapes of escapes: the nonzero flag words back in place (1/32 of the tensor: dense),
+    # then each changed exponent over the cached one (a loop over the changes only).
+    flags_NxW = escapes.expand_dense(listed_NxC, summary_NxS, flag_words(n))
+    cap_N = jnp.full((e.n_ranks,), jnp.asarray(wire.caps, jnp.int32)[rung])
     exp_Nxn = escapes.fill(full_to_rows(cache_exp, e.shard_shape, e.axis, e.n_ranks), flags_NxW,
-                           _per_row(wire.caps, rung, e.n_ranks),
-                           lambda slot, _, __, c: (section.read(2, slot), c))
+                           cap_N, lambda slot, _, __, c: (escapes.take(patch_NxK, slot), c))
     exp_full = rows_to_full(exp_Nxn, e.shard_shape, e.axis)
     payload_full = rows_to_full(main_NxL.reshape(e.n_ranks, n_planes, n), e.shard_shape, e.axis)
     # One pass: the weights and every rank's checksum of them (fused on GPU where it can be).
@@ -115,7 +111,3 @@ def exchange(e: Encoded, cache_exp, agreed, x_bits, axis_name, dtype, impl: str)
     return (full, selfcheck.failed_shards(full, sent_N, e.axis, got_N), rung, overflow, sent,
             main_NxL)
 
-
-def _per_row(caps, rung, n_ranks):
-    """The agreed rung's capacity, for every row."""
-    return jnp.full((n_ranks,), jnp.asarray(caps, jnp.int32)[rung])

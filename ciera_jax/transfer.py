@@ -12,7 +12,6 @@ Shape letters: N ranks, L bytes per rank, C a capacity.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -65,75 +64,36 @@ def _from_bytes(rows_NxB: jax.Array, dtype, count: int) -> jax.Array:
         rows_NxB.reshape(rows_NxB.shape[0], count, np.dtype(dtype).itemsize), dtype)
 
 
-def _prefix(buf_B, *, size: int, axis_name):
-    """One branch: all-gather the first ``size`` bytes of every rank's buffer, zero-padded."""
+def _prefixes(parts, *, sizes, axis_name):
+    """One branch: all-gather the first ``sizes[i]`` entries of every rank's ``parts[i]``, each
+    zero-padded to its top size (one all-gather per part that sends anything)."""
     n_ranks = lax.axis_size(axis_name)
-    if size == 0:
-        rows = jnp.zeros((n_ranks, buf_B.shape[0]), buf_B.dtype)
-    else:
-        rows = jnp.pad(gather_rows(buf_B[:size], axis_name), ((0, 0), (0, buf_B.shape[0] - size)))
-    return varying_like(rows, buf_B, axis_name)  # every branch typed alike
+    out = []
+    for part, size in zip(parts, sizes):
+        if size == 0:
+            rows = jnp.zeros((n_ranks, part.shape[0]), part.dtype)
+        else:
+            rows = jnp.pad(gather_rows(part[:size], axis_name),
+                           ((0, 0), (0, part.shape[0] - size)))
+        out.append(varying_like(rows, parts, axis_name))  # every branch typed alike
+    return out
 
 
-@dataclasses.dataclass(frozen=True)
-class Section:
-    """Every rank's escape section as gathered: byte rows (N, B), zero past the agreed rung's
-    prefix, and where each part's entries lie in them (``pieces``: per part, (first, stop, byte
-    offset) of each run of entries)."""
-
-    rows: jax.Array
-    pieces: tuple
-    dtypes: tuple
-
-    def read(self, part: int, slot_RxS: jax.Array) -> jax.Array:
-        """Entries ``slot_RxS`` of ``part`` in every row (any value where the slot is past the
-        part's top capacity: mask it)."""
-        pieces = self.pieces[part]
-        itemsize = np.dtype(self.dtypes[part]).itemsize
-        if not pieces:
-            return jnp.zeros(slot_RxS.shape, self.dtypes[part])
-        firsts = np.asarray([p[0] for p in pieces], np.int32)
-        offsets = np.asarray([p[2] for p in pieces], np.int32)
-        k = jnp.sum(slot_RxS[..., None] >= firsts[1:], axis=-1)  # which run holds the slot
-        at = jnp.asarray(offsets)[k] + (slot_RxS - jnp.asarray(firsts)[k]) * itemsize
-        at = jnp.clip(at, 0, self.rows.shape[1] - itemsize)
-        word = jnp.zeros(slot_RxS.shape, jnp.uint32)
-        for b in range(itemsize):
-            byte = jnp.take_along_axis(self.rows, at + b, axis=1)
-            word |= byte.astype(jnp.uint32) << (8 * b)
-        unsigned = jnp.dtype(f"uint{8 * itemsize}")
-        return lax.bitcast_convert_type(word.astype(unsigned), self.dtypes[part])
-
-
-def gather_section(parts, sizes_per_part, rung: jax.Array, axis_name) -> Section:
+def gather_section(parts, sizes_per_part, rung: jax.Array, axis_name):
     """All-gather the escape section: for the agreed ``rung``, the first
     ``sizes_per_part[i][rung]`` entries of every rank's ``parts[i]`` (each as long as its top
-    size), in one transfer. ``rung`` must be rank-invariant.
+    size). Returns (N, len(part)) per part, zero past the prefix. ``rung`` must be
+    rank-invariant.
 
-    The parts are laid out rung by rung: what rung 1 adds to every part, then what rung 2
-    adds, and so on, so every rung's content is a prefix of one byte buffer, and each branch
-    of the switch is one slice, one all-gather of a static size and one pad. Receivers read
-    entries in place (:meth:`Section.read`): nothing is copied out part by part.
+    One ``lax.switch`` on the rung; each branch holds nothing but its transfers (a slice, an
+    all-gather of a static size and a pad per part), so the codec exists once, outside it.
     """
-    n_rungs = len(sizes_per_part[0])
-    pieces = [[] for _ in parts]  # per part: (first, stop, byte offset)
-    order, at = [], 0
-    prefix = [0]
-    for k in range(1, n_rungs):
-        for i, (part, sizes) in enumerate(zip(parts, sizes_per_part)):
-            first, stop = sizes[k - 1], sizes[k]
-            if stop > first:
-                pieces[i].append((first, stop, at))
-                order.append(part[first:stop])
-                at += (stop - first) * part.dtype.itemsize
-        prefix.append(at)
-    dtypes = tuple(p.dtype for p in parts)
-    n_ranks = lax.axis_size(axis_name)
-    if at == 0:
-        return Section(jnp.zeros((n_ranks, 0), jnp.uint8), tuple(map(tuple, pieces)), dtypes)
-    buf = jnp.concatenate([_to_bytes(p) for p in order])
-    branches = [functools.partial(_prefix, size=size, axis_name=axis_name) for size in prefix]
-    return Section(lax.switch(rung, branches, buf), tuple(map(tuple, pieces)), dtypes)
+    if all(max(sizes) == 0 for sizes in sizes_per_part):
+        n_ranks = lax.axis_size(axis_name)
+        return [jnp.zeros((n_ranks, p.shape[0]), p.dtype) for p in parts]
+    branches = [functools.partial(_prefixes, sizes=sizes, axis_name=axis_name)
+                for sizes in zip(*sizes_per_part)]
+    return lax.switch(rung, branches, list(parts))
 
 
 def pick_rung(caps: tuple[int, ...], agreed: jax.Array):

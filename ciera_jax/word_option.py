@@ -100,24 +100,23 @@ def exchange(e: WordEncoded, cache_words, agreed, x_bits, axis_name, dtype, impl
     overflow = over1 | over2
     rung = jnp.where(overflow, 0, jnp.maximum(rung1, rung2))
     main_NxL, sent_N = transfer.gather_main(e.codes, x_bits, overflow, e.checksum, axis_name)
-    section = transfer.gather_section([e.level1, e.level2], [wire.caps1, wire.caps2], rung,
-                                      axis_name)
+    level1_NxC, level2_NxC = transfer.gather_section([e.level1, e.level2],
+                                                     [wire.caps1, wire.caps2], rung, axis_name)
 
     codes_Nxn = wordcodec.unpack_codes(main_NxL, b, n)
     cached_Nxn = full_to_rows(cache_words, e.shard_shape, e.axis, e.n_ranks)
     dense_Nxn = kernels.word_decode(cached_Nxn, codes_Nxn, b, impl=impl)
-    rows = jnp.arange(e.n_ranks)[:, None]
 
     def escaped(slot, element, live, raw_before_N):
         """The escapes' words: the cached word moved by level 1's int8, or level 2's raw word
         (level 2 holds the raw words of level 1's LEVEL2 entries, in their order)."""
-        move = section.read(0, slot)
+        move = escapes.take(level1_NxC, slot)
         raw = (move == LEVEL2) & live
-        raw_rank = raw_before_N[:, None] + jnp.cumsum(raw, axis=1, dtype=jnp.int32) - raw
-        cached = cached_Nxn[rows, jnp.minimum(element, n - 1)]
-        moved = wordcodec.apply_delta(cached, move.astype(jnp.int32))
-        words = jnp.where(raw, section.read(1, raw_rank), moved)
-        return words, raw_before_N + jnp.sum(raw, axis=1, dtype=jnp.int32)
+        raw_W = escapes.pack_flags(raw)
+        raw_rank = raw_before_N[:, None] + escapes.ranks(raw_W, slot.shape[1])
+        moved = wordcodec.apply_delta(escapes.take(cached_Nxn, element), move.astype(jnp.int32))
+        words = jnp.where(raw, escapes.take(level2_NxC, raw_rank), moved)
+        return words, raw_before_N + escapes.count(raw_W)
 
     esc_NxW = escapes.pack_flags(codes_Nxn == escape_code(b))
     limit = jnp.full((e.n_ranks,), jnp.asarray(wire.caps1, jnp.int32)[rung])
