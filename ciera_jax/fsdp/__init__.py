@@ -3,15 +3,16 @@
 
 Wrap module instances with :func:`shard` (each block, then the root) or decorate a module's
 ``__call__`` with :func:`gathered`: every parameter under it that is split over the ``fsdp``
-mesh axis (Flax's ``nnx.with_partitioning`` metadata first, then
-``fsdp_axis`` metadata, then a rule table passed to the decorator) is cast to the compute
-dtype and all-gathered just before use, through CIERA's exponent-reuse gather (or the plain /
-int8 baselines, :func:`set_gather_mode`, a static field of each module), over the ``fsdp`` axis only: other mesh axes in a
-parameter's spec (tensor, expert parallel) stay split. Two programming models: inside the user's
-``jax.shard_map``, or under ``jit`` with ``jax.set_mesh`` and eagerly sharded parameters, where
-the decorator opens its own ``shard_map`` region for the gathers. Caches
-(:class:`GatherCacheVar`, exponent or word, :func:`attach_caches`) and stats
-(:class:`GatherStats`) are module state, created up front, so ``nnx.remat``, ``nnx.scan``, ``nnx.vmap`` and ``jit`` carry them as values.
+mesh axis (Flax's ``nnx.with_partitioning`` metadata first, then ``fsdp_axis`` metadata, then
+a rule table passed to the decorator) is cast to the compute dtype and all-gathered just
+before use, through CIERA's exponent-reuse gather (or the plain / int8 baselines:
+:func:`set_gather_mode`, a static field of each module, so ``jit`` keys on it), over the
+``fsdp`` axis only: other mesh axes in a parameter's spec (tensor, expert parallel) stay
+split. Two programming models: inside the user's ``jax.shard_map``, or under ``jit`` with
+``jax.set_mesh`` and eagerly sharded parameters, where the call opens its own ``shard_map``
+region for the gathers. Caches (:class:`GatherCacheVar`, exponent or word,
+:func:`attach_caches`) and stats (:class:`GatherStats`) are module state, created up front,
+so ``nnx.remat``, ``nnx.scan``, ``nnx.vmap`` and ``jit`` carry them as values.
 
     class MLP(nnx.Module):
         def __init__(self, d, f, rngs):

@@ -68,13 +68,12 @@ def _inputs(module) -> dict:
 
 def _members(module, layers: int) -> list:
     """(key below ``module``, gathering module, its param, tensor, gather inputs or None) of
-    every parameter gathered under ``module`` (a stack of ``layers``), or (``layers=0``) of
-    ``module``'s own call, read from the inventory of ``module``."""
+    every parameter gathered under ``module`` (a stack of ``layers``, or one call: 0), read
+    from the inventory of ``module``. Gathering sub-modules' parameters are gathered here
+    too, with the rest: the sub-modules then hold full weights and only run."""
     out = []
     prefix = module_path(module)
     for g in gatherers(module):
-        if not layers and g.path:
-            continue  # a gathering sub-module of one call gathers its own
         n_ranks = axis_size(g.spec.axis_name)
         inputs = _inputs(g.module)
         for p in g.params:
@@ -125,6 +124,9 @@ def scan(stack_module, x, *args):
 
 
 def _scan(module, x, args, plan: Plan, layers: int, body):
+    """``body(module holding full weights, x, *args) -> (x, y)`` over ``layers`` stacked
+    layers (0: one call), every gather through :func:`_run`; new caches and stats are left
+    in ``module``'s state."""
     members = _members(module, layers)
     graphdef, params, skipped, rest = nnx.split(
         module, nnx.Param, (GatherCacheVar, GatherInputs, GatherStats), ...)

@@ -1,6 +1,7 @@
 """Rule tables (regex -> split axis, EasyLM style), PartitionSpecs of one split axis, what a
-parameter's own spec keeps after the gather (its other mesh axes), and the divisibility check. The library ships no table naming a model's weights: a model passes its
-own to :func:`~ciera_jax.fsdp.gathered` (``ciera_models/sharding.py`` is ours)."""
+parameter's own spec keeps after the gather (its other mesh axes), and the divisibility
+check. The library ships no table naming a model's weights: a model passes its own to
+:func:`~ciera_jax.fsdp.gathered` (``ciera_models/sharding.py`` is ours)."""
 
 from __future__ import annotations
 

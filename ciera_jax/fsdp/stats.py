@@ -82,7 +82,7 @@ def gather_stats(tree) -> dict:
     for path, var in pairs:
         if not isinstance(var, GatherStats):
             continue
-        prefix = path_key(path)[:-len(STATS_ATTR)].rstrip("/")
+        prefix = path_key(path).rpartition("/")[0]  # the module holding the variable
         for k, st in var.get_value().items():
             out[f"{prefix}/{k}" if prefix else k] = st
     return out
