@@ -155,14 +155,15 @@ def pack(values_N: jax.Array, words_W: jax.Array, capacity: int) -> jax.Array:
 
 def fill(dest_RxN: jax.Array, words_RxW: jax.Array, limit_R: jax.Array, values_at, init=None):
     """Receiver: ``dest_RxN`` with each row's flagged elements set, in order, to
-    ``values_at(slot_RxS, element_RxS, live_RxS, carry) -> (values_RxS, carry)`` (the slots'
-    values, read from the row's section; ``carry`` starts at ``init``)."""
+    ``values_at(slot_RxS, current_RxS, live_RxS, carry) -> (values_RxS, carry)``: the slots'
+    values (read from the row's section), given what ``dest`` holds at their elements now;
+    ``carry`` starts at ``init``."""
     n = dest_RxN.shape[1]
     rows = jnp.arange(dest_RxN.shape[0])[:, None]
 
     def body(slot, element, live, state):
         dest, carry = state
-        values, carry = values_at(slot, element, live, carry)
+        values, carry = values_at(slot, take(dest, element), live, carry)
         at = jnp.where(live, element, n)  # past the end: dropped
         return dest.at[rows, at].set(values.astype(dest.dtype), mode="drop"), carry
 

@@ -107,14 +107,18 @@ def exchange(e: WordEncoded, cache_words, agreed, x_bits, axis_name, dtype, impl
     cached_Nxn = full_to_rows(cache_words, e.shard_shape, e.axis, e.n_ranks)
     dense_Nxn = kernels.word_decode(cached_Nxn, codes_Nxn, b, impl=impl)
 
-    def escaped(slot, element, live, raw_before_N):
+    # An escape's dense word is its cached word moved by the escape code's offset, so the loop
+    # over escapes reads where it writes and never touches the cache.
+    escape_offset = escape_code(b) - code_limit(b)
+
+    def escaped(slot, dense, live, raw_before_N):
         """The escapes' words: the cached word moved by level 1's int8, or level 2's raw word
         (level 2 holds the raw words of level 1's LEVEL2 entries, in their order)."""
         move = escapes.take(level1_NxC, slot)
         raw = (move == LEVEL2) & live
         raw_W = escapes.pack_flags(raw)
         raw_rank = raw_before_N[:, None] + escapes.ranks(raw_W, slot.shape[1])
-        moved = wordcodec.apply_delta(escapes.take(cached_Nxn, element), move.astype(jnp.int32))
+        moved = wordcodec.apply_delta(dense, move.astype(jnp.int32) - escape_offset)
         words = jnp.where(raw, escapes.take(level2_NxC, raw_rank), moved)
         return words, raw_before_N + escapes.count(raw_W)
 
