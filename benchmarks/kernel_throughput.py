@@ -10,8 +10,9 @@ only) it times jitted
 * word mode: ``word_encode`` (x + cached words -> word deltas + demand counts) and
   ``word_decode`` (cached words + 4-bit codes -> words, the dense part of the rebuild);
 * the escapes of the wire (:mod:`ciera_jax.escapes`, jnp): the sender's ``escape pack`` (flags
-  packed 32 to a word, ranks by popcount, the flagged values into a capacity buffer) and the
-  receiver's ``escape expand`` (ranks, every flagged element's value back), at exponent mode's
+  packed 32 to a word, each escape's element found by running count and popcount, the flagged
+  values into a capacity buffer) and the receiver's ``escape expand`` (:func:`escapes.fill`,
+  every flagged element's value back), both loops over the escapes only, at exponent mode's
   steady churn (1% of elements) and word mode's (10%); and the receiver's ``checksum`` of 8
   ranks' shards alone (the self-check);
 
@@ -167,19 +168,20 @@ def bench_one(dtype_name: str, mb: float, impls, modes, reps: int, blocks=()) ->
 
 
 def _escape_rows(dtype_name, mb, x, reps, copy_gbps) -> list[dict]:
-    """Packing and expanding escapes (jnp: no Pallas kernel yet) at two densities, and the
-    receiver's checksum."""
+    """Packing and filling escapes (jnp: no Pallas kernel yet; a loop over the escapes, so its
+    time follows their count) at two densities, and the receiver's checksum."""
     n, nbytes = x.size, x.nbytes
     bits = codec.to_bits(x)
     rows = []
     for share in (0.01, 0.1):
         flags = jax.random.uniform(jax.random.key(2), (n,)) < share
         cap = int(n * share * 1.25)
-        pack = jax.jit(lambda v, f, cap=cap: escapes.pack(
-            v, f, escapes.pack_flags(f[None])[0], cap))
+        pack = jax.jit(lambda v, f, cap=cap: escapes.pack(v, escapes.pack_flags(f[None])[0],
+                                                           cap))
         section = jax.block_until_ready(pack(bits, flags))
-        expand = jax.jit(lambda s, f, cap=cap: jnp.where(f, escapes.expand(
-            s[None], escapes.slots(escapes.pack_flags(f[None]), n, cap))[0], 0))
+        expand = jax.jit(lambda s, f, cap=cap: escapes.fill(
+            jnp.zeros((1, n), s.dtype), escapes.pack_flags(f[None]), jnp.full((1,), cap),
+            lambda slot, _, __, c: (escapes.take(s[None], slot), c)))
         for op, fn, args in ((f"escape pack {share:.0%}", pack, (bits, flags)),
                              (f"escape expand {share:.0%}", expand, (section, flags))):
             rows.append(_row(dtype_name, mb, n, "xla", op, median_seconds(fn, *args, reps=reps),
