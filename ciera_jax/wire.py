@@ -39,9 +39,12 @@ EXPONENT_CAPACITIES = (0.0, 1 / 2048, 1 / 1024, 1 / 512, 1 / 256, 1 / 128, 1 / 6
 # Word mode: escapes (|d| > code limit); raw words (|d| > 127) get LEVEL2_SHARE of as many.
 # Up to every element escaping, so warm-up (30-50% escapes, ~10% raw) still travels as words
 # (priced on tiny's warm-up: 1.12 B/weight against exponent mode's 1.24 and plain's 2).
-# Steps of 1.5x where steady state lives (8-15% escapes at 3 bits), coarse below and above:
-# each rung is a branch of the section's switch, and branches cost compile time.
-LEVEL1_CAPACITIES = (0.0, 1 / 64, 1 / 32, 1 / 16, 3 / 32, 1 / 8, 3 / 16, 1 / 4, 1 / 2, 1.0)
+# Steps of at most 1.5x from n/32 up (steady state: 8-15% escapes at 3 bits; peak LR: 30-40%),
+# 2x below: each rung is a branch of the section's switch, and branches cost compile time.
+# Priced on small (weight_stability --from-counts): 12 rungs send what the 15 of round 3 sent
+# (+0.001 of plain at steady state, +0.003 late, equal at peak).
+LEVEL1_CAPACITIES = (0.0, 1 / 64, 1 / 32, 1 / 16, 3 / 32, 1 / 8, 3 / 16, 1 / 4, 3 / 8, 1 / 2,
+                     3 / 4, 1.0)
 LEVEL2_SHARE = 1 / 8
 DEFAULT_CODE_BITS = 3  # the word-delta study: the best single width across phases
 CODE_BITS_CHOICES = (2, 3, 4)
