@@ -1,6 +1,8 @@
-"""The tensor inventory of a model's gathers: every parameter a decorated module gathers, keyed
-by its path, with one layer's full shape and the stack it belongs to. The trainer, the planner
-and the engine read it; it is computed once from the model (abstract shapes are enough)."""
+"""The one walk over a model (:func:`gatherers`): every gathering module and the parameters it
+gathers. The caches, the state specs and a prepared step read it, and so does the tensor
+inventory (:func:`gathered_tensors`: every gathered parameter keyed by its path, with one
+layer's full shape and the stack it belongs to), which the trainer and the planner read;
+abstract shapes are enough."""
 
 from __future__ import annotations
 

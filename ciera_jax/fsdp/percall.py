@@ -15,8 +15,7 @@ import ciera_jax.cache as cache_lib
 import ciera_jax.codec as codec
 from ciera_jax.fsdp.axes import MANUAL, REGION, UNSHARDED, axis_size, placement
 from ciera_jax.fsdp.caches import PLAIN_ATTR, GatherCacheVar, cache_attr
-from ciera_jax.fsdp.discovery import (GatherSpec, module_name, module_path, path_key,
-                                      sharded_params)
+from ciera_jax.fsdp.discovery import GatherSpec, module_name, module_path, sharded_params
 from ciera_jax.fsdp.gather import gather, gather_region
 from ciera_jax.fsdp.inventory import GatheredTensor
 from ciera_jax.fsdp.plan import Plan
@@ -25,12 +24,10 @@ from ciera_jax.fsdp.stacking import stack_size
 from ciera_jax.fsdp.stats import record
 
 
-def copy_with(module, values: dict):
-    """A copy of ``module`` (fresh Variables) whose parameters named in ``values`` (``{path
-    below the module: value}``) hold those values."""
+def copy_of(module):
+    """A copy of ``module`` with fresh Variables (same values): what a call runs on."""
     graphdef, state = nnx.split(module)
-    state = jax.tree_util.tree_map_with_path(lambda p, v: values.get(path_key(p), v), state)
-    return nnx.merge(graphdef, state)
+    return nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
 
 
 def write_back(module, copy) -> None:
@@ -72,13 +69,22 @@ def call(module, fn, args, kwargs, spec: GatherSpec, plan: Plan):
     """A gathering module's call: gather its sharded params, run ``fn`` on the full ones."""
     place = placement(spec.axis_name, module_name(module))
     params = checked_params(module, spec, place)
+    copy = copy_of(module)
     if place == UNSHARDED:  # whole already: only cast
-        cast = {p.key: p.var.get_value().astype(spec.dtype) for p in params
-                if spec.dtype is not None}
-        copy = copy_with(module, cast)
-        out = fn(copy, *args, **kwargs)
-        write_back(module, copy)
-        return out
+        nodes = dict(nnx.iter_graph(copy))
+        for p in params:
+            if spec.dtype is not None:
+                nodes[p.path].set_value(p.var.get_value().astype(spec.dtype))
+    else:
+        gathered_into(copy, module, params, spec, plan, place)
+    out = fn(copy, *args, **kwargs)
+    write_back(module, copy)
+    return out
+
+
+def gathered_into(copy, module, params: list, spec: GatherSpec, plan: Plan, place: str):
+    """Gather ``module``'s ``params`` (:func:`~ciera_jax.fsdp.gather`, or its region under
+    ``jit``); the full weights, new caches and stats go into ``copy``."""
     tensors, shards, caches = {}, {}, {}
     for p in params:
         t = tensors[p.key] = call_tensor(module, p, spec, place)
@@ -86,25 +92,14 @@ def call(module, fn, args, kwargs, spec: GatherSpec, plan: Plan):
         if (plan.mode == "ciera" and codec.is_compressible(t.dtype)
                 and p.name not in getattr(p.owner, PLAIN_ATTR, ())):
             caches[p.key] = cache_of(p, t, f"{module_name(module)}/{p.key}")
-    if place == MANUAL:
-        fulls, new_caches, stats = gather(tensors, shards, caches, plan, spec.axis_name)
-    else:
-        fulls, new_caches, stats = gather_region(tensors, shards, caches, plan, spec.axis_name)
-    copy = copy_with(module, fulls)
-    leave_state(copy, params, new_caches, stats)
-    out = fn(copy, *args, **kwargs)
-    write_back(module, copy)
-    return out
-
-
-def leave_state(module, params: list, new_caches: dict, stats: dict) -> None:
-    """New caches into the cache variables beside ``params`` (found in ``module`` by path),
-    ``stats`` onto ``module``."""
-    nodes = dict(nnx.iter_graph(module))
+    run = gather if place == MANUAL else gather_region
+    fulls, new_caches, stats = run(tensors, shards, caches, plan, spec.axis_name)
+    nodes = dict(nnx.iter_graph(copy))
     for p in params:
+        nodes[p.path].set_value(fulls[p.key])
         if new_caches.get(p.key) is not None:
             getattr(nodes[p.path[:-1]], cache_attr(p.name)).set_value(new_caches[p.key])
-    record(module, stats)
+    record(copy, stats)
 
 
 def cache_of(p, t: GatheredTensor, name: str):

@@ -1,6 +1,7 @@
 """A train step's CIERA phases over its whole inventory: encode every compressed tensor (at the
 end of the previous step, off the critical path) and agree on all their demands with ONE
-collective. The :class:`~ciera_jax.fsdp.Engine` then exchanges each at its agreed tier."""
+collective. :func:`~ciera_jax.fsdp.prepare` hands both to the model, whose gathers then
+exchange each at its agreed tier."""
 
 from __future__ import annotations
 
