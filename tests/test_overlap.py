@@ -135,6 +135,9 @@ def test_next_layer_gather_does_not_wait_for_this_layer(step_jaxpr):
     assert checked >= 1
 
 
+@pytest.mark.slow  # compiles prepare_fn (an encode of every tensor) for this test alone; the fast
+# lane's train tests check what a stale Encoded would break: every step's self-check passes
+# (test_train) and the run is bitwise plain's
 def test_encoded_ahead_is_a_fresh_encode_of_the_new_state():
     tr = build_trainer(TC, make_mesh(8))
     state = tr.prepare(tr.init_state(0))
