@@ -35,6 +35,7 @@ def _plain(config="tiny", steps=STEPS):
                  mesh=train_mesh(8), log=None)
 
 
+@pytest.mark.slow  # on CPU the same step as test_train's defaults (word caches on every tensor)
 def test_tiny_plan_all_word_caches_bitwise_plain():
     res = train(_tc(plan="all", cache="word"), steps=STEPS, seed=0, mesh=train_mesh(8),
                 log=None)
