@@ -10,7 +10,8 @@ by :func:`select`, a binary search over the running count of flags per 32-flag w
 over 1/32 of the elements), then a 5-step search inside the word by popcount. The walk is a
 loop over chunks of :data:`SLOT_CHUNK` slots whose trip count is the number of escapes, so a
 step in which little changed costs little, and a gather or scatter of every element (what
-XLA:CPU runs 1-2 orders of magnitude slower than a copy) never happens.
+XLA:CPU runs 1-2 orders of magnitude slower than a copy) happens only where escapes are dense
+(above :data:`DENSE_SHARE` of the elements: warm-up), where it is the cheaper of the two.
 
 Shape letters: R rows (one per rank on the receiver, 1 on the sender), n elements per row,
 W = ceil(n/32) flag words per row, S slots per chunk, C a capacity.
@@ -24,10 +25,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ciera_jax.varying import carry_typed
+from ciera_jax.varying import same_types, typed_cond
 from ciera_jax.wire import FLAG_WORD_BITS
 
 SLOT_CHUNK = 4096  # slots per loop trip: a few loop overheads per tensor at steady state
+# Above this share of escapes in the fullest row, one pass over every element (a gather or
+# scatter per element, ~15 ns on XLA:CPU) beats the loop (~130 ns per escape).
+DENSE_SHARE = 1 / 8
 
 
 def _lanes():
@@ -65,21 +69,25 @@ def running_count(words_RxW: jax.Array) -> jax.Array:
     return jnp.cumsum(_popcount(words_RxW), axis=1, dtype=jnp.int32)
 
 
-def ranks(words_RxW: jax.Array, n: int) -> jax.Array:
+def ranks(words_RxW: jax.Array, n: int, running_RxW=None) -> jax.Array:
     """int32 (R, n): for every element, the number of flags before it in its row."""
     rows = words_RxW.shape[0]
-    before_word = running_count(words_RxW) - _popcount(words_RxW)
+    if running_RxW is None:
+        running_RxW = running_count(words_RxW)
+    before_word = running_RxW - _popcount(words_RxW)
     below_lane = (jnp.uint32(1) << _lanes()) - jnp.uint32(1)
     in_word = _popcount(words_RxW[:, :, None] & below_lane)
     return (before_word[:, :, None] + in_word).reshape(rows, -1)[:, :n]
 
 
-def pack_dense(values_N: jax.Array, words_W: jax.Array, capacity: int) -> jax.Array:
+def pack_dense(values_N: jax.Array, words_W: jax.Array, capacity: int,
+               running_W=None) -> jax.Array:
     """:func:`pack` by one scatter of every element: for short arrays (the flag words of the
-    two-level bitmap, 1/32 of a tensor), where a loop would cost more than it saves."""
+    two-level bitmap, 1/32 of a tensor) and dense flags, where a loop costs more."""
     n = values_N.shape[0]
     flags = unpack_flags(words_W[None], n)[0]
-    slot = jnp.where(flags, ranks(words_W[None], n)[0], capacity)
+    running = None if running_W is None else running_W[None]
+    slot = jnp.where(flags, ranks(words_W[None], n, running)[0], capacity)
     return jnp.zeros((capacity,), values_N.dtype).at[slot].set(values_N, mode="drop")
 
 
@@ -117,13 +125,21 @@ def take(section_RxC: jax.Array, slot_RxS: jax.Array) -> jax.Array:
     return jnp.take_along_axis(section_RxC, slot_RxS, axis=1, mode="clip")
 
 
-def for_each_chunk(words_RxW: jax.Array, limit_R: jax.Array, body, init):
+def _chunk(words_RxW) -> int:
+    """Slots per loop trip: SLOT_CHUNK, or fewer for a short row (a trip costs its size)."""
+    return min(SLOT_CHUNK, FLAG_WORD_BITS * words_RxW.shape[1])
+
+
+def for_each_chunk(words_RxW: jax.Array, limit_R, body, init, running=None):
     """Run ``body(slot_RxS, element_RxS, live_RxS, carry) -> carry`` over the slots of every row
-    in chunks of :data:`SLOT_CHUNK`, for as many chunks as the fullest row needs: slot ``j`` of
-    row ``r`` is live when the row has a ``j``-th flag and ``j < limit_R[r]``."""
-    running = running_count(words_RxW)
+    in chunks of up to :data:`SLOT_CHUNK`, for as many chunks as the fullest row needs: slot
+    ``j`` of row ``r`` is live when the row has a ``j``-th flag and ``j < limit_R[r]``
+    (``limit_R``: int32 (R,), or an int for every row). The body
+    must leave the carry as it is where no slot is live."""
+    if running is None:
+        running = running_count(words_RxW)
     total_R = jnp.minimum(running[:, -1], limit_R)
-    chunk = SLOT_CHUNK
+    chunk = _chunk(words_RxW)
     trips = (jnp.max(total_R) + chunk - 1) // chunk
 
     def step(i, carry):
@@ -133,7 +149,18 @@ def for_each_chunk(words_RxW: jax.Array, limit_R: jax.Array, body, init):
         live = slot < total_R[:, None]
         return body(slot, select(words_RxW, running, slot), live, carry)
 
-    return lax.fori_loop(0, trips, step, carry_typed(step, init))
+    if same_types(jax.eval_shape(step, 0, init), init):
+        return lax.fori_loop(0, trips, step, init)
+    # The body's values vary over more mesh axes than the constant the carry starts from: run
+    # the first trip outside the loop (a no-op when nothing is live) and carry its result,
+    # which has the loop's type. (Not a cast: inside a vmapped cond's branch it fails.)
+    return lax.fori_loop(1, jnp.maximum(trips, 1), step, step(0, init))
+
+
+def _dense(running_RxW, n: int, limit_R) -> jax.Array:
+    """Whether the fullest row's escapes are dense enough that one pass over every element
+    beats the loop over escapes (rank-varying: each device decides for itself)."""
+    return jnp.max(jnp.minimum(running_RxW[:, -1], limit_R)) > int(n * DENSE_SHARE)
 
 
 def pack(values_N: jax.Array, words_W: jax.Array, capacity: int) -> jax.Array:
@@ -142,24 +169,35 @@ def pack(values_N: jax.Array, words_W: jax.Array, capacity: int) -> jax.Array:
     the agreement sends such a step to the fallback)."""
     if capacity == 0:
         return jnp.zeros((0,), values_N.dtype)
-    padded = -(-capacity // SLOT_CHUNK) * SLOT_CHUNK
+    padded = -(-capacity // _chunk(words_W[None])) * _chunk(words_W[None])
+    running = running_count(words_W[None])
 
     def body(slot, element, live, out):
         v = jnp.where(live[0], values_N[jnp.minimum(element[0], values_N.shape[0] - 1)], 0)
         return lax.dynamic_update_slice(out, v.astype(out.dtype), (slot[0, 0],))
 
-    out = for_each_chunk(words_W[None], jnp.full((1,), capacity, jnp.int32), body,
-                         jnp.zeros((padded,), values_N.dtype))
-    return out[:capacity]
+    def by_loop():
+        # Zeros typed like what the body writes, so the loop needs no first trip outside it.
+        zeros = (jnp.zeros_like(values_N, shape=(padded,))
+                 + jnp.zeros_like(words_W, shape=(), dtype=values_N.dtype))
+        out = for_each_chunk(words_W[None], capacity, body, zeros, running)
+        return out[:capacity]
+
+    def dense():
+        return pack_dense(values_N, words_W, capacity, running[0])
+
+    return typed_cond(_dense(running, values_N.shape[0], capacity), dense, by_loop)
 
 
 def fill(dest_RxN: jax.Array, words_RxW: jax.Array, limit_R: jax.Array, values_at, init=None):
     """Receiver: ``dest_RxN`` with each row's flagged elements set, in order, to
     ``values_at(slot_RxS, current_RxS, live_RxS, carry) -> (values_RxS, carry)``: the slots'
     values (read from the row's section), given what ``dest`` holds at their elements now;
-    ``carry`` starts at ``init``."""
+    ``carry`` starts at ``init``. Dense escapes take one pass over every element instead, with
+    the same ``values_at`` called once on whole rows."""
     n = dest_RxN.shape[1]
     rows = jnp.arange(dest_RxN.shape[0])[:, None]
+    running = running_count(words_RxW)
 
     def body(slot, element, live, state):
         dest, carry = state
@@ -167,4 +205,13 @@ def fill(dest_RxN: jax.Array, words_RxW: jax.Array, limit_R: jax.Array, values_a
         at = jnp.where(live, element, n)  # past the end: dropped
         return dest.at[rows, at].set(values.astype(dest.dtype), mode="drop"), carry
 
-    return for_each_chunk(words_RxW, limit_R, body, (dest_RxN, init))[0]
+    def by_loop():
+        return for_each_chunk(words_RxW, limit_R, body, (dest_RxN, init), running)[0]
+
+    def dense():
+        slot = ranks(words_RxW, n, running)
+        live = unpack_flags(words_RxW, n) & (slot < limit_R[:, None])
+        values, _ = values_at(slot, dest_RxN, live, init)
+        return jnp.where(live, values.astype(dest_RxN.dtype), dest_RxN)
+
+    return typed_cond(_dense(running, n, limit_R), dense, by_loop)

@@ -23,8 +23,21 @@ def varying_like(x, operands, axis_name) -> jax.Array:
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
-def carry_typed(step, init):
-    """``init`` typed as ``step(0, init)`` returns it (a loop body that reads values varying
-    over more mesh axes than the constant it starts from), so the loop's carry keeps one type."""
-    out = jax.eval_shape(step, 0, init)
-    return jax.tree.map(lambda a, o: varying_like(a, o, None), init, out)
+def same_types(a_tree, b_tree) -> bool:
+    """Whether two pytrees' leaves vary over the same mesh axes."""
+    return all(vma(a) == vma(b) for a, b in zip(jax.tree.leaves(a_tree), jax.tree.leaves(b_tree)))
+
+
+def typed_cond(pred, true_fn, false_fn):
+    """``lax.cond`` of two operand-free branches whose results may vary over different mesh
+    axes: each is cast to vary over what either does."""
+    outs = [jax.eval_shape(f) for f in (true_fn, false_fn)]
+    if same_types(*outs):
+        return lax.cond(pred, true_fn, false_fn)  # (and under vmap, typeof can mislead a cast)
+
+    def typed(f):
+        def branch():
+            return jax.tree.map(lambda a, *o: varying_like(a, o, None), f(), *outs)
+        return branch
+
+    return lax.cond(pred, typed(true_fn), typed(false_fn))

@@ -72,10 +72,12 @@ def test_pack_lists_flagged_values_in_order_and_fill_puts_them_back(n, density, 
     assert (back[1] == 7).all(), "a row without flags is left as it was"
 
 
-@pytest.mark.parametrize("density", [0.3, 1.0])
+@pytest.mark.parametrize("density", [0.1, 1.0], ids=["loop", "dense"])
 def test_more_escapes_than_one_chunk(density):
-    """Several trips of the slot loop (SLOT_CHUNK slots each), a partial last one included."""
-    n = 4 * escapes.SLOT_CHUNK + 1000
+    """Both ways through: below DENSE_SHARE several trips of the slot loop (SLOT_CHUNK slots
+    each, a partial last one included); above it one pass over every element."""
+    assert (density > escapes.DENSE_SHARE) == (density == 1.0)
+    n = 12 * escapes.SLOT_CHUNK + 1000
     rng = np.random.default_rng(3)
     flags = rng.random(n) < density
     values = rng.integers(0, 1 << 16, n).astype(np.uint16)
