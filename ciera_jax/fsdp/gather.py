@@ -24,7 +24,7 @@ from ciera_jax.fsdp.plan import Plan
 from ciera_jax.fsdp.rules import kept_axes, names_of, without_axis
 
 
-def gather_one(t: GatheredTensor, shard, gin, plan: Plan, axis_name: str,
+def _gather_one(t: GatheredTensor, shard, gin, plan: Plan, axis_name: str,
                region: bool = False):
     """Gather one layer's shard: (full, new cache or None, stats). ``gin``: (Encoded, cache,
     agreed) for a compressed gather, None for the mode's plain / int8 gather. Stats are summed
@@ -102,7 +102,7 @@ def gather(tensors: dict, shards: dict, caches: dict, plan: Plan, axis_name: str
     inputs = gather_inputs(tensors, shards, caches, plan, axis_name, prepared)
     fulls, new_caches, stats = {}, {}, {}
     for k, t in tensors.items():
-        fulls[k], c, stats[k] = gather_one(t, shards[k], inputs[k], plan, axis_name, region)
+        fulls[k], c, stats[k] = _gather_one(t, shards[k], inputs[k], plan, axis_name, region)
         if c is not None:
             new_caches[k] = c
     return fulls, new_caches, stats

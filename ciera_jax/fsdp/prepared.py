@@ -27,7 +27,7 @@ import ciera_jax.cache as cache_lib
 from ciera_jax.fsdp.axes import AXIS, axis_size, varying_axes
 from ciera_jax.fsdp.caches import GatherCacheVar, cache_attr
 from ciera_jax.fsdp.discovery import gather_spec, iter_modules, module_path, path_key
-from ciera_jax.fsdp.gather import gather_one
+from ciera_jax.fsdp.gather import gather
 from ciera_jax.fsdp.inventory import GatheredTensor, gatherers
 from ciera_jax.fsdp.plan import DEFAULT_WORD_BACKWARD, Plan, plan_of, set_plan
 from ciera_jax.fsdp.stacking import stack_size
@@ -184,15 +184,21 @@ def _run(compute, tensors: dict, held: set, n: int, plan: Plan, axis_name: str):
             return c
         return jax.tree.map(lambda s, v: lax.dynamic_update_index_in_dim(s, v, i, 0), stack, c)
 
-    def gather_at(t, shard, gin):
-        return gather_one(t, shard, gin, plan, axis_name)
+    def gather_layer(shards, inputs, keys=None):
+        """:func:`~ciera_jax.fsdp.gather` of one layer's ``keys`` (all: None); ``inputs``:
+        ``{key: (Encoded, cache, agreed) or None}``."""
+        keys = list(shards) if keys is None else keys
+        ready = {k: inputs[k] for k in keys if inputs[k] is not None}
+        return gather({k: tensors[k] for k in keys}, {k: shards[k] for k in keys},
+                      {k: g[1] for k, g in ready.items()}, plan, axis_name,
+                      prepared={k: (g[0], g[2]) for k, g in ready.items()})
 
     def backward_fulls(shards, inputs, held_caches):
         """Held keys from their (new) word cache, the rest gathered again."""
-        return {k: _typed_like_gather(cache_lib.cached_full(held_caches[k]), shards[k],
-                                      axis_name) if k in held_caches else
-                gather_at(tensors[k], lax.stop_gradient(shards[k]), inputs[k])[0]
-                for k in shards}
+        again = gather_layer(lax.stop_gradient(shards), inputs,
+                             [k for k in shards if k not in held_caches])[0]
+        return {k: again[k] if k in again else _typed_like_gather(
+            cache_lib.cached_full(held_caches[k]), shards[k], axis_name) for k in shards}
 
     def scatter(ct_fulls, shards):
         """Weight cotangents: the transpose of the all-gather (``psum_scatter``)."""
@@ -204,18 +210,12 @@ def _run(compute, tensors: dict, held: set, n: int, plan: Plan, axis_name: str):
         stacks = {k: inputs[k][1] for k in held}  # old words in; new words out, in place
 
         def fetch(i, stacks):
-            fulls, caches, stats = {}, {}, {}
-            for k, t in tensors.items():
-                gin = at(inputs[k], i)
-                if k in held:  # this layer's old words from the carried stack
-                    gin = (gin[0], at(stacks[k], i), gin[2])
-                fulls[k], c, stats[k] = gather_at(t, at(frozen[k], i), gin)
-                if c is not None:
-                    if k in held:
-                        stacks = {**stacks, k: put(stacks[k], i, c)}
-                    else:
-                        caches[k] = c
-            return fulls, caches, stats, stacks
+            inputs_i = {k: at(inputs[k], i) for k in tensors}
+            for k in held:  # this layer's old words from the carried stack
+                inputs_i[k] = (inputs_i[k][0], at(stacks[k], i), inputs_i[k][2])
+            fulls, new, stats = gather_layer(at(frozen, i), inputs_i)
+            stacks = {**stacks, **{k: put(stacks[k], i, new[k]) for k in held if k in new}}
+            return fulls, {k: c for k, c in new.items() if k not in held}, stats, stacks
 
         def layer(i, fulls, x):
             return compute(fulls, at(others, i), (at(rest, i), (x, *args)))
