@@ -232,3 +232,30 @@ def test_prepared_step_leaves_caches_and_stats_in_module_state(mesh):
     assert all(bool(np.all(np.asarray(c.primed))) for c in state.values())  # the gathers primed
     assert all(bool(np.all(np.asarray(s["fallback"]) == 1)) for s in leaves.values())
     assert np.asarray(leaves["layers/mlp/w_in"]["tier"]).shape == (2,)
+
+
+def test_the_one_gather_is_values_in_values_out(mesh):
+    """``fsdp.gather`` (what every path calls): shards, caches and the plan in; full weights,
+    new caches and stats out, with no module anywhere."""
+    w = jax.random.normal(jax.random.key(2), (N * 4, 16), jnp.bfloat16)
+    t = fsdp.GatheredTensor("w", 0, (N * 4, 16), jnp.bfloat16)
+    cache = ciera_jax.init_cache((N * 4, 16), jnp.bfloat16, "exponent")
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("fsdp"), P()),
+                       out_specs=(P("fsdp"), P("fsdp"), P(), P(), P()))
+    def f(shard, cache):
+        fulls, new, stats = fsdp.gather({"w": t}, {"w": shard}, {"w": cache}, fsdp.Plan(),
+                                        "fsdp")
+        plain, none, p_stats = fsdp.gather({"w": t}, {"w": shard}, {}, fsdp.Plan("plain"),
+                                           "fsdp")
+        assert not none  # a plain gather makes no cache
+        return fulls["w"][None], plain["w"][None], new["w"], stats["w"], p_stats["w"]
+
+    full, plain, new, stats, p_stats = f(fsdp.put(w, P("fsdp"), mesh),
+                                         fsdp.put(cache, P(), mesh))
+    for a, b in zip(_bits((full, plain)), _bits((np.broadcast_to(w, (N, *w.shape)),) * 2)):
+        np.testing.assert_array_equal(a, b)
+    assert bool(np.asarray(new.primed)) and int(stats["fallback"]) == 1  # primed by the gather
+    assert int(p_stats["tier"]) == -1 and int(p_stats["sent_bytes"]) == int(
+        p_stats["plain_bytes"])
