@@ -76,7 +76,7 @@ def encode(x, cached_exp, primed, axis: int, n_ranks: int, csum, impl: str) -> E
     flags_W = escapes.pack_flags(changed_N[None])[0]
     summary_S = escapes.pack_flags((flags_W != 0)[None])[0]
     listed_C = escapes.pack_dense(flags_W, summary_S, wire.word_caps[-1])
-    patch_exp = escapes.pack(exp.reshape(-1), flags_W, wire.caps[-1])
+    patch_exp = kernels.escape_pack(exp.reshape(-1), flags_W, wire.caps[-1], impl=impl)
     # An unprimed cache knows no exponent: all of them count as changed.
     count = jnp.where(primed, escapes.count(flags_W[None])[0], x.size).astype(jnp.int32)
     demand = jnp.where(primed, count, jnp.int32(INT32_MAX))
@@ -100,8 +100,9 @@ def exchange(e: Encoded, cache_exp, agreed, x_bits, axis_name, dtype, impl: str)
     # then each changed exponent over the cached one (a loop over the changes only).
     flags_NxW = escapes.expand_dense(listed_NxC, summary_NxS, flag_words(n))
     cap_N = jnp.full((e.n_ranks,), jnp.asarray(wire.caps, jnp.int32)[rung])
-    exp_Nxn = escapes.fill(full_to_rows(cache_exp, e.shard_shape, e.axis, e.n_ranks), flags_NxW,
-                           cap_N, lambda slot, _, __, c: (escapes.take(patch_NxK, slot), c))
+    exp_Nxn = kernels.escape_fill_exponents(
+        full_to_rows(cache_exp, e.shard_shape, e.axis, e.n_ranks), flags_NxW, patch_NxK, cap_N,
+        impl=impl)
     exp_full = rows_to_full(exp_Nxn, e.shard_shape, e.axis)
     payload_full = rows_to_full(main_NxL.reshape(e.n_ranks, n_planes, n), e.shard_shape, e.axis)
     # One pass: the weights and every rank's checksum of them (fused on GPU where it can be).

@@ -78,9 +78,10 @@ def encode(x, cached_words, primed, axis: int, n_ranks: int, csum, impl: str,
     raw = wordcodec.beyond(d, LEVEL1_LIMIT)
     esc_W = escapes.pack_flags(wordcodec.beyond(d, code_limit(code_bits))[None])[0]
     raw = wordcodec.beyond(d, LEVEL1_LIMIT)
-    level1 = escapes.pack(jnp.where(raw, LEVEL2, d).astype(jnp.int8), esc_W, wire.caps1[-1])
-    level2 = escapes.pack(codec.to_bits(x).reshape(-1), escapes.pack_flags(raw[None])[0],
-                          wire.caps2[-1])
+    level1 = kernels.escape_pack(jnp.where(raw, LEVEL2, d).astype(jnp.int8), esc_W,
+                                 wire.caps1[-1], impl=impl)
+    level2 = kernels.escape_pack(codec.to_bits(x).reshape(-1), escapes.pack_flags(raw[None])[0],
+                                 wire.caps2[-1], impl=impl)
     codes = wordcodec.pack_codes(wordcodec.codes_of(d, code_bits), code_bits)
     counts = jnp.stack([counts[CODE_BITS.index(code_bits)], counts[wordcodec.RAW],
                         counts[wordcodec.EXP_CHANGED]])
@@ -124,8 +125,10 @@ def exchange(e: WordEncoded, cache_words, agreed, x_bits, axis_name, dtype, impl
 
     esc_NxW = escapes.pack_flags(codes_Nxn == escape_code(b))
     limit = jnp.full((e.n_ranks,), jnp.asarray(wire.caps1, jnp.int32)[rung])
-    bits_Nxn = escapes.fill(dense_Nxn, esc_NxW, limit, escaped,
-                            jnp.zeros((e.n_ranks,), jnp.int32))
+    bits_Nxn = kernels.escape_fill_words(
+        dense_Nxn, esc_NxW, limit, level1_NxC, level2_NxC, escape_offset=escape_offset,
+        level2_code=LEVEL2, values_at=escaped, init=jnp.zeros((e.n_ranks,), jnp.int32),
+        impl=impl)
     full = codec.from_bits(rows_to_full(bits_Nxn, e.shard_shape, e.axis), dtype)
     sent = transfer.section_bytes(wire.section_sizes, rung)
     return (full, selfcheck.failed_shards(full, sent_N, e.axis), rung, overflow, sent,

@@ -5,7 +5,10 @@
 (``encode_reference``, ``decode_reference``; word mode: ``word_encode_*``, ``word_decode_*``)
 that the tests compare against, and a body shared by both Pallas GPU backends (Mosaic GPU,
 Triton). Which backend runs where is decided in ``backend.py`` (see docs/kernels.md).
-``decode_checksum_pallas`` is the fused decode + per-rank checksum option.
+``decode_checksum_pallas`` is the fused decode + per-rank checksum option. The wire's escapes
+(``escape_pack``, ``escape_fill_exponents``, ``escape_fill_words``) have Triton kernels
+(``escape.py``; Mosaic GPU has no per-element gather/scatter) beside the jnp loops of
+:mod:`ciera_jax.escapes`.
 """
 
 from ciera_jax.kernels.backend import (BACKENDS, CUSTOM_CALL, available_backends, gpu_capability,
@@ -13,9 +16,12 @@ from ciera_jax.kernels.backend import (BACKENDS, CUSTOM_CALL, available_backends
 from ciera_jax.kernels.decode import decode_pallas, decode_reference
 from ciera_jax.kernels.decode_checksum import (decode_checksum, decode_checksum_pallas,
                                                decode_checksum_reference, fusable)
-from ciera_jax.kernels.dispatch import (IMPLS, decode, encode, resolve, resolve_impl,
+from ciera_jax.kernels.dispatch import (IMPLS, decode, encode, escape_fill_exponents,
+                                        escape_fill_words, escape_pack, resolve, resolve_impl,
                                         word_decode, word_encode)
 from ciera_jax.kernels.encode import BLOCK, encode_pallas, encode_reference
+from ciera_jax.kernels.escape import (ESCAPE_BLOCK, fill_exponents_pallas, fill_words_pallas,
+                                      pack_pallas)
 from ciera_jax.kernels.word_decode import word_decode_pallas, word_decode_reference
 from ciera_jax.kernels.word_encode import word_encode_pallas, word_encode_reference
 
@@ -23,6 +29,7 @@ __all__ = [
     "BACKENDS",
     "BLOCK",
     "CUSTOM_CALL",
+    "ESCAPE_BLOCK",
     "IMPLS",
     "available_backends",
     "decode",
@@ -34,9 +41,15 @@ __all__ = [
     "encode",
     "encode_pallas",
     "encode_reference",
+    "escape_fill_exponents",
+    "escape_fill_words",
+    "escape_pack",
+    "fill_exponents_pallas",
+    "fill_words_pallas",
     "fusable",
     "gpu_capability",
     "lowering_for",
+    "pack_pallas",
     "resolve",
     "resolve_impl",
     "word_decode",

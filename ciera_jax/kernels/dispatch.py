@@ -6,20 +6,28 @@ backend that suits the GPU (Mosaic GPU on compute capability 9.0+, Triton below)
 backend's CPU interpreter when there is no GPU (how the tests exercise the kernel bodies);
 ``"mosaic"`` / ``"triton"`` force a backend; ``"auto"`` is Mosaic GPU on Hopper and newer and
 xla everywhere else (Ampere included).
+
+The escapes (``escape_pack``, ``escape_fill_exponents``, ``escape_fill_words``) have Triton
+kernels only (Mosaic GPU has no per-element gather or scatter: ``kernels/escape.py``). They run
+wherever ``impl`` resolves to the Triton backend (``"triton"``; ``"pallas"`` below Hopper and,
+interpreted, on CPU); everywhere else, ``"auto"`` included, they are the jnp loops of
+:mod:`ciera_jax.escapes`, called exactly as before.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from ciera_jax.kernels.backend import IMPLS, resolve
+from ciera_jax import escapes
+from ciera_jax.kernels.backend import IMPLS, available_backends, resolve
 from ciera_jax.kernels.decode import decode_pallas, decode_reference
 from ciera_jax.kernels.encode import encode_pallas, encode_reference
+from ciera_jax.kernels.escape import fill_exponents_pallas, fill_words_pallas, pack_pallas
 from ciera_jax.kernels.word_decode import word_decode_pallas, word_decode_reference
 from ciera_jax.kernels.word_encode import word_encode_pallas, word_encode_reference
 
-__all__ = ["IMPLS", "decode", "encode", "resolve", "resolve_impl", "word_decode",
-           "word_encode"]
+__all__ = ["IMPLS", "decode", "encode", "escape_fill_exponents", "escape_fill_words",
+           "escape_pack", "resolve", "resolve_impl", "word_decode", "word_encode"]
 
 
 def resolve_impl(impl: str) -> tuple[str, bool]:
@@ -74,3 +82,47 @@ def word_decode(cached_bits: jnp.ndarray, codes: jnp.ndarray, code_bits: int, *,
     if kw is None:
         return word_decode_reference(cached_bits, codes, code_bits)
     return word_decode_pallas(cached_bits, codes, code_bits, **kw)
+
+
+def _escape_pallas(impl: str):
+    """Keyword arguments of the Triton escape kernels, or None for the jnp loops."""
+    c = resolve(impl)
+    if c.kind == "xla" or c.backend != "triton" or "triton" not in available_backends():
+        return None
+    return dict(interpret=c.interpret)
+
+
+def escape_pack(values_N: jnp.ndarray, words_W: jnp.ndarray, capacity: int, *,
+                impl: str = "auto"):
+    """Exactly ``escapes.pack(values_N, words_W, capacity)``: the flagged values in position
+    order in a (capacity,) buffer, zeros after the last."""
+    kw = _escape_pallas(impl)
+    if kw is None:
+        return escapes.pack(values_N, words_W, capacity)
+    return pack_pallas(values_N, words_W, capacity, **kw)
+
+
+def escape_fill_exponents(cached_Rxn: jnp.ndarray, flags_RxW: jnp.ndarray,
+                          section_RxK: jnp.ndarray, limit_R: jnp.ndarray, *,
+                          impl: str = "auto"):
+    """Exponent mode's receiver, exactly ``escapes.fill`` of each row's section values in order
+    (slots below ``limit_R``) over ``cached_Rxn``."""
+    kw = _escape_pallas(impl)
+    if kw is None:
+        return escapes.fill(cached_Rxn, flags_RxW, limit_R,
+                            lambda slot, _, __, c: (escapes.take(section_RxK, slot), c))
+    return fill_exponents_pallas(cached_Rxn, flags_RxW, section_RxK, limit_R, **kw)
+
+
+def escape_fill_words(dense_Rxn: jnp.ndarray, flags_RxW: jnp.ndarray, limit_R: jnp.ndarray,
+                      level1_RxC: jnp.ndarray, level2_RxC: jnp.ndarray, *, escape_offset: int,
+                      level2_code: int, values_at, init, impl: str = "auto"):
+    """Word mode's receiver: ``escapes.fill(dense_Rxn, flags_RxW, limit_R, values_at, init)``
+    on the jnp path (``values_at``: the caller's rule, level 1's move or level 2's raw word);
+    the Triton kernel applies the same rule from ``level1_RxC``, ``level2_RxC``,
+    ``escape_offset`` and ``level2_code`` (see :func:`kernels.escape.fill_words_pallas`)."""
+    kw = _escape_pallas(impl)
+    if kw is None:
+        return escapes.fill(dense_Rxn, flags_RxW, limit_R, values_at, init)
+    return fill_words_pallas(dense_Rxn, flags_RxW, level1_RxC, level2_RxC, limit_R,
+                             escape_offset=escape_offset, level2_code=level2_code, **kw)

@@ -1,0 +1,167 @@
+"""The escape kernels (``kernels/escape.py``: pack, exponent fill, word fill) against the jnp
+loops of :mod:`ciera_jax.escapes`, bit for bit, in Triton's interpreter (the kernels exist on
+Triton only: Mosaic GPU has no per-element gather/scatter), on random and adversarial flags:
+none, all, every 32nd, the last element only, lengths that are not a multiple of 32 or of the
+block. With ``JAX_PLATFORMS=cuda`` (``benchmarks/gpu_check.sh``) the same tests compile and run
+the kernels. Lowering for CUDA: ``test_cuda_lowering.py``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ciera_jax import escapes, wordcodec
+from ciera_jax import kernels as K
+from ciera_jax.word_ladder import LEVEL2
+
+pytestmark = pytest.mark.skipif("triton" not in K.available_backends(),
+                                reason="no Pallas Triton in this JAX")
+
+ON_GPU = jax.default_backend() == "gpu"
+INTERPRET = not ON_GPU
+BLOCK = 256  # small blocks: several per row at test sizes (the kernels' default is 4096)
+N = 3 * BLOCK + 45  # not a multiple of 32, nor of the block
+PATTERNS = ["none", "all", "every_32nd", "last_only", "first_only", "sparse", "half"]
+
+
+def flags_of(pattern: str, rows: int, n: int, seed: int = 0) -> np.ndarray:
+    f = np.zeros((rows, n), bool)
+    if pattern == "all":
+        f[:] = True
+    elif pattern == "every_32nd":
+        f[:, 31::32] = True
+    elif pattern == "last_only":
+        f[:, -1] = True
+    elif pattern == "first_only":
+        f[:, 0] = True
+    elif pattern in ("sparse", "half"):
+        f = np.random.default_rng(seed).random((rows, n)) < (0.03 if pattern == "sparse" else 0.5)
+        f[-1] = False  # a row with nothing
+    return f
+
+
+def _u8(rng, shape):
+    return jnp.asarray(rng.integers(0, 256, shape, dtype=np.uint8))
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_fill_exponents_matches_loop(pattern):
+    rows, k = 3, 200
+    rng = np.random.default_rng(1)
+    cached, section = _u8(rng, (rows, N)), _u8(rng, (rows, k))
+    words = escapes.pack_flags(jnp.asarray(flags_of(pattern, rows, N)))
+    for limit in ([k, k, k], [k, 37, 0]):  # the whole section; a short and an empty rung
+        limit = jnp.asarray(limit, jnp.int32)
+        want = K.escape_fill_exponents(cached, words, section, limit, impl="xla")
+        got = K.fill_exponents_pallas(cached, words, section, limit, block=BLOCK,
+                                      interpret=INTERPRET)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.uint16, np.uint32])
+def test_pack_matches_loop(pattern, dtype):
+    rng = np.random.default_rng(2)
+    info = np.iinfo(dtype)
+    values = jnp.asarray(rng.integers(info.min, info.max, N, dtype=dtype, endpoint=True))
+    words = escapes.pack_flags(jnp.asarray(flags_of(pattern, 1, N)))[0]
+    for capacity in (1, 40, N):  # flags past the capacity are dropped
+        want = escapes.pack(values, words, capacity)
+        got = K.pack_pallas(values, words, capacity, block=BLOCK, interpret=INTERPRET)
+        assert got.dtype == want.dtype and got.shape == (capacity,)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def word_values_at(level1_NxC, level2_NxC, escape_offset):
+    """word_option.exchange's rule for an escape's word (the jnp path's ``values_at``)."""
+    def escaped(slot, dense, live, raw_before_N):
+        move = escapes.take(level1_NxC, slot)
+        raw = (move == LEVEL2) & live
+        raw_W = escapes.pack_flags(raw)
+        raw_rank = raw_before_N[:, None] + escapes.ranks(raw_W, slot.shape[1])
+        moved = wordcodec.apply_delta(dense, move.astype(jnp.int32) - escape_offset)
+        words = jnp.where(raw, escapes.take(level2_NxC, raw_rank), moved)
+        return words, raw_before_N + escapes.count(raw_W)
+    return escaped
+
+
+@pytest.mark.parametrize("pattern", ["all", "every_32nd", "last_only", "sparse", "half"])
+@pytest.mark.parametrize("word", [np.uint16, np.uint32], ids=["bf16", "f32"])
+def test_fill_words_matches_loop(pattern, word):
+    rows, c1, c2, offset = 3, 300, 60, 4
+    rng = np.random.default_rng(3)
+    dense = jnp.asarray(rng.integers(0, np.iinfo(word).max, (rows, N), dtype=word,
+                                     endpoint=True))
+    level1 = rng.integers(-128, 128, (rows, c1), dtype=np.int8)
+    level1[rng.random((rows, c1)) < 0.2] = LEVEL2  # raw words, more than level 2 holds
+    level1, level2 = jnp.asarray(level1), jnp.asarray(
+        rng.integers(0, np.iinfo(word).max, (rows, c2), dtype=word, endpoint=True))
+    words = escapes.pack_flags(jnp.asarray(flags_of(pattern, rows, N)))
+    init = jnp.zeros((rows,), jnp.int32)
+    for limit in ([c1, c1, c1], [c1, 50, 0]):
+        limit = jnp.asarray(limit, jnp.int32)
+        want = K.escape_fill_words(dense, words, limit, level1, level2, escape_offset=offset,
+                                   level2_code=LEVEL2,
+                                   values_at=word_values_at(level1, level2, offset), init=init,
+                                   impl="xla")
+        got = K.fill_words_pallas(dense, words, level1, level2, limit, escape_offset=offset,
+                                  level2_code=LEVEL2, block=BLOCK, interpret=INTERPRET)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_default_block_and_short_rows():
+    """The default 4096-element block on rows shorter than one block, and a one-word row."""
+    rng = np.random.default_rng(4)
+    for n in (1, 33, 1000):
+        cached, section = _u8(rng, (2, n)), _u8(rng, (2, 64))
+        flags = rng.random((2, n)) < 0.3
+        words = escapes.pack_flags(jnp.asarray(flags))
+        limit = jnp.asarray([64, 5], jnp.int32)
+        want = K.escape_fill_exponents(cached, words, section, limit, impl="xla")
+        got = K.fill_exponents_pallas(cached, words, section, limit, interpret=INTERPRET)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        values = _u8(rng, (n,))
+        np.testing.assert_array_equal(
+            np.asarray(K.pack_pallas(values, words[0], 64, interpret=INTERPRET)),
+            np.asarray(escapes.pack(values, words[0], 64)))
+
+
+def test_dispatch_picks_the_kernels_only_on_triton(monkeypatch):
+    """``impl``: the Triton kernels where the codec resolves to Triton ("triton"; "pallas" off
+    Hopper and, interpreted, on CPU), the jnp loops everywhere else ("auto" included)."""
+    from ciera_jax.kernels import backend, dispatch
+
+    calls = []
+    monkeypatch.setattr(dispatch, "pack_pallas", lambda *a, **kw: calls.append(kw) or
+                        escapes.pack(*a))
+    values = jnp.arange(100, dtype=jnp.uint8)
+    words = escapes.pack_flags(jnp.asarray(flags_of("sparse", 1, 100)))[0]
+    for impl in ("auto", "xla", "mosaic", "pallas", "triton"):
+        K.escape_pack(values, words, 10, impl=impl)
+    assert calls == [dict(interpret=INTERPRET)] * 2
+    for capability in ((9, 0), (10, 0), (8, 0)):  # as on these GPUs, without lowering_for
+        calls.clear()  # (which clears JAX's caches: everything compiled so far would recompile)
+        monkeypatch.setattr(backend, "gpu_capability", lambda cc=capability: cc)
+        for impl in ("auto", "pallas", "mosaic", "triton"):
+            K.escape_pack(values, words, 10, impl=impl)
+        # Hopper / Blackwell: "triton" only ("pallas" is Mosaic GPU there); Ampere: "pallas"
+        # is Triton too
+        assert calls == [dict(interpret=False)] * (2 if capability < (9, 0) else 1), capability
+
+
+def test_no_loop_under_jit():
+    """The kernels trace under jit with the rest of a gather's jnp (no host sync, no loop)."""
+    rng = np.random.default_rng(5)
+    cached, section = _u8(rng, (2, N)), _u8(rng, (2, 100))
+    words = escapes.pack_flags(jnp.asarray(flags_of("half", 2, N)))
+    limit = jnp.asarray([100, 100], jnp.int32)
+    fn = jax.jit(lambda c, w, s, l: K.fill_exponents_pallas(c, w, s, l, block=BLOCK,
+                                                             interpret=INTERPRET))
+    jaxpr = jax.make_jaxpr(fn)(cached, words, section, limit)
+    assert "while" not in str(jaxpr)
+    np.testing.assert_array_equal(
+        np.asarray(fn(cached, words, section, limit)),
+        np.asarray(K.escape_fill_exponents(cached, words, section, limit, impl="xla")))
