@@ -47,32 +47,41 @@ def _u8(rng, shape):
     return jnp.asarray(rng.integers(0, 256, shape, dtype=np.uint8))
 
 
-@pytest.mark.parametrize("pattern", PATTERNS)
-def test_fill_exponents_matches_loop(pattern):
-    rows, k = 3, 200
+def all_patterns(rows_each: int, n: int) -> np.ndarray:
+    """Every pattern, ``rows_each`` rows of each, stacked: one compiled call covers them all."""
+    return np.concatenate([flags_of(p, rows_each, n, seed=i) for i, p in enumerate(PATTERNS)])
+
+
+def test_fill_exponents_matches_loop():
+    flags = all_patterns(3, N)
+    rows, k = flags.shape[0], 200
     rng = np.random.default_rng(1)
     cached, section = _u8(rng, (rows, N)), _u8(rng, (rows, k))
-    words = escapes.pack_flags(jnp.asarray(flags_of(pattern, rows, N)))
-    for limit in ([k, k, k], [k, 37, 0]):  # the whole section; a short and an empty rung
-        limit = jnp.asarray(limit, jnp.int32)
-        want = K.escape_fill_exponents(cached, words, section, limit, impl="xla")
-        got = K.fill_exponents_pallas(cached, words, section, limit, block=BLOCK,
-                                      interpret=INTERPRET)
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    words = escapes.pack_flags(jnp.asarray(flags))
+    want_fn = jax.jit(lambda *a: K.escape_fill_exponents(*a, impl="xla"))
+    got_fn = jax.jit(lambda *a: K.fill_exponents_pallas(*a, block=BLOCK, interpret=INTERPRET))
+    # the whole section; a short and an empty rung (row by row)
+    for limit in ([k] * rows, [k, 37, 0] * (rows // 3)):
+        args = (cached, words, section, jnp.asarray(limit, jnp.int32))
+        np.testing.assert_array_equal(np.asarray(got_fn(*args)), np.asarray(want_fn(*args)))
 
 
-@pytest.mark.parametrize("pattern", PATTERNS)
-@pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.uint16, np.uint32])
-def test_pack_matches_loop(pattern, dtype):
+@pytest.mark.parametrize("dtype,capacities", [(np.uint8, (1, 40, N)), (np.int8, (40,)),
+                                              (np.uint16, (40,)), (np.uint32, (N,))])
+def test_pack_matches_loop(dtype, capacities):
     rng = np.random.default_rng(2)
     info = np.iinfo(dtype)
     values = jnp.asarray(rng.integers(info.min, info.max, N, dtype=dtype, endpoint=True))
-    words = escapes.pack_flags(jnp.asarray(flags_of(pattern, 1, N)))[0]
-    for capacity in (1, 40, N):  # flags past the capacity are dropped
-        want = escapes.pack(values, words, capacity)
-        got = K.pack_pallas(values, words, capacity, block=BLOCK, interpret=INTERPRET)
-        assert got.dtype == want.dtype and got.shape == (capacity,)
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    for capacity in capacities:  # flags past the capacity are dropped
+        want_fn = jax.jit(lambda v, w, c=capacity: escapes.pack(v, w, c))
+        got_fn = jax.jit(lambda v, w, c=capacity: K.pack_pallas(v, w, c, block=BLOCK,
+                                                                 interpret=INTERPRET))
+        for i, pattern in enumerate(PATTERNS):
+            words = escapes.pack_flags(jnp.asarray(flags_of(pattern, 1, N, seed=i)))[0]
+            want, got = want_fn(values, words), got_fn(values, words)
+            assert got.dtype == want.dtype and got.shape == (capacity,)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want),
+                                          err_msg=f"{pattern}, capacity {capacity}")
 
 
 def word_values_at(level1_NxC, level2_NxC, escape_offset):
@@ -88,45 +97,53 @@ def word_values_at(level1_NxC, level2_NxC, escape_offset):
     return escaped
 
 
-@pytest.mark.parametrize("pattern", ["all", "every_32nd", "last_only", "sparse", "half"])
 @pytest.mark.parametrize("word", [np.uint16, np.uint32], ids=["bf16", "f32"])
-def test_fill_words_matches_loop(pattern, word):
-    rows, c1, c2, offset = 3, 300, 60, 4
+def test_fill_words_matches_loop(word):
+    flags = all_patterns(2, N)
+    rows, c1, c2, offset = flags.shape[0], 300, 60, 4
     rng = np.random.default_rng(3)
-    dense = jnp.asarray(rng.integers(0, np.iinfo(word).max, (rows, N), dtype=word,
-                                     endpoint=True))
+    top = np.iinfo(word).max
+    dense = jnp.asarray(rng.integers(0, top, (rows, N), dtype=word, endpoint=True))
     level1 = rng.integers(-128, 128, (rows, c1), dtype=np.int8)
     level1[rng.random((rows, c1)) < 0.2] = LEVEL2  # raw words, more than level 2 holds
-    level1, level2 = jnp.asarray(level1), jnp.asarray(
-        rng.integers(0, np.iinfo(word).max, (rows, c2), dtype=word, endpoint=True))
-    words = escapes.pack_flags(jnp.asarray(flags_of(pattern, rows, N)))
-    init = jnp.zeros((rows,), jnp.int32)
-    for limit in ([c1, c1, c1], [c1, 50, 0]):
-        limit = jnp.asarray(limit, jnp.int32)
-        want = K.escape_fill_words(dense, words, limit, level1, level2, escape_offset=offset,
+    level1 = jnp.asarray(level1)
+    level2 = jnp.asarray(rng.integers(0, top, (rows, c2), dtype=word, endpoint=True))
+    words = escapes.pack_flags(jnp.asarray(flags))
+
+    @jax.jit
+    def want_fn(limit):
+        return K.escape_fill_words(dense, words, limit, level1, level2, escape_offset=offset,
                                    level2_code=LEVEL2,
-                                   values_at=word_values_at(level1, level2, offset), init=init,
-                                   impl="xla")
-        got = K.fill_words_pallas(dense, words, level1, level2, limit, escape_offset=offset,
-                                  level2_code=LEVEL2, block=BLOCK, interpret=INTERPRET)
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+                                   values_at=word_values_at(level1, level2, offset),
+                                   init=jnp.zeros((rows,), jnp.int32), impl="xla")
+
+    @jax.jit
+    def got_fn(limit):
+        return K.fill_words_pallas(dense, words, level1, level2, limit, escape_offset=offset,
+                                   level2_code=LEVEL2, block=BLOCK, interpret=INTERPRET)
+
+    for limit in ([c1] * rows, [c1, 50, 0, 7] * (rows // 4) + [c1] * (rows % 4)):
+        limit = jnp.asarray(limit, jnp.int32)
+        np.testing.assert_array_equal(np.asarray(got_fn(limit)), np.asarray(want_fn(limit)))
 
 
-def test_default_block_and_short_rows():
-    """The default 4096-element block on rows shorter than one block, and a one-word row."""
+@pytest.mark.parametrize("n", [33, 1000])
+def test_default_block_and_short_rows(n):
+    """The default 4096-element block on rows shorter than one block."""
     rng = np.random.default_rng(4)
-    for n in (1, 33, 1000):
-        cached, section = _u8(rng, (2, n)), _u8(rng, (2, 64))
-        flags = rng.random((2, n)) < 0.3
-        words = escapes.pack_flags(jnp.asarray(flags))
-        limit = jnp.asarray([64, 5], jnp.int32)
-        want = K.escape_fill_exponents(cached, words, section, limit, impl="xla")
-        got = K.fill_exponents_pallas(cached, words, section, limit, interpret=INTERPRET)
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-        values = _u8(rng, (n,))
-        np.testing.assert_array_equal(
-            np.asarray(K.pack_pallas(values, words[0], 64, interpret=INTERPRET)),
-            np.asarray(escapes.pack(values, words[0], 64)))
+    cached, section = _u8(rng, (2, n)), _u8(rng, (2, 64))
+    words = escapes.pack_flags(jnp.asarray(rng.random((2, n)) < 0.3))
+    limit = jnp.asarray([64, 5], jnp.int32)
+    want = jax.jit(lambda *a: K.escape_fill_exponents(*a, impl="xla"))(cached, words, section,
+                                                                        limit)
+    got = jax.jit(lambda *a: K.fill_exponents_pallas(*a, interpret=INTERPRET))(
+        cached, words, section, limit)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    values = _u8(rng, (n,))
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(lambda v, w: K.pack_pallas(v, w, 64, interpret=INTERPRET))(
+            values, words[0])),
+        np.asarray(jax.jit(lambda v, w: escapes.pack(v, w, 64))(values, words[0])))
 
 
 def test_dispatch_picks_the_kernels_only_on_triton(monkeypatch):
@@ -139,14 +156,17 @@ def test_dispatch_picks_the_kernels_only_on_triton(monkeypatch):
                         escapes.pack(*a))
     values = jnp.arange(100, dtype=jnp.uint8)
     words = escapes.pack_flags(jnp.asarray(flags_of("sparse", 1, 100)))[0]
+    def trace(impl):  # no compile: eval_shape traces a fresh function each time
+        jax.eval_shape(lambda v, w: K.escape_pack(v, w, 10, impl=impl), values, words)
+
     for impl in ("auto", "xla", "mosaic", "pallas", "triton"):
-        K.escape_pack(values, words, 10, impl=impl)
+        trace(impl)
     assert calls == [dict(interpret=INTERPRET)] * 2
     for capability in ((9, 0), (10, 0), (8, 0)):  # as on these GPUs, without lowering_for
         calls.clear()  # (which clears JAX's caches: everything compiled so far would recompile)
         monkeypatch.setattr(backend, "gpu_capability", lambda cc=capability: cc)
         for impl in ("auto", "pallas", "mosaic", "triton"):
-            K.escape_pack(values, words, 10, impl=impl)
+            trace(impl)
         # Hopper / Blackwell: "triton" only ("pallas" is Mosaic GPU there); Ampere: "pallas"
         # is Triton too
         assert calls == [dict(interpret=False)] * (2 if capability < (9, 0) else 1), capability
