@@ -50,13 +50,36 @@ def kernel_calls(dtype, backend):
     words = jax.ShapeDtypeStruct(SHAPE, WORDS[dtype])
     full = (8 * 4, 1024)  # 8 ranks' shards, fusable for the checksum kernel
     kw = dict(backend=backend)
-    return [
+    return escape_calls(dtype, backend) + [
         ("encode", lambda x, c: K.encode_pallas(x, c, **kw), (x, u8)),
         ("decode", lambda e, p: K.decode_pallas(e, p, dtype, **kw), (u8, planes)),
         ("word_encode", lambda x, w: K.word_encode_pallas(x, w, **kw), (x, words)),
         ("word_decode", lambda w, c: K.word_decode_pallas(w, c, 3, **kw), (words, u8)),
         ("decode_checksum", lambda e, p: K.decode_checksum_pallas(e, p, dtype, 8, **kw),
          (jax.ShapeDtypeStruct(full, jnp.uint8), jax.ShapeDtypeStruct((P_, *full), jnp.uint8))),
+    ]
+
+
+def escape_calls(dtype, backend):
+    """The escape kernels (Triton only: Mosaic GPU has no per-element gather/scatter): the
+    sender's pack of this dtype's words, the exponent and word receivers' fills, 8 ranks."""
+    if backend != "triton":
+        return []
+    n = 2 * K.ESCAPE_BLOCK + 7
+    S = jax.ShapeDtypeStruct
+    flags = S((8, -(-n // 32)), jnp.uint32)
+    limit = S((8,), jnp.int32)
+    w = WORDS[dtype]
+    return [
+        ("escape_pack", lambda v, f: K.pack_pallas(v, f, 301, backend=backend),
+         (S((n,), w), S(flags.shape[1:], jnp.uint32))),
+        ("escape_fill_exponents",
+         lambda c, f, s, lim: K.fill_exponents_pallas(c, f, s, lim, backend=backend),
+         (S((8, n), jnp.uint8), flags, S((8, 301), jnp.uint8), limit)),
+        ("escape_fill_words",
+         lambda d, f, a, b, lim: K.fill_words_pallas(d, f, a, b, lim, escape_offset=4,
+                                                     level2_code=-128, backend=backend),
+         (S((8, n), w), flags, S((8, 999), jnp.int8), S((8, 125), w), limit)),
     ]
 
 
