@@ -5,7 +5,7 @@ moves) in position order; their positions are implied by a flag per element (the
 the escape code in the code plane). The sender packs the flagged values into a capacity buffer;
 the receiver puts every value back at its element.
 
-Both walk the *slots* (the escapes, in order), never the elements: slot ``j``'s element is found
+Both walk the *slots* (the escapes, in order), not the elements: slot ``j``'s element is found
 by :func:`select`, a binary search over the running count of flags per 32-flag word (a scan
 over 1/32 of the elements), then a 5-step search inside the word by popcount. The walk is a
 loop over chunks of :data:`SLOT_CHUNK` slots whose trip count is the number of escapes, so a

@@ -79,8 +79,15 @@ def test_one_main_transfer_outside_conditionals_and_branches_only_transfer(mode,
     top = [e for e in _outside_conds(jaxpr) if e.primitive.name in GATHERS]
     assert [e.invars[0].aval.size for e in top] == [wire.main_bytes], \
         "exactly one transfer outside conditionals: the main plane with its checksum"
-    conds = [e for e in _walk(jaxpr) if e.primitive.name == "cond"]
+    all_conds = [e for e in _walk(jaxpr) if e.primitive.name == "cond"]
+    conds = [c for c in all_conds
+             if any(e.primitive.name in GATHERS for b in _subjaxprs(c) for e in _walk(b))]
     assert len(conds) == 2, "the escape section's rung switch and the plain fallback"
+    # The other conds choose how the escapes are walked (one pass over every element where
+    # they are dense, a loop over them elsewhere): one per escape pack and per fill, no
+    # collective inside.
+    walks = [c for c in all_conds if c not in conds]
+    assert len(walks) == (2 if mode == "exponent" else 3), len(walks)
     rest = n_local * word_bytes - (wire.main_bytes - 4)  # the fallback: bits past the head
     rest_gathers = 0
     for c in conds:
