@@ -185,3 +185,51 @@ def test_no_loop_under_jit():
     np.testing.assert_array_equal(
         np.asarray(fn(cached, words, section, limit)),
         np.asarray(K.escape_fill_exponents(cached, words, section, limit, impl="xla")))
+
+
+def gather_fn(impl: str):
+    """One compressed gather on the 8-device CPU mesh -> (full, new cache, stats). Pallas
+    kernels inside ``shard_map`` need ``check_vma=False`` (their outputs carry no varying
+    axes), as in test_no_deprecations."""
+    from jax.sharding import PartitionSpec as P
+
+    import ciera_jax
+
+    mesh = jax.make_mesh((8,), ("fsdp",))
+    fn = jax.jit(jax.shard_map(
+        lambda x, c: ciera_jax.all_gather(x, c, "fsdp", impl=impl), mesh=mesh,
+        in_specs=(P("fsdp"), P()), out_specs=(P(), P(), P()), check_vma=False))
+    sharding = jax.sharding.NamedSharding(mesh, P("fsdp"))
+    return lambda x, c: fn(jax.device_put(x, sharding), c)
+
+
+@pytest.mark.slow  # ~20 s each: two gathers compiled, one with every kernel interpreted
+@pytest.mark.parametrize("mode", ["exponent", "word"])
+def test_gather_with_escape_kernels_matches_jnp(mode):
+    """Whole gathers on the 8-device CPU mesh, ``impl="pallas"`` (every kernel in Triton's
+    interpreter, the escape kernels included) against ``impl="xla"``: the same weights, caches
+    and stats, bit for bit, over a priming step and steps with escapes (exponent changes; word
+    moves, far ones raw)."""
+    import ciera_jax
+    from ciera_jax import codec
+
+    rng = np.random.default_rng(6)
+    shape = (8 * 16, 96)  # 1536 elements per shard: a ragged last block
+    x = rng.standard_normal(shape).astype(np.float32)
+    xs = [x]
+    for share, scale in ((0.02, 3.0), (0.2, 1e-2)):  # exponent flips; small and far moves
+        hit = rng.random(shape) < share
+        xs.append(np.where(hit, xs[-1] * (1 + scale * rng.standard_normal(shape)), xs[-1]))
+    xs = [jnp.asarray(v, jnp.bfloat16) for v in xs]
+    runs = {}
+    for impl in ("pallas", "xla"):
+        fn, cache, out = gather_fn(impl), ciera_jax.init_cache(shape, jnp.bfloat16, mode=mode), []
+        for v in xs:
+            full, cache, stats = fn(v, cache)
+            out.append((codec.to_bits(full), cache, stats))
+        runs[impl] = out
+    for step, (v, got, want) in enumerate(zip(xs, runs["pallas"], runs["xla"])):
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(codec.to_bits(v)),
+                                      err_msg=f"step {step}")
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"step {step}")
