@@ -17,8 +17,8 @@ from ciera_jax.kernels.decode import decode_pallas, decode_reference
 from ciera_jax.kernels.decode_checksum import (decode_checksum, decode_checksum_pallas,
                                                decode_checksum_reference, fusable)
 from ciera_jax.kernels.dispatch import (IMPLS, decode, encode, escape_fill_exponents,
-                                        escape_fill_words, escape_pack, resolve, resolve_impl,
-                                        word_decode, word_encode)
+                                        escape_fill_words, escape_impl, escape_pack, resolve,
+                                        resolve_impl, word_decode, word_encode)
 from ciera_jax.kernels.encode import BLOCK, encode_pallas, encode_reference
 from ciera_jax.kernels.escape import (ESCAPE_BLOCK, fill_exponents_pallas, fill_words_pallas,
                                       pack_pallas)
@@ -43,6 +43,7 @@ __all__ = [
     "encode_reference",
     "escape_fill_exponents",
     "escape_fill_words",
+    "escape_impl",
     "escape_pack",
     "fill_exponents_pallas",
     "fill_words_pallas",

@@ -27,7 +27,7 @@ from ciera_jax.kernels.word_decode import word_decode_pallas, word_decode_refere
 from ciera_jax.kernels.word_encode import word_encode_pallas, word_encode_reference
 
 __all__ = ["IMPLS", "decode", "encode", "escape_fill_exponents", "escape_fill_words",
-           "escape_pack", "resolve", "resolve_impl", "word_decode", "word_encode"]
+           "escape_impl", "escape_pack", "resolve", "resolve_impl", "word_decode", "word_encode"]
 
 
 def resolve_impl(impl: str) -> tuple[str, bool]:
@@ -84,12 +84,19 @@ def word_decode(cached_bits: jnp.ndarray, codes: jnp.ndarray, code_bits: int, *,
     return word_decode_pallas(cached_bits, codes, code_bits, **kw)
 
 
+def escape_impl(impl: str) -> str:
+    """What runs the escapes for ``impl`` here: ``"triton"`` (the kernels, interpreted off
+    GPU) where ``impl`` resolves to the Triton backend and this JAX has it, else ``"xla"``."""
+    c = resolve(impl)
+    triton = c.kind == "pallas" and c.backend == "triton" and "triton" in available_backends()
+    return "triton" if triton else "xla"
+
+
 def _escape_pallas(impl: str):
     """Keyword arguments of the Triton escape kernels, or None for the jnp loops."""
-    c = resolve(impl)
-    if c.kind == "xla" or c.backend != "triton" or "triton" not in available_backends():
+    if escape_impl(impl) == "xla":
         return None
-    return dict(interpret=c.interpret)
+    return dict(interpret=resolve(impl).interpret)
 
 
 def escape_pack(values_N: jnp.ndarray, words_W: jnp.ndarray, capacity: int, *,
