@@ -3,9 +3,11 @@
 # Installs the project (no deps, no build isolation), then, writing everything under $OUT:
 #   1. the kernel exactness tests (exponent, word, fused decode+checksum) compiled for real on
 #      BOTH Pallas backends (Mosaic GPU and Triton: the tests are parametrized over them and
-#      run un-interpreted when the default backend is a GPU);
+#      run un-interpreted when the default backend is a GPU), and the escape kernels (pack,
+#      exponent and word fills: Triton only) against the jnp loops;
 #   2. kernel_throughput: every kernel vs a copy of the same bytes in HBM, 16-256 MB, incl.
-#      the receiver's decode+checksum unfused vs fused, and a block-size sweep;
+#      the receiver's decode+checksum unfused vs fused, the escapes (jnp loops vs Triton
+#      kernels), and a block-size sweep;
 #   3. a one-GPU gather_bench (the codec's overhead per gathered byte: 1 device, so the
 #      "all-gather" is a copy and everything else is codec).
 # Step timeouts sum to 470 s (< 8 minutes). Exits non-zero if the kernel tests fail.
@@ -52,7 +54,8 @@ print('auto ->', K.resolve('auto'), '| pallas ->', K.resolve('pallas'))
 # and must see the GPU. -W: JAX >= 0.11 warns that the Triton backend is deprecated (expected).
 step "kernel exactness tests, Mosaic GPU and Triton compiled (not interpreted)"
 if [[ -n "$QUICK" ]]; then TESTS=(tests/test_checksum_kernel.py); else
-  TESTS=(tests/test_kernels.py tests/test_word_kernels.py tests/test_checksum_kernel.py); fi
+  TESTS=(tests/test_kernels.py tests/test_word_kernels.py tests/test_checksum_kernel.py
+         tests/test_escape_kernels.py); fi
 timeout 170 python -m pytest "${TESTS[@]}" -q -rs --noconftest -p no:cacheprovider \
   -W "ignore:The Pallas Triton backend is deprecated:DeprecationWarning" --durations=10 \
   --junitxml="$OUT/test_kernels.xml" 2>&1 | tee "$OUT/test_kernels.log" | tail -40 | tee -a "$LOG"

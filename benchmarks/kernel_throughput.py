@@ -9,12 +9,14 @@ only) it times jitted
   jnp) next to ``decode+chk fused`` (``kernels.decode_checksum_pallas``: one pass);
 * word mode: ``word_encode`` (x + cached words -> word deltas + demand counts) and
   ``word_decode`` (cached words + 4-bit codes -> words, the dense part of the rebuild);
-* the escapes of the wire (:mod:`ciera_jax.escapes`, jnp): the sender's ``escape pack`` (flags
-  packed 32 to a word, each escape's element found by running count and popcount, the flagged
-  values into a capacity buffer) and the receiver's ``escape expand`` (:func:`escapes.fill`,
-  every flagged element's value back), both loops over the escapes only, at exponent mode's
-  steady churn (1% of elements) and word mode's (10%); and the receiver's ``checksum`` of 8
-  ranks' shards alone (the self-check);
+* the escapes of the wire: the sender's ``escape pack`` (flags packed 32 to a word, the flagged
+  values into a capacity buffer in position order) and the receiver's ``escape expand`` (every
+  flagged element's value back), at exponent mode's steady churn (1% of elements) and word
+  mode's (10%): ``xla`` is :mod:`ciera_jax.escapes` (loops over the escapes only, each found by
+  running count and popcount), ``triton`` the dense blockwise kernels of ``kernels/escape.py``
+  (where an asked impl resolves to Triton: ``triton``, or ``pallas`` below Hopper; Mosaic GPU
+  has none), checked against the loops; and the receiver's ``checksum`` of 8 ranks' shards
+  alone (the self-check);
 
 and in the same run a copy baseline: ``w ^ salt`` on the same-width unsigned view, with ``salt``
 a runtime argument so XLA cannot fold it away (it reads and writes every byte once). Weights are
@@ -164,28 +166,37 @@ def bench_one(dtype_name: str, mb: float, impls, modes, reps: int, blocks=()) ->
         rows += _checked_decode_rows(dtype_name, mb, x, impls, reps, copy_gbps)
     if "word" in modes:
         rows += _word_rows(dtype_name, mb, x, impls, reps, copy_gbps)
-    return rows + _escape_rows(dtype_name, mb, x, reps, copy_gbps)
+    return rows + _escape_rows(dtype_name, mb, x, impls, reps, copy_gbps)
 
 
-def _escape_rows(dtype_name, mb, x, reps, copy_gbps) -> list[dict]:
-    """Packing and filling escapes (jnp: no Pallas kernel yet; a loop over the escapes, so its
-    time follows their count) at two densities, and the receiver's checksum."""
+def _escape_rows(dtype_name, mb, x, impls, reps, copy_gbps) -> list[dict]:
+    """Packing and filling the escapes at two densities (exponent mode's steady churn, word
+    mode's), per what runs them (``kernels.escape_impl``: the jnp loops over the escapes, whose
+    time follows their count, and the dense Triton kernels where an impl resolves to Triton),
+    each kernel checked against the loops; and the receiver's checksum."""
     n, nbytes = x.size, x.nbytes
     bits = codec.to_bits(x)
     rows = []
+    escape_impls = ["xla"] + sorted({K.escape_impl(i) for i in impls} - {"xla"})
     for share in (0.01, 0.1):
-        flags = jax.random.uniform(jax.random.key(2), (n,)) < share
+        words = escapes.pack_flags((jax.random.uniform(jax.random.key(2), (n,)) < share)[None])
         cap = int(n * share * 1.25)
-        pack = jax.jit(lambda v, f, cap=cap: escapes.pack(v, escapes.pack_flags(f[None])[0],
-                                                           cap))
-        section = jax.block_until_ready(pack(bits, flags))
-        expand = jax.jit(lambda s, f, cap=cap: escapes.fill(
-            jnp.zeros((1, n), s.dtype), escapes.pack_flags(f[None]), jnp.full((1,), cap),
-            lambda slot, _, __, c: (escapes.take(s[None], slot), c)))
-        for op, fn, args in ((f"escape pack {share:.0%}", pack, (bits, flags)),
-                             (f"escape expand {share:.0%}", expand, (section, flags))):
-            rows.append(_row(dtype_name, mb, n, "xla", op, median_seconds(fn, *args, reps=reps),
-                             nbytes, copy_gbps))
+        want = None
+        for impl in escape_impls:
+            pack = jax.jit(lambda v, w, cap=cap, impl=impl: K.escape_pack(v, w[0], cap,
+                                                                          impl=impl))
+            expand = jax.jit(lambda s, w, cap=cap, impl=impl: K.escape_fill_exponents(
+                jnp.zeros((1, n), s.dtype), w, s[None], jnp.full((1,), cap), impl=impl))
+            section = jax.block_until_ready(pack(bits, words))
+            got = (section, jax.block_until_ready(expand(section, words)))
+            if want is None:
+                want = got
+            elif not all(bool(jnp.all(a == b)) for a, b in zip(got, want)):
+                raise AssertionError(f"escape kernels ({impl}) differ from the jnp loops")
+            for op, fn, args in ((f"escape pack {share:.0%}", pack, (bits, words)),
+                                 (f"escape expand {share:.0%}", expand, (section, words))):
+                rows.append(_row(dtype_name, mb, n, impl, op,
+                                 median_seconds(fn, *args, reps=reps), nbytes, copy_gbps))
     full = x.reshape(n // 1024, 1024)
     chk = jax.jit(lambda w: checksum.checksum_shards(w, 0, CHECK_RANKS))
     rows.append(_row(dtype_name, mb, n, "xla", "checksum", median_seconds(chk, full, reps=reps),
