@@ -12,16 +12,16 @@ words) per program:
   words before ``w`` (a scan over ``block / 32`` popcounts) + ``popcount(word & lanes below
   i)``; flagged elements are exactly those whose bit ``i`` of word ``w`` is set.
 
-Then the sender stores each flagged value at ``out[rank]`` (a masked scatter into a zeroed buffer
-aliased into the kernel) and a receiver reads ``section[row, rank]`` (a masked
-gather) where the element is flagged and ``rank < limit``, keeping the dense value elsewhere.
+Then the sender stores each flagged value at ``out[rank]`` (a masked scatter into a zeroed
+buffer aliased into the kernel) and a receiver reads ``section[row, rank]`` (a masked gather)
+where the element is flagged and ``rank < limit``, keeping the dense value elsewhere.
 Results are bit for bit :func:`ciera_jax.escapes.pack` / :func:`ciera_jax.escapes.fill`.
 
-Backend: Triton only. Pallas on Mosaic GPU (JAX 0.10.2, and the 0.11 sources) has no
-per-element gather or scatter: a ref indexed by an array fails ("Arrays are not supported as
-indices"), ``lax.gather`` has no lowering rule, and its one indexed copy is the TMA row gather
-(whole rows of a 2-D array into shared memory), not a byte per lane. ``kernels.dispatch`` runs
-these kernels wherever the codec's kernels resolve to Triton and the jnp loops elsewhere.
+Backend: Triton only. Pallas on Mosaic GPU (JAX 0.10.2's sources) has no per-element gather
+or scatter: a ref indexed by an array fails ("Arrays are not supported as indices"),
+``lax.gather`` has no lowering rule, and its one indexed copy is the TMA row gather (whole rows
+of a 2-D array into shared memory), not a value per lane. ``kernels.dispatch`` runs these
+kernels wherever the codec's kernels resolve to Triton, and the jnp loops elsewhere.
 
 Shape letters: R rows, n elements per row, W flag words per row, B blocks per row, K / C1 / C2
 section capacities.
