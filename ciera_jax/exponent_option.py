@@ -97,7 +97,7 @@ def exchange(e: Encoded, cache_exp, agreed, x_bits, axis_name, dtype, impl: str)
         [tuple(wire.summary_words if c else 0 for c in wire.caps), wire.word_caps, wire.caps],
         rung, axis_name)
     # Escapes of escapes: the nonzero flag words back in place (1/32 of the tensor: dense),
-    # then each changed exponent over the cached one (a loop over the changes only).
+    # then each changed exponent over the cached one (escapes.fill, or the escape kernel).
     flags_NxW = escapes.expand_dense(listed_NxC, summary_NxS, flag_words(n))
     cap_N = jnp.full((e.n_ranks,), jnp.asarray(wire.caps, jnp.int32)[rung])
     exp_Nxn = kernels.escape_fill_exponents(
