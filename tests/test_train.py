@@ -15,7 +15,7 @@ from ciera_jax import cli, fsdp
 from ciera_models import data
 from ciera_models.model import Transformer, abstract_model
 from ciera_models.plan_policy import cache_modes
-from ciera_models.train import TrainConfig, make_mesh, make_plan, train
+from ciera_models.train import TrainConfig, build_trainer, make_mesh, make_plan, train
 
 STEPS = 20
 TC = TrainConfig(config="tiny", schedule_steps=STEPS)  # the CLI's defaults, horizon 20
@@ -210,8 +210,10 @@ def test_injected_cache_fault_is_caught_healed_and_lost_nothing(runs):
 
 @pytest.mark.slow
 def test_injected_word_cache_fault_is_caught_and_healed(runs):
-    res = train(TrainConfig(**{**TC.__dict__, "cache": "word"}), steps=STEPS, seed=0,
-                mesh=make_mesh(8), log=None, inject_cache_fault="7:0")
+    # TC's defaults give every tensor a word cache on CPU (test_plan_compresses_expert_...):
+    # the trainer, and its compiled step, of the shared runs
+    assert set(build_trainer(TC, make_mesh(8)).cache_modes.values()) == {"word"}
+    res = train(TC, steps=STEPS, seed=0, mesh=make_mesh(8), log=None, inject_cache_fault="7:0")
     first, redo = _fault_rows(res, 7)
     assert first["verify_failed"] >= 1 and redo["retried"] and redo["verify_failed"] == 0
     assert res.sha256 == runs["plain"].sha256
