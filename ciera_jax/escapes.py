@@ -19,8 +19,6 @@ W = ceil(n/32) flag words per row, S slots per chunk, C a capacity.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from jax import lax

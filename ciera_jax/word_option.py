@@ -74,8 +74,6 @@ def encode(x, cached_words, primed, axis: int, n_ranks: int, csum, impl: str,
     wire = WordWire(x.size, x.dtype.itemsize, code_bits)
     d, counts = kernels.word_encode(x, cached_words, impl=impl)
     d = d.reshape(-1)
-    esc = wordcodec.beyond(d, code_limit(code_bits))
-    raw = wordcodec.beyond(d, LEVEL1_LIMIT)
     esc_W = escapes.pack_flags(wordcodec.beyond(d, code_limit(code_bits))[None])[0]
     raw = wordcodec.beyond(d, LEVEL1_LIMIT)
     level1 = kernels.escape_pack(jnp.where(raw, LEVEL2, d).astype(jnp.int8), esc_W,
@@ -112,9 +110,24 @@ def exchange(e: WordEncoded, cache_words, agreed, x_bits, axis_name, dtype, impl
     # over escapes reads where it writes and never touches the cache.
     escape_offset = escape_code(b) - code_limit(b)
 
+    esc_NxW = escapes.pack_flags(codes_Nxn == escape_code(b))
+    limit = jnp.full((e.n_ranks,), jnp.asarray(wire.caps1, jnp.int32)[rung])
+    bits_Nxn = kernels.escape_fill_words(
+        dense_Nxn, esc_NxW, limit, level1_NxC, level2_NxC, escape_offset=escape_offset,
+        level2_code=LEVEL2, values_at=escape_words(level1_NxC, level2_NxC, escape_offset), init=jnp.zeros((e.n_ranks,), jnp.int32),
+        impl=impl)
+    full = codec.from_bits(rows_to_full(bits_Nxn, e.shard_shape, e.axis), dtype)
+    sent = transfer.section_bytes(wire.section_sizes, rung)
+    return (full, selfcheck.failed_shards(full, sent_N, e.axis), rung, overflow, sent,
+            main_NxL)
+
+
+def escape_words(level1_NxC, level2_NxC, escape_offset: int):
+    """``values_at`` for :func:`ciera_jax.escapes.fill`: the escapes' words, each row's dense
+    word moved by level 1's int8 (less the escape code's offset), or level 2's raw word (level
+    2 holds the raw words of level 1's LEVEL2 entries, in their order; the carry counts them)."""
+
     def escaped(slot, dense, live, raw_before_N):
-        """The escapes' words: the cached word moved by level 1's int8, or level 2's raw word
-        (level 2 holds the raw words of level 1's LEVEL2 entries, in their order)."""
         move = escapes.take(level1_NxC, slot)
         raw = (move == LEVEL2) & live
         raw_W = escapes.pack_flags(raw)
@@ -123,13 +136,4 @@ def exchange(e: WordEncoded, cache_words, agreed, x_bits, axis_name, dtype, impl
         words = jnp.where(raw, escapes.take(level2_NxC, raw_rank), moved)
         return words, raw_before_N + escapes.count(raw_W)
 
-    esc_NxW = escapes.pack_flags(codes_Nxn == escape_code(b))
-    limit = jnp.full((e.n_ranks,), jnp.asarray(wire.caps1, jnp.int32)[rung])
-    bits_Nxn = kernels.escape_fill_words(
-        dense_Nxn, esc_NxW, limit, level1_NxC, level2_NxC, escape_offset=escape_offset,
-        level2_code=LEVEL2, values_at=escaped, init=jnp.zeros((e.n_ranks,), jnp.int32),
-        impl=impl)
-    full = codec.from_bits(rows_to_full(bits_Nxn, e.shard_shape, e.axis), dtype)
-    sent = transfer.section_bytes(wire.section_sizes, rung)
-    return (full, selfcheck.failed_shards(full, sent_N, e.axis), rung, overflow, sent,
-            main_NxL)
+    return escaped

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ciera_jax import escapes, wordcodec
+from ciera_jax import escapes, word_option
 from ciera_jax import kernels as K
 from ciera_jax.word_ladder import LEVEL2
 
@@ -86,15 +86,7 @@ def test_pack_matches_loop(dtype, capacities):
 
 def word_values_at(level1_NxC, level2_NxC, escape_offset):
     """word_option.exchange's rule for an escape's word (the jnp path's ``values_at``)."""
-    def escaped(slot, dense, live, raw_before_N):
-        move = escapes.take(level1_NxC, slot)
-        raw = (move == LEVEL2) & live
-        raw_W = escapes.pack_flags(raw)
-        raw_rank = raw_before_N[:, None] + escapes.ranks(raw_W, slot.shape[1])
-        moved = wordcodec.apply_delta(dense, move.astype(jnp.int32) - escape_offset)
-        words = jnp.where(raw, escapes.take(level2_NxC, raw_rank), moved)
-        return words, raw_before_N + escapes.count(raw_W)
-    return escaped
+    return word_option.escape_words(level1_NxC, level2_NxC, escape_offset)
 
 
 @pytest.mark.parametrize("word", [np.uint16, np.uint32], ids=["bf16", "f32"])
