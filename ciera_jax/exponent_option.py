@@ -6,9 +6,10 @@ their new values: the flags 32 to a uint32 word, the nonzero words in order with
 per word, and the new exponents in position order, each at its top capacity.
 
 Receiver (:func:`exchange`): the payload plane and checksum arrive by one unconditional
-all-gather; the flags and the exponents arrive in one transfer at the agreed rung
-(:mod:`ciera_jax.wire`); the flag words are rebuilt from the summary (escapes of escapes, the
-same expansion), one expansion puts every flagged exponent in place of the cached one, one
+all-gather; the flags and the exponents arrive in the section switch at the agreed rung
+(:mod:`ciera_jax.wire`); the flag words are rebuilt from the summary (escapes of escapes, a
+dense pass over 1/32 of the tensor), one fill puts every flagged exponent in place of the
+cached one, one
 decode merges exponents and payload, one self-check compares every rank's shard with the
 checksum it sent.
 

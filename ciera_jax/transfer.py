@@ -3,9 +3,9 @@ sized by a rank-invariant rung.
 
 The main plane's all-gather sits in the step's top-level computation, so XLA can schedule it
 asynchronously and overlap it with compute. The escape section is a few max-capacity buffers;
-:func:`gather_section` all-gathers a static prefix of each, as one transfer chosen by
-``lax.switch`` on the agreed rung, and its branches hold nothing but that transfer, a slice
-and a pad.
+:func:`gather_section` all-gathers a static prefix of each, in the branch of a
+``lax.switch`` on the agreed rung, and its branches hold nothing but those transfers, slices
+and pads.
 
 Shape letters: N ranks, L bytes per rank, C a capacity.
 """

@@ -6,9 +6,9 @@ position order: level 1, an int8 ``d`` (or ``LEVEL2``: see level 2), level 2, th
 
 Sender (:func:`encode`, no collective): deltas, codes, both escape levels packed at their top
 capacities, the counts the agreement needs. Receiver (:func:`exchange`): the code plane and
-checksum arrive by one unconditional all-gather, both levels in one transfer at the agreed rung
-(:mod:`ciera_jax.wire`); one dense decode against the cache, one escape expansion, one
-self-check.
+checksum arrive by one unconditional all-gather, both levels in the section switch at the
+agreed rung (:mod:`ciera_jax.wire`); one dense decode against the cache, one fill of the
+escapes, one self-check.
 
 Shape letters: N ranks, n elements per shard, W flag words, C a capacity.
 """
@@ -114,8 +114,8 @@ def exchange(e: WordEncoded, cache_words, agreed, x_bits, axis_name, dtype, impl
     limit = jnp.full((e.n_ranks,), jnp.asarray(wire.caps1, jnp.int32)[rung])
     bits_Nxn = kernels.escape_fill_words(
         dense_Nxn, esc_NxW, limit, level1_NxC, level2_NxC, escape_offset=escape_offset,
-        level2_code=LEVEL2, values_at=escape_words(level1_NxC, level2_NxC, escape_offset), init=jnp.zeros((e.n_ranks,), jnp.int32),
-        impl=impl)
+        level2_code=LEVEL2, values_at=escape_words(level1_NxC, level2_NxC, escape_offset),
+        init=jnp.zeros((e.n_ranks,), jnp.int32), impl=impl)
     full = codec.from_bits(rows_to_full(bits_Nxn, e.shard_shape, e.axis), dtype)
     sent = transfer.section_bytes(wire.section_sizes, rung)
     return (full, selfcheck.failed_shards(full, sent_N, e.axis), rung, overflow, sent,
