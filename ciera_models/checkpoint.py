@@ -251,19 +251,7 @@ class Checkpointer:
         """The metadata of the newest checkpoint whose metadata is intact; each newer one whose
         metadata is not is reported and set aside. None if there is no checkpoint;
         :class:`NoGoodCheckpoint` if there are some, none intact."""
-        steps = self.all_steps()
-        for i, step in enumerate(reversed(steps)):
-            try:
-                meta, why = self.read_meta(step), None
-            except Damaged as e:
-                meta, why = None, str(e)
-            if self._agree_bad(why):
-                self._set_aside(step, why, steps[: len(steps) - i - 1], log)
-                continue
-            return meta
-        if steps:
-            raise self._none_good(steps)
-        return None
+        return self._newest_intact(self.read_meta, log)
 
     def restore(self, params, opt_state, log=print):
         """The newest intact ``(params, opt_state, meta)``, into the shapes and shardings of the
@@ -273,10 +261,15 @@ class Checkpointer:
         abstract = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
             {"params": params, "opt_state": opt_state})
+        return self._newest_intact(lambda step: self._restore_checked(step, abstract, log), log)
+
+    def _newest_intact(self, read, log):
+        """``read(step)`` of the newest step it does not find damaged (the processes agree
+        on which are), setting each damaged newer one aside; None if there are no steps."""
         steps = self.all_steps()
         for i, step in enumerate(reversed(steps)):
             try:
-                got, why = self._restore_checked(step, abstract, log), None
+                got, why = read(step), None
             except Damaged as e:
                 got, why = None, str(e)
             if self._agree_bad(why):
