@@ -13,6 +13,10 @@ step in which little changed costs little, and a gather or scatter of every elem
 XLA:CPU runs 1-2 orders of magnitude slower than a copy) happens only where escapes are dense
 (above :data:`DENSE_SHARE` of the elements: warm-up), where it is the cheaper of the two.
 
+Which walks are compiled is static, per call (:func:`walk_for`): the loop exists only on CPU
+and for rows of at least :data:`LOOP_MIN` elements; short rows and accelerators compile the
+dense pass alone (one walk, not two under a ``cond``, is what keeps the compile short).
+
 Shape letters: R rows (one per rank on the receiver, 1 on the sender), n elements per row,
 W = ceil(n/32) flag words per row, S slots per chunk, C a capacity.
 """
@@ -30,6 +34,30 @@ SLOT_CHUNK = 4096  # slots per loop trip: a few loop overheads per tensor at ste
 # Above this share of escapes in the fullest row, one pass over every element (a gather or
 # scatter per element, ~15 ns on XLA:CPU) beats the loop (~130 ns per escape).
 DENSE_SHARE = 1 / 8
+# Rows shorter than this compile the dense pass only: there the loop would save under a
+# millisecond a call (~15 ns per element) and cost ~0.4 s of compile per tensor.
+LOOP_MIN = 1 << 15
+WALKS = ("dense", "loop", "either")
+
+
+def walk_for(n: int) -> str:
+    """The walk to compile for rows of ``n`` elements: ``"either"`` (both under a ``cond``, the
+    cheaper one taken at run time) on CPU for rows of at least :data:`LOOP_MIN`, else
+    ``"dense"``. Not the loop on an accelerator: XLA runs a gather or scatter of every element
+    at memory bandwidth there, and a loop whose trip count is data would cost a device-to-host
+    sync per trip."""
+    return "either" if n >= LOOP_MIN and jax.default_backend() == "cpu" else "dense"
+
+
+def _walk(pred_dense, dense, by_loop, walk: str | None, n: int):
+    walk = walk_for(n) if walk is None else walk
+    if walk not in WALKS:
+        raise ValueError(f"walk must be one of {WALKS} or None, got {walk!r}")
+    if walk == "dense":
+        return dense()
+    if walk == "loop":
+        return by_loop()
+    return typed_cond(pred_dense(), dense, by_loop)
 
 
 def _lanes():
@@ -161,10 +189,12 @@ def _dense(running_RxW, n: int, limit_R) -> jax.Array:
     return jnp.max(jnp.minimum(running_RxW[:, -1], limit_R)) > int(n * DENSE_SHARE)
 
 
-def pack(values_N: jax.Array, words_W: jax.Array, capacity: int) -> jax.Array:
+def pack(values_N: jax.Array, words_W: jax.Array, capacity: int, walk: str | None = None
+         ) -> jax.Array:
     """Sender: the values of the flagged elements (``words_W``: the flags, packed) in position
     order, in a (capacity,) buffer, zeros after the last (flags past ``capacity`` are dropped:
-    the agreement sends such a step to the fallback)."""
+    the agreement sends such a step to the fallback). ``walk``: one of :data:`WALKS`, or None
+    for :func:`walk_for`."""
     if capacity == 0:
         return jnp.zeros((0,), values_N.dtype)
     padded = -(-capacity // _chunk(words_W[None])) * _chunk(words_W[None])
@@ -184,15 +214,17 @@ def pack(values_N: jax.Array, words_W: jax.Array, capacity: int) -> jax.Array:
     def dense():
         return pack_dense(values_N, words_W, capacity, running[0])
 
-    return typed_cond(_dense(running, values_N.shape[0], capacity), dense, by_loop)
+    return _walk(lambda: _dense(running, values_N.shape[0], capacity), dense, by_loop, walk,
+                 values_N.shape[0])
 
 
-def fill(dest_RxN: jax.Array, words_RxW: jax.Array, limit_R: jax.Array, values_at, init=None):
+def fill(dest_RxN: jax.Array, words_RxW: jax.Array, limit_R: jax.Array, values_at, init=None,
+         walk: str | None = None):
     """Receiver: ``dest_RxN`` with each row's flagged elements set, in order, to
     ``values_at(slot_RxS, current_RxS, live_RxS, carry) -> (values_RxS, carry)``: the slots'
     values (read from the row's section), given what ``dest`` holds at their elements now;
     ``carry`` starts at ``init``. Dense escapes take one pass over every element instead, with
-    the same ``values_at`` called once on whole rows."""
+    the same ``values_at`` called once on whole rows. ``walk``: as :func:`pack`."""
     n = dest_RxN.shape[1]
     rows = jnp.arange(dest_RxN.shape[0])[:, None]
     running = running_count(words_RxW)
@@ -212,4 +244,4 @@ def fill(dest_RxN: jax.Array, words_RxW: jax.Array, limit_R: jax.Array, values_a
         values, _ = values_at(slot, dest_RxN, live, init)
         return jnp.where(live, values.astype(dest_RxN.dtype), dest_RxN)
 
-    return typed_cond(_dense(running, n, limit_R), dense, by_loop)
+    return _walk(lambda: _dense(running, n, limit_R), dense, by_loop, walk, n)

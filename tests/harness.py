@@ -8,6 +8,7 @@ gather tests (``test_collective*.py``, ``test_word_collective.py``, ``test_verif
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -18,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ciera_jax
-from ciera_jax import codec
+from ciera_jax import codec, escapes
 from ciera_jax.fsdp import spec_for
 from bitdata import BF16, weights
 
@@ -28,9 +29,23 @@ def mesh_of(shape: tuple[int, ...], names: tuple[str, ...]):
     return jax.make_mesh(shape, names)
 
 
+@contextlib.contextmanager
+def escape_walk(loop: bool):
+    """While tracing: ``loop`` compiles the escapes' loop walk beside the dense one for any
+    row (on CPU it is compiled only for rows of ``escapes.LOOP_MIN`` elements, longer than
+    the tests' tensors), so whole gathers exercise it too."""
+    saved = escapes.LOOP_MIN
+    escapes.LOOP_MIN = 1 if loop else saved
+    try:
+        yield
+    finally:
+        escapes.LOOP_MIN = saved
+
+
 @functools.lru_cache(maxsize=None)
-def gather_step(mesh_shape, mesh_names, axis_name, axis, ndim, impl="xla"):
-    """(x_global, cache) -> (full per rank, ref per rank, new cache, stats per rank)."""
+def gather_step(mesh_shape, mesh_names, axis_name, axis, ndim, impl="xla", loop=False):
+    """(x_global, cache) -> (full per rank, ref per rank, new cache, stats per rank); ``loop``:
+    :func:`escape_walk`."""
     mesh = mesh_of(mesh_shape, mesh_names)
     x_spec = spec_for(axis, ndim, axis_name)
     all_axes = tuple(mesh_names)
@@ -49,16 +64,18 @@ def gather_step(mesh_shape, mesh_names, axis_name, axis, ndim, impl="xla"):
     def run(x, cache):
         x = jax.device_put(jnp.asarray(x), NamedSharding(mesh, x_spec))
         cache = jax.device_put(cache, NamedSharding(mesh, P()))
-        return jitted(x, cache)
+        with escape_walk(loop):  # (traced on the first call)
+            return jitted(x, cache)
 
     return run
 
 
 def run_steps(xs, *, mesh_shape=(8,), mesh_names=("fsdp",), axis_name="fsdp", axis=0,
-              impl="xla", mode="exponent"):
+              impl="xla", mode="exponent", loop=False):
     """Gather each array of ``xs`` in turn with a ``mode`` cache carried; yields (full, ref,
     stats, new cache)."""
-    step = gather_step(tuple(mesh_shape), tuple(mesh_names), axis_name, axis, xs[0].ndim, impl)
+    step = gather_step(tuple(mesh_shape), tuple(mesh_names), axis_name, axis, xs[0].ndim, impl,
+                       loop)
     cache = ciera_jax.init_cache(xs[0].shape, xs[0].dtype, mode=mode)
     for x in xs:
         full, ref, cache, stats = step(x, cache)

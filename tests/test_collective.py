@@ -53,15 +53,16 @@ def test_bitwise_over_steps_at_churn(dtype, rate):
         assert later.all(), "churn above the top tier falls back to a plain gather"
 
 
+@pytest.mark.parametrize("loop", [False, True], ids=["dense", "either"])
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
-def test_steps_around_a_fallback_and_adversarial_values(dtype):
+def test_steps_around_a_fallback_and_adversarial_values(dtype, loop):
     rng = np.random.default_rng(7)
     x0 = adversarial(rng, SHAPE, dtype)
     # low churn, every exponent + signs change at once (fallback), then low churn again: the
     # step right after a fallback reads the re-primed cache.
     xs = trajectory(rng, x0, [0.001, 1.0, 0.003, 0.0, 0.01], flip_signs=0.0)
     xs.append(churn(rng, xs[-1], 0.002, flip_signs=0.5))
-    stats = assert_exact(xs)
+    stats = assert_exact(xs, loop=loop)
     fallbacks = [bool(s["fallback"].any()) for s in stats]
     assert fallbacks == [True, False, True, False, False, False, False]
 

@@ -40,30 +40,32 @@ def test_flags_round_trip_count_and_select(n, rows, density, seed):
         np.testing.assert_array_equal(np.asarray(element[r]), want)
 
 
-def _roundtrip(values, flags, cap):
+def _roundtrip(values, flags, cap, walk):
     """pack on one row, fill on three rows made from it (the middle one flag-free)."""
     words = escapes.pack_flags(flags[None])[0]
-    section = escapes.pack(values, words, cap)
+    section = escapes.pack(values, words, cap, walk)
     rows_flags = jnp.stack([flags, jnp.zeros_like(flags), flags])
     rows_words = escapes.pack_flags(rows_flags)
     sections = jnp.stack([section, jnp.zeros_like(section), section])
     dest = jnp.full((3, values.shape[0]), 7, values.dtype)
     back = escapes.fill(dest, rows_words, jnp.full((3,), cap, jnp.int32),
                         lambda slot, _, __, c: (jnp.take_along_axis(
-                            sections, jnp.minimum(slot, cap - 1), axis=1), c))
+                            sections, jnp.minimum(slot, cap - 1), axis=1), c), walk=walk)
     return section, back
 
 
 @settings(max_examples=20, deadline=None)
 @given(n=st.sampled_from([5, 64, 777]), density=st.sampled_from([0.0, 0.05, 0.5, 1.0]),
-       slack=st.sampled_from([0, 3]), seed=st.integers(0, 2**16))
-def test_pack_lists_flagged_values_in_order_and_fill_puts_them_back(n, density, slack, seed):
+       slack=st.sampled_from([0, 3]), seed=st.integers(0, 2**16),
+       walk=st.sampled_from(escapes.WALKS))
+def test_pack_lists_flagged_values_in_order_and_fill_puts_them_back(n, density, slack, seed,
+                                                                     walk):
     rng = np.random.default_rng(seed)
     flags = rng.random(n) < density
     values = rng.integers(0, 1 << 16, n).astype(np.uint16)
     cap = max(int(flags.sum()) + slack, 1)
-    section, back = map(np.asarray, jax.jit(_roundtrip, static_argnums=2)(
-        jnp.asarray(values), jnp.asarray(flags), cap))
+    section, back = map(np.asarray, jax.jit(_roundtrip, static_argnums=(2, 3))(
+        jnp.asarray(values), jnp.asarray(flags), cap, walk))
     k = int(flags.sum())
     np.testing.assert_array_equal(section[:k], values[flags])
     assert (section[k:] == 0).all(), "slots after the last flagged value stay zero"
@@ -74,17 +76,19 @@ def test_pack_lists_flagged_values_in_order_and_fill_puts_them_back(n, density, 
 
 @pytest.mark.parametrize("density", [0.1, 1.0], ids=["loop", "dense"])
 def test_more_escapes_than_one_chunk(density):
-    """Both ways through: below DENSE_SHARE several trips of the slot loop (SLOT_CHUNK slots
-    each, a partial last one included); above it one pass over every element."""
+    """Both ways through, as compiled for long rows on CPU (``either``): below DENSE_SHARE
+    several trips of the slot loop (SLOT_CHUNK slots each, a partial last one included); above
+    it one pass over every element."""
     assert (density > escapes.DENSE_SHARE) == (density == 1.0)
     n = 12 * escapes.SLOT_CHUNK + 1000
     rng = np.random.default_rng(3)
     flags = rng.random(n) < density
     values = rng.integers(0, 1 << 16, n).astype(np.uint16)
     cap = int(flags.sum())
-    assert cap > escapes.SLOT_CHUNK
-    section, back = map(np.asarray, jax.jit(_roundtrip, static_argnums=2)(
-        jnp.asarray(values), jnp.asarray(flags), cap))
+    assert cap > escapes.SLOT_CHUNK and n >= escapes.LOOP_MIN
+    assert escapes.walk_for(n) == "either"
+    section, back = map(np.asarray, jax.jit(_roundtrip, static_argnums=(2, 3))(
+        jnp.asarray(values), jnp.asarray(flags), cap, None))
     np.testing.assert_array_equal(section, values[flags])
     np.testing.assert_array_equal(back[0], np.where(flags, values, 7))
 
@@ -96,3 +100,11 @@ def test_pack_drops_what_does_not_fit():
     values = jnp.arange(40, dtype=jnp.uint8)
     words = escapes.pack_flags(flags[None])[0]
     np.testing.assert_array_equal(np.asarray(escapes.pack(values, words, 8)), np.arange(8))
+
+
+def test_walk_is_static_and_checked():
+    """Short rows compile the dense pass alone; long rows on CPU both; a bad walk is named."""
+    assert escapes.walk_for(escapes.LOOP_MIN - 1) == "dense"
+    assert escapes.walk_for(escapes.LOOP_MIN) == "either"
+    with pytest.raises(ValueError, match="walk must be one of"):
+        escapes.pack(jnp.zeros((4,), jnp.uint8), jnp.zeros((1,), jnp.uint32), 2, "both")

@@ -88,8 +88,9 @@ def test_twenty_steps_carried_cache_bitwise(dtype):
     assert max(ratio[i] for i in range(1, 7)) < 0.35, ratio
 
 
+@pytest.mark.parametrize("loop", [False, True], ids=["dense", "either"])
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
-def test_special_words_every_move(dtype):
+def test_special_words_every_move(dtype, loop):
     """NaN payloads (signalling too), ±inf, ±0, subnormals, max finite: moved to each other,
     by sign flips and by small moves across zero, all exact (word or raw escapes)."""
     rng = np.random.default_rng(1)
@@ -101,7 +102,7 @@ def test_special_words_every_move(dtype):
     flipped = from_bits(bits_of(shuffled) ^ top, dtype)
     xs = [base, moved(base, rng.integers(-2, 3, SHAPE)), shuffled, flipped,
           moved(flipped, rng.integers(-1, 2, SHAPE)), base]
-    run_exact(xs)
+    run_exact(xs, loop=loop)
 
 
 def test_every_element_escaping_and_sign_flips_fall_back():
