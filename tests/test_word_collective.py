@@ -202,9 +202,9 @@ def test_capacity_boundaries_pick_the_next_rung(case):
 
 
 def test_wire_bytes_are_exact_per_branch():
-    """The lowered program gathers the code plane + checksum, each rung's section (level 1 as
-    int8 and level 2 as words, at that rung's sizes), and in the fallback the rest of the
-    bits; never bf16."""
+    """The lowered program gathers the code plane + checksum, each rung's section in one
+    transfer (level 1's int8 and level 2's words end to end, as bytes, at that rung's sizes),
+    and in the fallback the rest of the bits; never bf16."""
     mesh = mesh_of((8,), ("fsdp",))
     cache = ciera_jax.init_cache(SHAPE, BF16, mode="word")
 
@@ -217,9 +217,10 @@ def test_wire_bytes_are_exact_per_branch():
     outs = re.findall(r"all_gather.*-> tensor<([\dx]+)x(\w+)>", text)
     sizes = {t: {int(shape.split("x")[-1]) for shape, tt in outs if tt == t} for _, t in outs}
     rest = 2 * N_LOCAL - (WIRE.main_bytes - CHECKSUM_BYTES)  # the fallback: bits past the head
-    assert sizes["ui8"] == {WIRE.main_bytes, rest}, sizes
-    assert sizes["i8"] == set(WIRE.caps1[1:]) and sizes["ui16"] == set(WIRE.caps2[1:]), sizes
-    assert len(outs) == 2 * (len(WIRE.caps1) - 1) + 2, "two parts per rung, main, rest"
+    section = {c1 + 2 * c2 for c1, c2 in zip(WIRE.caps1[1:], WIRE.caps2[1:])}
+    assert section == set(WIRE.section_sizes[1:])
+    assert sizes.keys() == {"ui8"} and sizes["ui8"] == {WIRE.main_bytes, rest} | section, sizes
+    assert len(outs) == len(WIRE.caps1) - 1 + 2, "one transfer per rung, main, rest"
     assert not any(t == "bf16" for _, t in outs)
 
 
