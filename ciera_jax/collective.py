@@ -212,15 +212,17 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
                         f"{'WordEncoded' if word else 'Encoded'} that "
                         f"encode() made from it, got {type(e).__name__}")
     dtype = np.dtype(x.dtype)
-    x_bits = codec.to_bits(lax.stop_gradient(x))
+    # The shard itself, not its bits, goes in: a bits copy of it would be made whole (an
+    # operand of the fallback's cond) though only the head travels on most steps.
+    shard = lax.stop_gradient(x)
     option, cached = ((word_option, cache.words) if word else (exponent_option, cache.exp))
     decoded, failed, rung, fallback, section, main_NxL = option.exchange(
-        e, cached, agreed, x_bits, axis_name, dtype, impl)
-    operands = (x_bits, decoded, cache, main_NxL)
+        e, cached, agreed, shard, axis_name, dtype, impl)
+    operands = (shard, decoded, cache, main_NxL)
 
     def plain(args):
-        bits, main, _ = args
-        rows = transfer.plain_rest(main, bits, axis_name)
+        shard, main, _ = args
+        rows = transfer.plain_rest(main, codec.to_bits(shard), axis_name)
         full = codec.from_bits(rows_to_full(rows, e.shard_shape, e.axis), dtype)
         return varying_like(full, operands, axis_name)
 
@@ -229,7 +231,7 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
 
     # The one conditional with a large transfer: taken only when some rank overflowed the
     # top rung or a cache is unprimed (the agreement makes ``fallback`` rank-invariant).
-    full = lax.cond(fallback, plain, compressed, (x_bits, main_NxL, decoded))
+    full = lax.cond(fallback, plain, compressed, (shard, main_NxL, decoded))
     wire = e.wire
     caps = wire.caps1 if word else wire.caps
     sent = jnp.where(fallback, wire.fallback_bytes, wire.main_bytes + section)

@@ -23,6 +23,9 @@ W = ceil(n/32) flag words per row, S slots per chunk, C a capacity.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any, Callable
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -183,39 +186,61 @@ def for_each_chunk(words_RxW: jax.Array, limit_R, body, init, running=None):
     return lax.fori_loop(1, jnp.maximum(trips, 1), step, step(0, init))
 
 
+@dataclasses.dataclass(frozen=True)
+class PerElement:
+    """A sender's values defined element by element: ``at(index_S) -> values_S`` for int32
+    indices in ``[0, n)``. The loop then computes values at the escapes only, where an array
+    would be a whole-tensor pass written to be read at a few elements."""
+
+    n: int
+    dtype: Any
+    at: Callable[[jax.Array], jax.Array]
+
+    @classmethod
+    def of(cls, values_N: jax.Array) -> "PerElement":
+        return cls(values_N.shape[0], values_N.dtype, lambda i: values_N[i])
+
+    def whole(self) -> jax.Array:
+        """Every element's value (the dense walk, and kernels that take arrays)."""
+        return self.at(jnp.arange(self.n, dtype=jnp.int32)).astype(self.dtype)
+
+
 def _dense(running_RxW, n: int, limit_R) -> jax.Array:
     """Whether the fullest row's escapes are dense enough that one pass over every element
     beats the loop over escapes (rank-varying: each device decides for itself)."""
     return jnp.max(jnp.minimum(running_RxW[:, -1], limit_R)) > int(n * DENSE_SHARE)
 
 
-def pack(values_N: jax.Array, words_W: jax.Array, capacity: int, walk: str | None = None
-         ) -> jax.Array:
-    """Sender: the values of the flagged elements (``words_W``: the flags, packed) in position
-    order, in a (capacity,) buffer, zeros after the last (flags past ``capacity`` are dropped:
-    the agreement sends such a step to the fallback). ``walk``: one of :data:`WALKS`, or None
-    for :func:`walk_for`."""
+def pack(values: jax.Array | PerElement, words_W: jax.Array, capacity: int,
+         walk: str | None = None) -> jax.Array:
+    """Sender: the values of the flagged elements (``values``: (n,), or :class:`PerElement`;
+    ``words_W``: the flags, packed) in position order, in a (capacity,) buffer, zeros after the
+    last (flags past ``capacity`` are dropped: the agreement sends such a step to the
+    fallback). ``walk``: one of :data:`WALKS`, or None for :func:`walk_for`."""
+    if not isinstance(values, PerElement):
+        values = PerElement.of(values)
     if capacity == 0:
-        return jnp.zeros((0,), values_N.dtype)
+        return jnp.zeros((0,), values.dtype)
+    n = values.n
     padded = -(-capacity // _chunk(words_W[None])) * _chunk(words_W[None])
     running = running_count(words_W[None])
 
     def body(slot, element, live, out):
-        v = jnp.where(live[0], values_N[jnp.minimum(element[0], values_N.shape[0] - 1)], 0)
+        v = jnp.where(live[0], values.at(jnp.minimum(element[0], n - 1)), 0)
         return lax.dynamic_update_slice(out, v.astype(out.dtype), (slot[0, 0],))
 
     def by_loop():
         # Zeros typed like what the body writes, so the loop needs no first trip outside it.
-        zeros = (jnp.zeros_like(values_N, shape=(padded,))
-                 + jnp.zeros_like(words_W, shape=(), dtype=values_N.dtype))
+        probe = values.at(jnp.zeros((1,), jnp.int32)).astype(values.dtype)
+        zeros = (jnp.zeros_like(probe, shape=(padded,))
+                 + jnp.zeros_like(words_W, shape=(), dtype=values.dtype))
         out = for_each_chunk(words_W[None], capacity, body, zeros, running)
         return out[:capacity]
 
     def dense():
-        return pack_dense(values_N, words_W, capacity, running[0])
+        return pack_dense(values.whole(), words_W, capacity, running[0])
 
-    return _walk(lambda: _dense(running, values_N.shape[0], capacity), dense, by_loop, walk,
-                 values_N.shape[0])
+    return _walk(lambda: _dense(running, n, capacity), dense, by_loop, walk, n)
 
 
 def fill(dest_RxN: jax.Array, words_RxW: jax.Array, limit_R: jax.Array, values_at, init=None,

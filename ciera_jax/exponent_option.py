@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ciera_jax import escapes, kernels, selfcheck, transfer
+from ciera_jax import codec, escapes, kernels, selfcheck, transfer
 from ciera_jax.layout import full_to_rows, gathered_shape, rows_to_full
 from ciera_jax.wire import ExponentWire, flag_words
 
@@ -77,21 +77,24 @@ def encode(x, cached_exp, primed, axis: int, n_ranks: int, csum, impl: str) -> E
     flags_W = escapes.pack_flags(changed_N[None])[0]
     summary_S = escapes.pack_flags((flags_W != 0)[None])[0]
     listed_C = escapes.pack_dense(flags_W, summary_S, wire.word_caps[-1])
-    patch_exp = kernels.escape_pack(exp.reshape(-1), flags_W, wire.caps[-1], impl=impl)
+    x_N = x.reshape(-1)  # the new exponents read at the changed elements only
+    patch_exp = kernels.escape_pack(
+        escapes.PerElement(x.size, jnp.uint8, lambda i: codec.exponent(x_N[i])), flags_W,
+        wire.caps[-1], impl=impl)
     # An unprimed cache knows no exponent: all of them count as changed.
     count = jnp.where(primed, escapes.count(flags_W[None])[0], x.size).astype(jnp.int32)
     demand = jnp.where(primed, count, jnp.int32(INT32_MAX))
     return Encoded(payload, summary_S, listed_C, patch_exp, count, demand, csum, axis, n_ranks)
 
 
-def exchange(e: Encoded, cache_exp, agreed, x_bits, axis_name, dtype, impl: str):
+def exchange(e: Encoded, cache_exp, agreed, shard, axis_name, dtype, impl: str):
     """Returns ``(decoded full, failed shards, rung, overflow, section bytes sent, main rows)``;
     on overflow the main rows carry the head of the shards' bits and the caller finishes with
     :func:`ciera_jax.transfer.plain_rest` (``decoded`` is then meaningless)."""
     wire = e.wire
     n, n_planes = wire.n, e.payload.shape[0]
     rung, overflow = transfer.pick_rung(wire.caps, agreed)
-    main_NxL, sent_N = transfer.gather_main(e.payload.reshape(-1), x_bits, overflow,
+    main_NxL, sent_N = transfer.gather_main(e.payload.reshape(-1), shard, overflow,
                                             e.checksum, axis_name)
     summary_NxS, listed_NxC, patch_NxK = transfer.gather_section(
         [e.summary, e.flag_words, e.patch_exp],

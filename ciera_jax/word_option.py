@@ -76,10 +76,15 @@ def encode(x, cached_words, primed, axis: int, n_ranks: int, csum, impl: str,
     d = d.reshape(-1)
     esc_W = escapes.pack_flags(wordcodec.beyond(d, code_limit(code_bits))[None])[0]
     raw = wordcodec.beyond(d, LEVEL1_LIMIT)
-    level1 = kernels.escape_pack(jnp.where(raw, LEVEL2, d).astype(jnp.int8), esc_W,
-                                 wire.caps1[-1], impl=impl)
-    level2 = kernels.escape_pack(codec.to_bits(x).reshape(-1), escapes.pack_flags(raw[None])[0],
-                                 wire.caps2[-1], impl=impl)
+    # Both levels' values are computed at their escapes only (no whole-tensor arrays).
+    level1 = kernels.escape_pack(
+        escapes.PerElement(x.size, jnp.int8, lambda i: _level1(d[i])), esc_W, wire.caps1[-1],
+        impl=impl)
+    x_N = x.reshape(-1)
+    level2 = kernels.escape_pack(
+        escapes.PerElement(x.size, codec.to_bits(x_N[:1]).dtype,
+                           lambda i: codec.to_bits(x_N[i])),
+        escapes.pack_flags(raw[None])[0], wire.caps2[-1], impl=impl)
     codes = wordcodec.pack_codes(wordcodec.codes_of(d, code_bits), code_bits)
     counts = jnp.stack([counts[CODE_BITS.index(code_bits)], counts[wordcodec.RAW],
                         counts[wordcodec.EXP_CHANGED]])
@@ -88,7 +93,12 @@ def encode(x, cached_words, primed, axis: int, n_ranks: int, csum, impl: str,
                        tuple(x.shape))
 
 
-def exchange(e: WordEncoded, cache_words, agreed, x_bits, axis_name, dtype, impl: str):
+def _level1(d):
+    """An escape's level-1 entry: its move as int8, or LEVEL2 (see level 2)."""
+    return jnp.where(wordcodec.beyond(d, LEVEL1_LIMIT), LEVEL2, d).astype(jnp.int8)
+
+
+def exchange(e: WordEncoded, cache_words, agreed, shard, axis_name, dtype, impl: str):
     """Returns ``(decoded full, failed shards, rung, overflow, escape bytes sent, main rows)``;
     on overflow the main rows carry the head of the shards' bits and the caller finishes with
     :func:`ciera_jax.transfer.plain_rest` (``decoded`` is then meaningless)."""
@@ -98,7 +108,7 @@ def exchange(e: WordEncoded, cache_words, agreed, x_bits, axis_name, dtype, impl
     rung2, over2 = transfer.pick_rung(wire.caps2, agreed[RAW])
     overflow = over1 | over2
     rung = jnp.where(overflow, 0, jnp.maximum(rung1, rung2))
-    main_NxL, sent_N = transfer.gather_main(e.codes, x_bits, overflow, e.checksum, axis_name)
+    main_NxL, sent_N = transfer.gather_main(e.codes, shard, overflow, e.checksum, axis_name)
     level1_NxC, level2_NxC = transfer.gather_section([e.level1, e.level2],
                                                      [wire.caps1, wire.caps2], rung, axis_name)
 

@@ -99,14 +99,16 @@ def _escape_pallas(impl: str):
     return dict(interpret=resolve(impl).interpret)
 
 
-def escape_pack(values_N: jnp.ndarray, words_W: jnp.ndarray, capacity: int, *,
-                impl: str = "auto"):
-    """Exactly ``escapes.pack(values_N, words_W, capacity)``: the flagged values in position
-    order in a (capacity,) buffer, zeros after the last."""
+def escape_pack(values, words_W: jnp.ndarray, capacity: int, *, impl: str = "auto"):
+    """Exactly ``escapes.pack(values, words_W, capacity)``: the flagged values in position
+    order in a (capacity,) buffer, zeros after the last. ``values``: (n,) or
+    :class:`ciera_jax.escapes.PerElement`."""
     kw = _escape_pallas(impl)
     if kw is None:
-        return escapes.pack(values_N, words_W, capacity)
-    return pack_pallas(values_N, words_W, capacity, **kw)
+        return escapes.pack(values, words_W, capacity)
+    if isinstance(values, escapes.PerElement):
+        values = values.whole()
+    return pack_pallas(values, words_W, capacity, **kw)
 
 
 def escape_fill_exponents(cached_Rxn: jnp.ndarray, flags_RxW: jnp.ndarray,
