@@ -10,8 +10,9 @@ xla everywhere else (Ampere included).
 The escapes (``escape_pack``, ``escape_fill_exponents``, ``escape_fill_words``) have Triton
 kernels only (Mosaic GPU has no per-element gather or scatter: ``kernels/escape.py``). They run
 wherever ``impl`` resolves to the Triton backend (``"triton"``; ``"pallas"`` below Hopper and,
-interpreted, on CPU); everywhere else, ``"auto"`` included, they are the jnp loops of
-:mod:`ciera_jax.escapes`, called exactly as before.
+interpreted, on CPU); everywhere else, ``"auto"`` included, they are the jnp path of
+:mod:`ciera_jax.escapes`, whose walk :func:`ciera_jax.escapes.walk_for` fixes at trace time
+(one dense pass on a GPU; the loop over escapes only on CPU, for long rows).
 """
 
 from __future__ import annotations
