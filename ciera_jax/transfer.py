@@ -71,45 +71,47 @@ def _from_bytes(rows_NxB: jax.Array, dtype, count: int) -> jax.Array:
         rows_NxB.reshape(rows_NxB.shape[0], count, np.dtype(dtype).itemsize), dtype)
 
 
-def _prefixes(byte_parts, *, sizes, dtypes, axis_name):
-    """One branch: every rank's first ``sizes[i]`` bytes of each of ``byte_parts``, end to end
-    in ONE all-gather, then cut at their (static) offsets and each zero-padded to its part's
-    length: (N, len(part)) in each part's dtype."""
-    n_ranks = lax.axis_size(axis_name)
+def _prefixes(byte_parts, *, sizes, length, axis_name):
+    """One branch: every rank's first ``sizes[i]`` bytes of each of ``byte_parts``, end to end,
+    in ONE all-gather, zero-padded to ``length``: (N, length) uint8."""
     pieces = [part[:size] for part, size in zip(byte_parts, sizes) if size]
-    rows = gather_rows(jnp.concatenate(pieces), axis_name) if pieces else None
-    out, at = [], 0
-    for part, size, dtype in zip(byte_parts, sizes, dtypes):
-        if size:
-            got = jnp.pad(rows[:, at:at + size], ((0, 0), (0, part.shape[0] - size)))
-        else:
-            got = jnp.zeros((n_ranks, part.shape[0]), jnp.uint8)
-        at += size
-        got = _from_bytes(got, dtype, part.shape[0] // np.dtype(dtype).itemsize)
-        out.append(varying_like(got, byte_parts, axis_name))  # every branch typed alike
-    return out
+    if not pieces:
+        rows = jnp.zeros((lax.axis_size(axis_name), length), jnp.uint8)
+    else:
+        rows = gather_rows(jnp.concatenate(pieces), axis_name)
+        rows = jnp.pad(rows, ((0, 0), (0, length - rows.shape[1])))
+    return varying_like(rows, byte_parts, axis_name)  # every branch typed alike
 
 
 def gather_section(parts, sizes_per_part, rung: jax.Array, axis_name):
     """All-gather the escape section: for the agreed ``rung``, the first
     ``sizes_per_part[i][rung]`` entries of every rank's ``parts[i]`` (each as long as its top
-    size). Returns (N, len(part)) per part, zero past the prefix. ``rung`` must be
+    size). Returns (N, len(part)) per part; entries past the rung's prefix are unspecified (the
+    next part's bytes: receivers read only the slots the agreement covers). ``rung`` must be
     rank-invariant.
 
     One ``lax.switch`` on the rung; each branch holds nothing but ONE transfer (the rung's
-    prefixes end to end: an all-gather of a static size, then static cuts and pads), so the
-    codec exists once, outside it.
+    prefixes end to end, an all-gather of a static size and a pad), so the codec exists once,
+    outside it; each part is then read at its static offset for the rung.
     """
+    n_ranks = lax.axis_size(axis_name)
     if all(max(sizes) == 0 for sizes in sizes_per_part):
-        n_ranks = lax.axis_size(axis_name)
         return [jnp.zeros((n_ranks, p.shape[0]), p.dtype) for p in parts]
+    widths = [np.dtype(p.dtype).itemsize for p in parts]
     byte_parts = [_to_bytes(p) for p in parts]
-    dtypes = [p.dtype for p in parts]
-    byte_sizes = [tuple(np.dtype(p.dtype).itemsize * s for s in sizes)
-                  for p, sizes in zip(parts, sizes_per_part)]
-    branches = [functools.partial(_prefixes, sizes=sizes, dtypes=dtypes, axis_name=axis_name)
+    byte_sizes = [tuple(w * s for s in sizes) for w, sizes in zip(widths, sizes_per_part)]
+    # Each part's offset per rung; the buffer holds any part's full length from any offset.
+    offsets = np.cumsum([[0] * len(byte_sizes[0])] + byte_sizes[:-1], axis=0)
+    length = int(max(offsets[i].max() + bp.shape[0] for i, bp in enumerate(byte_parts)))
+    branches = [functools.partial(_prefixes, sizes=sizes, length=length, axis_name=axis_name)
                 for sizes in zip(*byte_sizes)]
-    return lax.switch(rung, branches, byte_parts)
+    rows_NxB = lax.switch(rung, branches, byte_parts)
+    out = []
+    for part, bp, offset in zip(parts, byte_parts, offsets):
+        at = jnp.asarray(offset, jnp.int32)[rung]
+        piece = lax.dynamic_slice_in_dim(rows_NxB, at, bp.shape[0], axis=1)
+        out.append(_from_bytes(piece, part.dtype, part.shape[0]))
+    return out
 
 
 def pick_rung(caps: tuple[int, ...], agreed: jax.Array):
