@@ -21,6 +21,7 @@ def straight_sha(tiny_run):
     return tiny_run("ciera").sha256  # conftest's: train(TC, steps=STEPS), once per session
 
 
+@pytest.mark.slow
 def test_save_killed_midway_resumes_from_the_previous_one(tmp_path, straight_sha):
     ck = tmp_path / "ck"
     logs: list[str] = []

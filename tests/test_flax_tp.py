@@ -93,6 +93,7 @@ def test_experts_split_over_an_expert_axis():
     assert cache.exp.shape == (2, 16, 32) and cache.exp.sharding.spec == jax.P("expert")
 
 
+@pytest.mark.slow
 def test_stacked_scanned_layers_wrapped_equal_decorated():
     """nnx.vmap-stacked blocks run with nnx.scan: attach_caches on the whole model gives each
     layer its own cache and stats; wrapping by instance equals the decorator, bitwise."""
@@ -122,6 +123,7 @@ def test_stacked_scanned_layers_wrapped_equal_decorated():
     assert model.layers.ffw.down.kernel_gather_cache.get_value().exp.shape == (2, 32, 16)
 
 
+@pytest.mark.slow
 def test_nnx_list_wrapped_equals_decorated():
     mesh = make_mesh((4, 2))
     toks = batches(mesh, 2)

@@ -63,6 +63,7 @@ def _resume_is_bitwise(ck, stopped, straight_sha, capsys):
     assert res.strip().splitlines()[-1] == f"params_sha256={straight_sha}"
 
 
+@pytest.mark.slow
 def test_sigterm_mid_run_saves_and_resume_is_bitwise(tmp_path, straight_sha, capsys,
                                                      monkeypatch):
     """``ciera train`` in this process; a real SIGTERM to it once step 3 is reported."""

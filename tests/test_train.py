@@ -62,6 +62,7 @@ def test_loss_falls(runs):
     assert losses[-1] < losses[0] - 0.8, losses
 
 
+@pytest.mark.slow
 def test_int8_runs_and_is_lossy(runs):
     q = runs["int8"]
     assert q.sha256 != runs["plain"].sha256

@@ -79,6 +79,7 @@ def _step(**kw):
     return _compiled(_tc(**kw))
 
 
+@pytest.mark.slow
 def test_compiled_word_step_has_no_backward_gather():
     """In the compiled step with word caches on every tensor, no all-gather belongs to the
     backward: it reads the full weights from the caches."""
