@@ -149,9 +149,12 @@ def _scan(module, x, args, plan: Plan, layers: int, body):
                 set_plan(m, dataclasses.replace(plan_of(m), held=True))
         return body(copy, x, *args)
 
-    held = set() if plan.word_backward != "cache" else {
+    # A tuple in the members' order, not a set: what is traced must not depend on string
+    # hashing, which differs between processes (a multi-host step would differ per host, and
+    # JAX's persistent cache would miss).
+    held = () if plan.word_backward != "cache" else tuple(
         k for k, gin in inputs.items() if gin is not None and isinstance(
-            gin[1], cache_lib.WordCache)}
+            gin[1], cache_lib.WordCache))
     axis_name = gather_spec(members[0][1]).axis_name if members else AXIS
     run = _run(compute, tensors, held, layers, plan, axis_name)
     x, ys, cs, ss = run(shards, others, rest, x, tuple(args), inputs)
@@ -159,7 +162,7 @@ def _scan(module, x, args, plan: Plan, layers: int, body):
     return x, ys
 
 
-def _run(compute, tensors: dict, held: set, n: int, plan: Plan, axis_name: str):
+def _run(compute, tensors: dict, held: tuple, n: int, plan: Plan, axis_name: str):
     """``run(shards, others, rest, x, args, inputs) -> (x, ys, new caches, stats)`` over
     ``n`` stacked layers (0: one call, nothing stacked), with its own backward.
 
