@@ -44,7 +44,7 @@ from ciera_jax import codec, exponent_option, selfcheck, transfer, validation, w
 from ciera_jax.cache import ExponentCache, WordCache, is_cache
 from ciera_jax.exponent_option import Encoded
 from ciera_jax.gradient import attach_gather_grad
-from ciera_jax.layout import gathered_shape, rows_to_full
+from ciera_jax.layout import full_index, gathered_shape, rows_to_full
 from ciera_jax.varying import varying_like
 from ciera_jax.wire import AGREEMENT_BYTES, DEFAULT_CODE_BITS, agreement_bytes
 from ciera_jax.word_option import WordEncoded
@@ -151,8 +151,13 @@ def encode(x: jax.Array, cache, axis_name, *, axis: int = 0, impl: str = "auto",
     csum = selfcheck.shard_checksum(x, axis, axis_name)
     if isinstance(cache, WordCache):
         cached = lax.dynamic_slice_in_dim(cache.words, offset, shard_len, axis=axis)
+        words_flat = cache.words.reshape(-1)
+
+        def cached_at(i):  # read in place: the escapes need a few cached words, not the slice
+            return words_flat[full_index(i, x.shape, axis, n_ranks, offset)]
+
         return word_option.encode(x, cached, cache.primed, axis, n_ranks, csum, impl,
-                                  code_bits)
+                                  code_bits, cached_at)
     cached = lax.dynamic_slice_in_dim(cache.exp, offset, shard_len, axis=axis)
     return exponent_option.encode(x, cached, cache.primed, axis, n_ranks, csum, impl)
 

@@ -42,3 +42,13 @@ def full_to_rows(full: jax.Array, shard_shape, axis: int, n_ranks: int) -> jax.A
     pre, s, post = _dims(shard_shape, axis)
     a = full.reshape(pre, n_ranks, s, post)
     return jnp.moveaxis(a, 1, 0).reshape(n_ranks, pre * s * post)
+
+
+def full_index(i: jax.Array, shard_shape, axis: int, n_ranks: int, first: jax.Array):
+    """The flat index in the full tensor of the shard's flat element ``i`` (any shape of int32
+    indices), for the shard that starts at index ``first`` of ``axis``: index arithmetic, so
+    a few elements of a cache can be read in place instead of slicing out the shard."""
+    pre, s, post = _dims(shard_shape, axis)
+    del pre
+    inner, t = i % post, i // post
+    return ((t // s) * (s * n_ranks) + first + t % s) * post + inner

@@ -69,18 +69,24 @@ class WordEncoded:
 
 
 def encode(x, cached_words, primed, axis: int, n_ranks: int, csum, impl: str,
-           code_bits: int) -> WordEncoded:
-    """``x``: this rank's shard; ``cached_words``: its slice of the cached words."""
+           code_bits: int, cached_at=None) -> WordEncoded:
+    """``x``: this rank's shard; ``cached_words``: its slice of the cached words;
+    ``cached_at(i)``: the cached word of the shard's flat elements ``i`` (default: read from
+    ``cached_words``), what the escapes read."""
+    if cached_at is None:
+        cached_at = lambda i: cached_words.reshape(-1)[i]  # noqa: E731
     wire = WordWire(x.size, x.dtype.itemsize, code_bits)
     d, counts = kernels.word_encode(x, cached_words, impl=impl)
     d = d.reshape(-1)
     esc_W = escapes.pack_flags(wordcodec.beyond(d, code_limit(code_bits))[None])[0]
     raw = wordcodec.beyond(d, LEVEL1_LIMIT)
-    # Both levels' values are computed at their escapes only (no whole-tensor arrays).
-    level1 = kernels.escape_pack(
-        escapes.PerElement(x.size, jnp.int8, lambda i: _level1(d[i])), esc_W, wire.caps1[-1],
-        impl=impl)
+    # Both levels' values are computed at their escapes only, from the shard and the cache
+    # (neither the deltas nor the cached slice are made whole for them).
     x_N = x.reshape(-1)
+    level1 = kernels.escape_pack(
+        escapes.PerElement(x.size, jnp.int8, lambda i: _level1(
+            wordcodec.delta(codec.to_bits(x_N[i]), cached_at(i)))),
+        esc_W, wire.caps1[-1], impl=impl)
     level2 = kernels.escape_pack(
         escapes.PerElement(x.size, codec.to_bits(x_N[:1]).dtype,
                            lambda i: codec.to_bits(x_N[i])),
