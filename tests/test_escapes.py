@@ -108,3 +108,30 @@ def test_walk_is_static_and_checked():
     assert escapes.walk_for(escapes.LOOP_MIN) == "either"
     with pytest.raises(ValueError, match="walk must be one of"):
         escapes.pack(jnp.zeros((4,), jnp.uint8), jnp.zeros((1,), jnp.uint32), 2, "both")
+
+
+@pytest.mark.parametrize("density", [0.002, 0.03, 0.3])
+def test_window_finds_the_words_select_finds(density):
+    """The loop's window (a scatter of each word's first slot and a running max) gives every
+    covered chunk the words of the binary search, rows of different densities together; it
+    says when a chunk runs past it."""
+    rng = np.random.default_rng(int(density * 1000))
+    n, chunk = 40_000, 256
+    flags = rng.random((2, n)) < np.array([[density], [density / 3]])
+    words = escapes.pack_flags(jnp.asarray(flags))
+    running = escapes.running_count(words)
+    for first in (0, 37, chunk * 3, int(flags[0].sum()) - 5):
+        word, covered = jax.jit(escapes._window_words, static_argnums=3)(
+            words, running, jnp.int32(first), chunk)
+        slots = jnp.broadcast_to(first + jnp.arange(chunk, dtype=jnp.int32), (2, chunk))
+        want = np.asarray(escapes.select(words, running, slots))
+        got = np.asarray(escapes._in_word(words, running, slots, word))
+        for r in range(2):
+            span = np.nonzero(flags[r])[0]
+            in_window = 32 * escapes.WINDOW * chunk
+            if bool(covered[r]):
+                np.testing.assert_array_equal(got[r], want[r])
+            else:  # the window stops short of the chunk's last flag
+                last = span[min(first + chunk, len(span)) - 1] if len(span) > first else 0
+                start = span[first] if len(span) > first else 0
+                assert last - (start - start % 32) >= in_window - 32

@@ -47,6 +47,16 @@ def _walk(jaxpr):
             yield from _walk(sub)
 
 
+def _outside_loops(jaxpr):
+    """Equations not inside any loop body (a loop's own conds, e.g. how a trip finds its
+    slots, are not how the escapes are walked)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        if eqn.primitive.name != "while":
+            for sub in _subjaxprs(eqn):
+                yield from _outside_loops(sub)
+
+
 def _outside_conds(jaxpr):
     """Equations not inside any cond/switch branch (other nesting, e.g. pjit, is followed)."""
     for eqn in jaxpr.eqns:
@@ -89,7 +99,7 @@ def test_one_main_transfer_outside_conditionals_and_branches_only_transfer(mode,
     # Where both walks are compiled (long rows on CPU), the other conds choose how the escapes
     # are walked (one pass over every element where they are dense, a loop over them
     # elsewhere): one per escape pack and per fill, no collective inside. Short rows: none.
-    walks = [c for c in all_conds if c not in conds]
+    walks = [c for c in _outside_loops(jaxpr) if c.primitive.name == "cond" and c not in conds]
     assert len(walks) == ((2 if mode == "exponent" else 3) if loop else 0), len(walks)
     rest = n_local * word_bytes - (wire.main_bytes - 4)  # the fallback: bits past the head
     rest_gathers = 0
