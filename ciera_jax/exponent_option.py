@@ -71,7 +71,7 @@ class Encoded:
 
 def encode(x, cached_exp, primed, axis: int, n_ranks: int, csum, impl: str) -> Encoded:
     """``x``: this rank's shard; ``cached_exp``: its slice of the cached exponents."""
-    exp, payload, changed = kernels.encode(x, cached_exp, impl=impl)
+    _, payload, changed = kernels.encode(x, cached_exp, impl=impl)  # exponents: read below
     wire = ExponentWire(x.size, x.dtype.itemsize)
     changed_N = changed.reshape(-1)
     flags_W = escapes.pack_flags(changed_N[None])[0]

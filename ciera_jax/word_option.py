@@ -69,12 +69,10 @@ class WordEncoded:
 
 
 def encode(x, cached_words, primed, axis: int, n_ranks: int, csum, impl: str,
-           code_bits: int, cached_at=None) -> WordEncoded:
+           code_bits: int, cached_at) -> WordEncoded:
     """``x``: this rank's shard; ``cached_words``: its slice of the cached words;
-    ``cached_at(i)``: the cached word of the shard's flat elements ``i`` (default: read from
-    ``cached_words``), what the escapes read."""
-    if cached_at is None:
-        cached_at = lambda i: cached_words.reshape(-1)[i]  # noqa: E731
+    ``cached_at(i)``: the cached word of the shard's flat elements ``i``, read in place (what
+    the escapes read)."""
     wire = WordWire(x.size, x.dtype.itemsize, code_bits)
     d, counts = kernels.word_encode(x, cached_words, impl=impl)
     d = d.reshape(-1)
