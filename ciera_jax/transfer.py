@@ -92,7 +92,7 @@ def gather_section(parts, sizes_per_part, rung: jax.Array, axis_name):
 
     One ``lax.switch`` on the rung; each branch holds nothing but ONE transfer (the rung's
     prefixes end to end, an all-gather of a static size and a pad), so the codec exists once,
-    outside it; each part is then read at its static offset for the rung.
+    outside it; each part is then read at its offset for the agreed rung.
     """
     n_ranks = lax.axis_size(axis_name)
     if all(max(sizes) == 0 for sizes in sizes_per_part):

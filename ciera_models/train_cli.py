@@ -130,12 +130,6 @@ def run(args) -> int:
     return EXIT_PREEMPTED if res.preempted else 0
 
 
-if __name__ == "__main__":
-    from ciera_jax.cli import main
-
-    sys.exit(main(["train", *sys.argv[1:]]))
-
-
 def _without_persistent_cache(jax) -> None:
     """Turn JAX's persistent compilation cache off for this run, saying so: a train step
     loaded from it trained wrongly (NaN loss by step 4, some runs failing the self-check
@@ -147,3 +141,10 @@ def _without_persistent_cache(jax) -> None:
               "step loaded from it trained wrongly here; see docs/training.md)",
               file=sys.stderr, flush=True)
         jax.config.update("jax_enable_compilation_cache", False)
+
+
+if __name__ == "__main__":
+    from ciera_jax.cli import main
+
+    sys.exit(main(["train", *sys.argv[1:]]))
+
