@@ -104,9 +104,7 @@ class Trainer:
         # int32 max), and the priming gather sends the shard's own bits, not the payload. So
         # build it on the host instead of compiling the encoder a second time.
         shapes = jax.eval_shape(self.prepare_fn, state.params, state.caches)
-        host = {"encoded": {k: ciera_jax.priming_encoded(
-                    e, math.prod(self.tensors[k].shape) // self.n)
-                    for k, e in shapes["encoded"].items()},
+        host = {"encoded": fsdp.priming_inputs(self.tensors, shapes["encoded"], self.n),
                 "word_changed": jax.tree.map(np.asarray, jax.device_get(
                     all_words(self.tensors)))}
         return dataclasses.replace(state, ahead=fsdp.put(host, AHEAD_SPECS, self.mesh))

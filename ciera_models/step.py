@@ -133,7 +133,8 @@ def make_step(tc, mesh, graphdef, param_specs, opt_specs, tx, tensors, compress)
         agreed = fsdp.agree_tensors(tensors, encoded, AXIS)  # the step's one agreement
         caches_d = fsdp.cache_dict(caches)
         # tensors gathered once this step: the backward reads their word caches
-        words = {k for k in encoded if isinstance(caches_d[k], ciera_jax.WordCache)}
+        words = {k for k in tensors if compress.get(k, False)
+                 and isinstance(caches_d.get(k), ciera_jax.WordCache)}
         once = {k: k in words and tc.word_backward == "cache" for k in tensors}
         grads, (loss, parts, caches_d, stats) = jax.grad(loss_fn, has_aux=True)(
             params, caches, encoded, agreed, tokens)

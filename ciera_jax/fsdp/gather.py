@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import ciera_jax.collective as collective
 import ciera_jax.quantized as quantized
+from ciera_jax.fsdp import buckets
 from ciera_jax.fsdp.axes import axis_bound, axis_size, invariant
 from ciera_jax.fsdp.inventory import GatheredTensor
 from ciera_jax.fsdp.plan import Plan
@@ -84,8 +85,8 @@ def gather_inputs(tensors: dict, shards: dict, caches: dict, plan: Plan, axis_na
     (Encoded, agreed)}``, the keys it compresses), else, in ``ciera`` mode, every tensor with
     a cache encoded here and agreed on with ONE collective."""
     if prepared is not None:
-        return {k: (prepared[k][0], caches[k], prepared[k][1]) if k in prepared else None
-                for k in tensors}
+        return {k: (buckets.unwrap(prepared[k][0]), caches[k], prepared[k][1])
+                if k in prepared else None for k in tensors}
     if plan.mode != "ciera":
         return {k: None for k in tensors}
     enc = {k: collective.encode(lax.stop_gradient(shards[k]), caches[k], axis_name,
@@ -98,14 +99,42 @@ def gather_inputs(tensors: dict, shards: dict, caches: dict, plan: Plan, axis_na
 def gather(tensors: dict, shards: dict, caches: dict, plan: Plan, axis_name: str,
            prepared: dict | None = None, region: bool = False):
     """Gather a call's shards (inside ``shard_map``): ``(fulls, new_caches, stats)``, each
-    ``{key: ...}``; ``new_caches`` holds the compressed tensors' only."""
-    inputs = gather_inputs(tensors, shards, caches, plan, axis_name, prepared)
+    ``{key: ...}``; ``new_caches`` holds the compressed tensors' only.
+
+    Small compressed tensors of one gathering module go as one bucket
+    (:mod:`~ciera_jax.fsdp.buckets`): a prepared step's buckets are its ``BucketEncoded``
+    entries (keyed by bucket, not tensor), else they are formed here."""
+    if prepared is not None:
+        bucket_of = {k: e.members for k, (e, _) in prepared.items() if buckets.is_bucket(e)}
+    elif plan.mode == "ciera":
+        bucket_of = buckets.groups(tensors, caches, axis_name)
+    else:
+        bucket_of = {}
+    n_ranks = axis_size(axis_name)
+    members_t = {key: [buckets.local_tensor(tensors[k], shards[k].shape, n_ranks)
+                       for k in members] for key, members in bucket_of.items()}
+    joined_t, joined_s, joined_c = dict(tensors), dict(shards), dict(caches)
+    for key, members in bucket_of.items():
+        joined_t[key] = buckets.tensor_of(key, members_t[key], n_ranks)
+        joined_s[key] = buckets.join_shards([shards[k] for k in members])
+        joined_c[key] = buckets.join_caches([caches[k] for k in members], members_t[key],
+                                            n_ranks)
+        for k in members:
+            del joined_t[k], joined_s[k], joined_c[k]
+    inputs = gather_inputs(joined_t, joined_s, joined_c, plan, axis_name, prepared)
     fulls, new_caches, stats = {}, {}, {}
-    for k, t in tensors.items():
-        fulls[k], c, stats[k] = _gather_one(t, shards[k], inputs[k], plan, axis_name, region)
+    for k, t in joined_t.items():
+        fulls[k], c, stats[k] = _gather_one(t, joined_s[k], inputs[k], plan, axis_name, region)
         if c is not None:
             new_caches[k] = c
-    return fulls, new_caches, stats
+    for key, members in bucket_of.items():
+        mt = members_t[key]
+        parts = zip(members, buckets.split_full(fulls.pop(key), mt, n_ranks),
+                    buckets.split_cache(new_caches.pop(key), mt, n_ranks),
+                    buckets.split_stats(stats.pop(key), mt))
+        for k, full, cache, st in parts:
+            fulls[k], new_caches[k], stats[k] = full, cache, st
+    return ({k: fulls[k] for k in tensors}, new_caches, {k: stats[k] for k in tensors})
 
 
 def gather_region(tensors: dict, shards: dict, caches: dict, plan: Plan, axis_name: str):

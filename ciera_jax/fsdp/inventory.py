@@ -25,7 +25,9 @@ class GatheredTensor:
     ``shape``: one layer's full (gathered) shape; ``stack``: layers stacked on a leading axis
     (0: a single tensor) and ``stack_path`` the stack's module path; ``spec``: one layer's
     partitioning, one entry per dimension (the gather axis at ``axis``, other mesh axes such
-    as ``tp`` where the parameter keeps them; empty: split over the gather axis only).
+    as ``tp`` where the parameter keeps them; empty: split over the gather axis only);
+    ``gatherer``: the path of the module that gathers it (its bucket's module, see
+    :mod:`ciera_jax.fsdp.buckets`).
     """
 
     key: str
@@ -35,6 +37,7 @@ class GatheredTensor:
     stack: int = 0
     stack_path: str = ""
     spec: tuple = ()
+    gatherer: str = ""
 
     def layer_key(self, layer: int) -> str:
         """``layers/3/mlp/w_gate_ExDxF`` for layer 3 of a stacked tensor (the key otherwise)."""
@@ -58,7 +61,11 @@ class Gatherer:
 
     def key(self, p: ShardedParam) -> str:
         """The model-wide key of parameter ``p`` (``layers/mlp/w_gate_ExDxF``)."""
-        return "/".join(map(str, (*self.path, p.key)))
+        return self.key_of(p.key)
+
+    def key_of(self, name: str) -> str:
+        """The model-wide key of ``name`` below the module (a parameter's or a bucket's)."""
+        return "/".join(map(str, (*self.path, name)))
 
 
 def gatherers(model: nnx.Module) -> list[Gatherer]:
@@ -84,7 +91,8 @@ def gathered_tensors(model: nnx.Module) -> dict[str, GatheredTensor]:
         for p in g.params:
             out[g.key(p)] = GatheredTensor(g.key(p), p.axis - p.lead, p.layer_shape,
                                            g.spec.dtype or p.var.get_value().dtype,
-                                           g.layers, "/".join(map(str, g.stack_path)), p.spec)
+                                           g.layers, "/".join(map(str, g.stack_path)), p.spec,
+                                           "/".join(map(str, g.path)))
     return out
 
 

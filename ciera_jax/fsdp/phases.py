@@ -5,53 +5,82 @@ exchange each at its agreed tier."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 import ciera_jax.collective as collective
-from ciera_jax.fsdp.axes import AXIS
+from ciera_jax.fsdp import buckets
+from ciera_jax.fsdp.axes import AXIS, axis_size
 
 
 def encode_tensors(tensors: dict, params: dict, caches: dict, compress: dict,
                    axis_name: str = AXIS, impl: str = "auto") -> dict:
-    """Phase 1 for every compressed tensor (inside ``shard_map``): ``{key: Encoded}``.
+    """Phase 1 for every compressed tensor (inside ``shard_map``): ``{key: Encoded}``, where
+    a bucket of small tensors (:mod:`~ciera_jax.fsdp.buckets`) has one entry, keyed by bucket,
+    holding a ``BucketEncoded``.
 
     ``params``: ``{key: local shard}`` (any float dtype; cast to the tensor's compute dtype);
     ``caches``: ``{key: cache}``; stacked tensors are encoded layer by layer, so their Encoded
     leaves carry the layer axis first.
     """
+    keys = [k for k in tensors if compress.get(k, False)]
+    bucket_of = buckets.groups(tensors, caches, axis_name, keys)
+    n_ranks = axis_size(axis_name)
+    units = {k: (tensors[k], params[k].astype(tensors[k].dtype), caches[k]) for k in keys}
+    for key, members in bucket_of.items():
+        lead = 1 if tensors[members[0]].stack else 0
+        layer_t = [buckets.local_tensor(tensors[k], params[k].shape[lead:], n_ranks)
+                   for k in members]
+        t = buckets.tensor_of(key, layer_t, n_ranks)
+        shard = buckets.join_shards([units[k][1] for k in members], lead)
+        cache = buckets.join_caches([caches[k] for k in members], layer_t, n_ranks, lead)
+        units[key] = (dataclasses.replace(t, stack=tensors[members[0]].stack), shard, cache)
+        for k in members:
+            del units[k]
     out = {}
-    for key, t in tensors.items():
-        if not compress.get(key, False):
-            continue
-        shard = params[key].astype(t.dtype)
-
+    for key, (t, shard, cache) in units.items():
         def enc(s, c, t=t):
             return collective.encode(s, c, axis_name, axis=t.axis, impl=impl, name=t.key)
 
         # Layer by layer with lax.map (one traced body; vmap would turn the tier switch of
         # encode into a select of all branches).
-        out[key] = (lax.map(lambda sc: enc(*sc), (shard, caches[key])) if t.stack
-                    else enc(shard, caches[key]))
+        e = lax.map(lambda sc: enc(*sc), (shard, cache)) if t.stack else enc(shard, cache)
+        out[key] = buckets.BucketEncoded(e, bucket_of[key]) if key in bucket_of else e
     return out
 
 
 def agree_tensors(tensors: dict, encoded: dict, axis_name: str = AXIS) -> dict:
     """Phase 2: ONE ``agree`` (one ``pmax``) over the demand of every layer of every encoded
-    tensor. Returns ``{key: agreed}`` (per layer for stacks)."""
+    tensor or bucket. Returns ``{key: agreed}`` (per layer for stacks)."""
+    def stack(key):
+        e = encoded[key]
+        return tensors[e.members[0] if buckets.is_bucket(e) else key].stack
+
     flat, where = [], []
     for key, e in encoded.items():
-        n = tensors[key].stack
-        if n:
-            for layer in range(n):
-                flat.append(jax.tree.map(lambda a, layer=layer: a[layer], e))
-                where.append(key)
-        else:
-            flat.append(e)
+        e = buckets.unwrap(e)
+        for layer in range(stack(key)) if stack(key) else (None,):
+            flat.append(e if layer is None else jax.tree.map(lambda a, i=layer: a[i], e))
             where.append(key)
     agreed = collective.agree(flat, axis_name) if flat else []
     out: dict = {}
     for key, a in zip(where, agreed):
         out.setdefault(key, []).append(a)
-    return {k: (jnp.stack(v) if tensors[k].stack else v[0]) for k, v in out.items()}
+    return {k: (jnp.stack(v) if stack(k) else v[0]) for k, v in out.items()}
+
+
+def priming_inputs(tensors: dict, encoded_shapes: dict, n_ranks: int) -> dict:
+    """Host-side ``{key: Encoded}`` asking every tensor and bucket for a priming gather
+    (:func:`ciera_jax.priming_encoded`), shaped like ``encoded_shapes`` (from
+    ``jax.eval_shape`` of :func:`encode_tensors`): for fresh or restored caches."""
+    out = {}
+    for k, e in encoded_shapes.items():
+        members = e.members if buckets.is_bucket(e) else (k,)
+        n_local = sum(math.prod(tensors[m].shape) // n_ranks for m in members)
+        primed = collective.priming_encoded(buckets.unwrap(e), n_local)
+        out[k] = buckets.BucketEncoded(primed, members) if buckets.is_bucket(e) else primed
+    return out

@@ -24,6 +24,7 @@ from flax import nnx
 from jax import lax
 
 import ciera_jax.cache as cache_lib
+from ciera_jax.fsdp import buckets
 from ciera_jax.fsdp.axes import AXIS, axis_size, varying_axes
 from ciera_jax.fsdp.caches import GatherCacheVar, cache_attr
 from ciera_jax.fsdp.discovery import gather_spec, iter_modules, module_path, path_key
@@ -54,8 +55,13 @@ def prepare(model: nnx.Module, encoded: dict, agreed: dict, mode: str = "ciera",
     encoded = encoded if mode == "ciera" else {}
     for g in gatherers(model):
         set_plan(g.module, Plan(mode, impl, prepared=True, word_backward=word_backward))
+        local = {g.key(p): p.key for p in g.params}
         mine = {p.key: (encoded[g.key(p)], agreed[g.key(p)]) for p in g.params
                 if g.key(p) in encoded}
+        for key, e in encoded.items():  # a bucket's inputs go to the module gathering it
+            if buckets.is_bucket(e) and e.members[0] in local:
+                mine[key.rsplit("/", 1)[-1]] = (buckets.BucketEncoded(
+                    e.encoded, tuple(local[m] for m in e.members)), agreed[key])
         if mine:
             setattr(g.module, INPUTS_ATTR, GatherInputs(mine))
     return model
@@ -66,29 +72,41 @@ def _inputs(module) -> dict:
     return var.get_value() if isinstance(var, GatherInputs) else {}
 
 
-def _members(module, layers: int) -> list:
+def _members(module, layers: int) -> tuple[list, dict]:
     """(key below ``module``, gathering module, its param, tensor, gather inputs or None) of
     every parameter gathered under ``module`` (a stack of ``layers``, or one call: 0), read
-    from the inventory of ``module``. Gathering sub-modules' parameters are gathered here
-    too, with the rest: the sub-modules then hold full weights and only run."""
-    out = []
+    from the inventory of ``module``, and the buckets' gather inputs by bucket key. Gathering
+    sub-modules' parameters are gathered here too, with the rest: the sub-modules then hold
+    full weights and only run.
+
+    Gather inputs are ``(Encoded, cache, agreed)``; a bucket member's are ``(None, cache,
+    None)`` and its bucket's ``(BucketEncoded, None, agreed)``."""
+    out, bucket_inputs = [], {}
     prefix = module_path(module)
     for g in gatherers(module):
         n_ranks = axis_size(g.spec.axis_name)
         inputs = _inputs(g.module)
+        in_bucket = set()
+        for name, (enc, agreed) in inputs.items():
+            if buckets.is_bucket(enc):
+                at = {p.key: g.key(p) for p in g.params}
+                members = tuple(at[m] for m in enc.members)
+                bucket_inputs[g.key_of(name)] = (buckets.BucketEncoded(enc.encoded, members),
+                                                 None, agreed)
+                in_bucket.update(enc.members)
         for p in g.params:
             key = g.key(p)
             shape = list(p.layer_shape)
             shape[p.axis - p.lead] *= n_ranks
             t = GatheredTensor(f"{prefix}/{key}" if prefix else key, p.axis - p.lead,
                                tuple(shape), g.spec.dtype or p.var.get_value().dtype,
-                               layers, prefix, p.spec)
+                               layers, prefix, p.spec, "/".join(map(str, g.path)))
             gin = None
-            if p.key in inputs:
-                enc, agreed = inputs[p.key]
+            if p.key in inputs or p.key in in_bucket:
+                enc, agreed = inputs.get(p.key, (None, None))
                 gin = (enc, getattr(p.owner, cache_attr(p.name)).get_value(), agreed)
             out.append((key, g.module, p, t, gin))
-    return out
+    return out, bucket_inputs
 
 
 def _leave(members, caches: dict, stats: dict) -> None:
@@ -127,7 +145,7 @@ def _scan(module, x, args, plan: Plan, layers: int, body):
     """``body(module holding full weights, x, *args) -> (x, y)`` over ``layers`` stacked
     layers (0: one call), every gather through :func:`_run`; new caches and stats are left
     in ``module``'s state."""
-    members = _members(module, layers)
+    members, bucket_inputs = _members(module, layers)
     graphdef, params, skipped, rest = nnx.split(
         module, nnx.Param, (GatherCacheVar, GatherInputs, GatherStats), ...)
     keys = [path_key(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
@@ -135,7 +153,7 @@ def _scan(module, x, args, plan: Plan, layers: int, body):
     values = dict(zip(keys, leaves))
     dummy = jax.tree.map(lambda a: np.zeros((), a.dtype), skipped)  # held modules read none
     tensors = {k: t for k, _, _, t, _ in members}
-    inputs = {k: gin for k, _, _, _, gin in members}
+    inputs = {**{k: gin for k, _, _, _, gin in members}, **bucket_inputs}
     shards = {k: values[k].astype(t.dtype) for k, t in tensors.items()}
     others = {k: v for k, v in values.items() if k not in tensors}
 
@@ -154,7 +172,7 @@ def _scan(module, x, args, plan: Plan, layers: int, body):
     # JAX's persistent cache would miss).
     held = () if plan.word_backward != "cache" else tuple(
         k for k, gin in inputs.items() if gin is not None and isinstance(
-            gin[1], cache_lib.WordCache))
+            gin[1], cache_lib.WordCache))  # bucket members too: each has its own cache
     axis_name = gather_spec(members[0][1]).axis_name if members else AXIS
     run = _run(compute, tensors, held, layers, plan, axis_name)
     x, ys, cs, ss = run(shards, others, rest, x, tuple(args), inputs)
@@ -188,13 +206,15 @@ def _run(compute, tensors: dict, held: tuple, n: int, plan: Plan, axis_name: str
         return jax.tree.map(lambda s, v: lax.dynamic_update_index_in_dim(s, v, i, 0), stack, c)
 
     def gather_layer(shards, inputs, keys=None):
-        """:func:`~ciera_jax.fsdp.gather` of one layer's ``keys`` (all: None); ``inputs``:
-        ``{key: (Encoded, cache, agreed) or None}``."""
+        """:func:`~ciera_jax.fsdp.gather` of one layer's ``keys`` (all: None) and of the
+        buckets all of whose members are among them; ``inputs``: ``{key: (Encoded, cache,
+        agreed) or None}``."""
         keys = list(shards) if keys is None else keys
-        ready = {k: inputs[k] for k in keys if inputs[k] is not None}
+        ready = {k: g for k, g in inputs.items() if g is not None and (
+            k in keys or buckets.is_bucket(g[0]) and set(g[0].members) <= set(keys))}
         return gather({k: tensors[k] for k in keys}, {k: shards[k] for k in keys},
-                      {k: g[1] for k, g in ready.items()}, plan, axis_name,
-                      prepared={k: (g[0], g[2]) for k, g in ready.items()})
+                      {k: g[1] for k, g in ready.items() if g[1] is not None}, plan, axis_name,
+                      prepared={k: (g[0], g[2]) for k, g in ready.items() if g[0] is not None})
 
     def backward_fulls(shards, inputs, held_caches):
         """Held keys from their (new) word cache, the rest gathered again."""
@@ -213,7 +233,7 @@ def _run(compute, tensors: dict, held: tuple, n: int, plan: Plan, axis_name: str
         stacks = {k: inputs[k][1] for k in held}  # old words in; new words out, in place
 
         def fetch(i, stacks):
-            inputs_i = {k: at(inputs[k], i) for k in tensors}
+            inputs_i = {k: at(gin, i) for k, gin in inputs.items()}
             for k in held:  # this layer's old words from the carried stack
                 inputs_i[k] = (inputs_i[k][0], at(stacks[k], i), inputs_i[k][2])
             fulls, new, stats = gather_layer(at(frozen, i), inputs_i)
