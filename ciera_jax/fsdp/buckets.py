@@ -23,9 +23,11 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from ciera_jax import cache as cache_lib
 from ciera_jax import codec
+from ciera_jax.gradient import attach_gather_grad
 from ciera_jax.fsdp.inventory import GatheredTensor
 from ciera_jax.fsdp.rules import kept_axes
 
@@ -67,11 +69,9 @@ def groups(tensors: dict, caches: dict, axis_name: str, keys=None) -> dict:
         group = (t.gatherer, t.stack, np.dtype(t.dtype).str, c.mode,
                  kept_axes(t.spec, axis_name))
         by.setdefault(group, []).append(k)
-    out = {}
-    for i, ((gatherer, *_), members) in enumerate(by.items()):
-        if len(members) > 1:
-            out[f"{gatherer}/{KEY_MARK}{i}" if gatherer else f"{KEY_MARK}{i}"] = tuple(members)
-    return out
+    joined = [(group[0], tuple(members)) for group, members in by.items() if len(members) > 1]
+    return {f"{gatherer}/{KEY_MARK}{i}" if gatherer else f"{KEY_MARK}{i}": members
+            for i, (gatherer, members) in enumerate(joined)}
 
 
 def local_tensor(t: GatheredTensor, shard_shape, n_ranks: int) -> GatheredTensor:
@@ -93,8 +93,21 @@ def tensor_of(key: str, members_t: list, n_ranks: int) -> GatheredTensor:
 
 
 def join_shards(shards: list, lead: int = 0) -> jax.Array:
-    """Members' shards ([L,] *shard), ``lead`` leading dims kept -> the bucket's ([L,] S)."""
-    return jnp.concatenate([s.reshape(s.shape[:lead] + (-1,)) for s in shards], axis=-1)
+    """Members' shards ([L,] *shard), ``lead`` leading dims kept -> the bucket's ([L,] S).
+    Joined as bits: XLA:CPU may run a bf16 copy through float32, which quiets NaN payloads.
+    No gradient flows through (see :func:`split_gathered`)."""
+    dtype = shards[0].dtype
+    bits = [codec.to_bits(lax.stop_gradient(s)) for s in shards]
+    return codec.from_bits(jnp.concatenate(
+        [b.reshape(b.shape[:lead] + (-1,)) for b in bits], axis=-1), dtype)
+
+
+def split_gathered(full, members_t: list, shards: list, axis_name: str, n_ranks: int) -> list:
+    """The bucket's gathered tensor (one layer) -> each member's full tensor, cut as bits and
+    differentiating as an all-gather of its own shard."""
+    parts = split_full(codec.to_bits(full), members_t, n_ranks)
+    return [attach_gather_grad(s, codec.from_bits(b, full.dtype), axis_name, t.axis)
+            for b, t, s in zip(parts, members_t, shards)]
 
 
 def _to_rows(full, shape, axis: int, n_ranks: int, lead: int):

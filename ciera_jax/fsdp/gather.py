@@ -129,7 +129,9 @@ def gather(tensors: dict, shards: dict, caches: dict, plan: Plan, axis_name: str
             new_caches[k] = c
     for key, members in bucket_of.items():
         mt = members_t[key]
-        parts = zip(members, buckets.split_full(fulls.pop(key), mt, n_ranks),
+        parts = zip(members, buckets.split_gathered(fulls.pop(key), mt,
+                                                    [shards[k] for k in members], axis_name,
+                                                    n_ranks),
                     buckets.split_cache(new_caches.pop(key), mt, n_ranks),
                     buckets.split_stats(stats.pop(key), mt))
         for k, full, cache, st in parts:
