@@ -73,6 +73,8 @@ def test_groups_by_module_dtype_and_size(monkeypatch):
     assert buckets.groups(ts3, caches, "fsdp") == {"attn/[bucket]0": ("q", "k", "b")}
     word = {**caches, "b": ciera_jax.init_cache((N * 3,), BF16, "word")}
     assert buckets.groups(ts, word, "fsdp") == {"[bucket]0": ("q", "k")}
+    monkeypatch.setattr(buckets, "MAX_BUCKET_ELEMENTS", 620)  # q + k, then b alone
+    assert buckets.groups(ts, caches, "fsdp") == {"[bucket]0": ("q", "k")}
     monkeypatch.setattr(buckets, "MAX_ELEMENTS", 100)  # q (512 elements) is gathered alone
     assert buckets.groups(ts, caches, "fsdp") == {"[bucket]0": ("k", "b")}
 

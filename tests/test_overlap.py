@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from jax.extend import core as jcore
 
+from ciera_jax.fsdp import buckets
 from ciera_models import data
 from ciera_models.train import TrainConfig, build_trainer, make_mesh
 
@@ -103,7 +104,8 @@ def test_one_agreement_per_step(step_jaxpr):
     shapes = jax.eval_shape(tr.prepare_fn, *jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (tr.init_state(0).params,
                                                              tr.init_state(0).caches)))
-    demands = sum(e.demand.size // 8 for e in shapes["encoded"].values())  # 8 ranks
+    demands = sum(buckets.unwrap(e).demand.size // 8  # 8 ranks
+                  for e in shapes["encoded"].values())
     assert demands > 0 and pmax[0].invars[0].aval.shape == (demands,)
     # and not inside the layer scan (it would run once per layer)
     for e in _walk(step_jaxpr):

@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 from ciera_jax import fsdp, memory
+from ciera_jax.fsdp import buckets
 from flax_nets import LM, MLP, batches, make_mesh, same_bits, train_jit, train_shard_map
 from ciera_models import data
 from ciera_models.state import build_trainer, bytes_per_device
@@ -89,14 +90,20 @@ def test_compiled_word_step_has_no_backward_gather():
 
 def test_cache_backward_keeps_no_second_copy_of_the_words():
     """Measured (XLA's memory analysis of the compiled step): word caches add less than half
-    of their own size to the step's temporaries over plain FSDP (no gathered weights kept, no
-    copy of the words: the backward reads the cache, which the step updates in place), and the
-    caches it carries are the memory model's word-cache bytes."""
+    of their own size to the step's temporaries over plain FSDP, besides a bucket's transient
+    join (no gathered weights kept, no copy of the words: the backward reads the cache, which
+    the step updates in place), and the caches it carries are the memory model's word-cache
+    bytes."""
     tr, state, word = _step(plan="all", cache="word")
     _, _, plain = _step(gather="plain")
     caches = bytes_per_device(state.caches)
     extra = word.memory_analysis().temp_size_in_bytes - plain.memory_analysis().temp_size_in_bytes
-    assert extra < caches / 2, (extra, caches)
+    # a bucket of small tensors joins its members' caches (one layer) for a moment: measured
+    # 2.5x the largest bucket's words, on top of the 0.32x of the caches without buckets
+    groups = buckets.groups(tr.tensors, fsdp.cache_dict(state.caches), fsdp.AXIS)
+    bucket = max((2 * sum(math.prod(tr.tensors[k].shape) for k in m) for m in groups.values()),
+                 default=0)
+    assert bucket and extra < caches / 2 + 3 * bucket, (extra, caches, bucket)
     modeled = memory.memory_per_gpu(tr.tc.model, 8, "word", tokens_per_gpu=1).caches["word"]
     assert caches == modeled
     # the step donates its caches and returns them in the same buffers

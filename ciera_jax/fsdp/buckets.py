@@ -10,9 +10,10 @@ the same words), the result bitwise the same.
 
 Members share a gathering module, a stack, a compute dtype, a cache mode and the mesh axes they
 stay split on; a tensor whose one layer has more than :data:`MAX_ELEMENTS` elements is gathered
-alone (its fixed cost is paid back by its size, and joining it would copy it). Layout of a
-bucket's full (1-D) tensor: rank-major, rank ``r``'s shard at ``[r*S, (r+1)*S)``, each member's
-flat shard in member order inside it.
+alone (its fixed cost is paid back by its size, and joining it would copy it), and a bucket
+holds at most :data:`MAX_BUCKET_ELEMENTS` per layer (the joined caches are a transient copy).
+Layout of a bucket's full (1-D) tensor: rank-major, rank ``r``'s shard at ``[r*S, (r+1)*S)``,
+each member's flat shard in member order inside it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ from ciera_jax.fsdp.inventory import GatheredTensor
 from ciera_jax.fsdp.rules import kept_axes
 
 MAX_ELEMENTS = 1 << 20  # one layer's full tensor; above it a tensor is gathered alone
+# one layer of a bucket's full tensor: a gather holds a joined copy of its members' caches and
+# of the new ones for a moment, so this bounds that transient memory (words: 2 B per element)
+MAX_BUCKET_ELEMENTS = 1 << 21
 KEY_MARK = "[bucket]"  # bucket keys: "<gatherer>/[bucket]<i>"
 
 
@@ -58,7 +62,8 @@ def groups(tensors: dict, caches: dict, axis_name: str, keys=None) -> dict:
     """``{bucket key: member keys}`` over the compressed tensors (``keys``; default: every
     tensor with a cache): members share a gathering module, stack, dtype, cache mode and
     kept mesh axes, have at most :data:`MAX_ELEMENTS` elements per layer, and number two or
-    more. Deterministic: model order in, the same buckets out on every process."""
+    more; a group past :data:`MAX_BUCKET_ELEMENTS` fills another bucket, in model order.
+    Deterministic: model order in, the same buckets out on every process."""
     keys = [k for k in tensors if k in caches] if keys is None else list(keys)
     by: dict = {}
     for k in keys:
@@ -68,8 +73,13 @@ def groups(tensors: dict, caches: dict, axis_name: str, keys=None) -> dict:
             continue
         group = (t.gatherer, t.stack, np.dtype(t.dtype).str, c.mode,
                  kept_axes(t.spec, axis_name))
-        by.setdefault(group, []).append(k)
-    joined = [(group[0], tuple(members)) for group, members in by.items() if len(members) > 1]
+        bins = by.setdefault(group, [[]])
+        size = sum(math.prod(tensors[m].shape) for m in bins[-1])
+        if size + math.prod(t.shape) > MAX_BUCKET_ELEMENTS:
+            bins.append([])
+        bins[-1].append(k)
+    joined = [(group[0], tuple(members)) for group, bins in by.items() for members in bins
+              if len(members) > 1]
     return {f"{gatherer}/{KEY_MARK}{i}" if gatherer else f"{KEY_MARK}{i}": members
             for i, (gatherer, members) in enumerate(joined)}
 
