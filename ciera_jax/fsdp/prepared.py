@@ -196,7 +196,6 @@ def _run(compute, tensors: dict, held: tuple, n: int, plan: Plan, axis_name: str
             return tree
         return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
 
-    head = lambda tree: jax.tree.map(lambda a: a[:-1], tree)  # noqa: E731
     first = lambda tree: jax.tree.map(lambda a: a[None], tree)  # noqa: E731
     cat = lambda a, b: jnp.concatenate([a, b], axis=0)  # noqa: E731
 
@@ -245,10 +244,9 @@ def _run(compute, tensors: dict, held: tuple, n: int, plan: Plan, axis_name: str
 
         fulls, c0, s0, stacks = fetch(0 if n else None, stacks)
         if n <= 1:
-            x_last = x
+            x_in = x[None] if n else x
             x, y = layer(0 if n else None, fulls, x)
-            ys, cs, ss, x_in = ((first(y), first(c0), first(s0), None) if n else
-                                (y, c0, s0, None))
+            ys, cs, ss = (first(y), first(c0), first(s0)) if n else (y, c0, s0)
         else:
             def body(carry, i):
                 x, fulls, stacks = carry
@@ -259,15 +257,16 @@ def _run(compute, tensors: dict, held: tuple, n: int, plan: Plan, axis_name: str
             (x_last, fulls, stacks), (ys, cs, ss, x_in) = lax.scan(
                 body, (x, fulls, stacks), jnp.arange(n - 1))
             x, y = layer(n - 1, fulls, x_last)
+            x_in = cat(x_in, x_last[None])
             ys = jax.tree.map(lambda a, b: cat(a, b[None]), ys, y)
             cs = jax.tree.map(lambda a, b: cat(a[None], b), c0, cs)
             ss = jax.tree.map(lambda a, b: cat(a[None], b), s0, ss)
         cs = {**cs, **stacks}
-        res = (shards, others, rest, args, inputs, {k: cs[k] for k in held}, x_in, x_last)
+        res = (shards, others, rest, args, inputs, {k: cs[k] for k in held}, x_in)
         return (x, ys, cs, ss), res
 
     def backward(res, cts):
-        shards, others, rest, args, inputs, held_caches, x_in, x_last = res
+        shards, others, rest, args, inputs, held_caches, x_in = res
         ct_x, ct_ys = cts[0], cts[1]
 
         def layer_bwd(i, x, ct_x, ct_y):
@@ -278,11 +277,11 @@ def _run(compute, tensors: dict, held: tuple, n: int, plan: Plan, axis_name: str
             return ct_x, (scatter(ct_fulls, at(shards, i)), ct_others,
                           _drop_float0(ct_rest), _drop_float0(tuple(ct_args)))
 
-        last_i = n - 1 if n else None
-        ct_x, last = layer_bwd(last_i, x_last, ct_x, at(ct_ys, last_i))
-        if n <= 1:
-            grads, ct_args = (first(last[:3]) if n else last[:3]), last[3]
+        if not n:
+            ct_x, (*grads, ct_args) = layer_bwd(None, x_in, ct_x, ct_ys)
         else:
+            # Every layer in the one scan (none peeled off): the backward's gathers and the
+            # layer's VJP are compiled once.
             def body(carry, xs):
                 ct_x, ct_args = carry
                 i, x, ct_y = xs
@@ -291,8 +290,8 @@ def _run(compute, tensors: dict, held: tuple, n: int, plan: Plan, axis_name: str
                 return (ct_x, ct_args), (g_shards, g_others, g_rest)
 
             (ct_x, ct_args), grads = lax.scan(
-                body, (ct_x, last[3]), (jnp.arange(n - 1), x_in, head(ct_ys)), reverse=True)
-            grads = jax.tree.map(lambda a, b: cat(a, b[None]), grads, last[:3])
+                body, (ct_x, _zero_cotangents(args)), (jnp.arange(n), x_in, ct_ys),
+                reverse=True)
         g_shards, g_others, g_rest = grads
         return (g_shards, g_others, _with_float0(rest, g_rest), ct_x,
                 _with_float0(args, ct_args), _float0_like(inputs))
@@ -308,6 +307,14 @@ def _typed_like_gather(full, shard, axis_name):
     want = (varying_axes(shard) | {axis_name}) & set(jax.sharding.get_abstract_mesh().manual_axes)
     missing = tuple(sorted(want - varying_axes(full)))
     return lax.pcast(full, missing, to="varying") if missing else full
+
+
+def _zero_cotangents(tree):
+    """Zero cotangents of ``tree`` as :func:`_drop_float0` leaves them: zeros for inexact
+    leaves, a bool scalar placeholder for the rest."""
+    return jax.tree.map(lambda a: jnp.zeros(jnp.shape(a), jnp.result_type(a))
+                        if jnp.issubdtype(jnp.result_type(a), jnp.inexact)
+                        else jnp.zeros((), jnp.bool_), tree)
 
 
 def _float0_like(tree):
