@@ -221,22 +221,25 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
     # operand of the fallback's cond) though only the head travels on most steps.
     shard = lax.stop_gradient(x)
     option, cached = ((word_option, cache.words) if word else (exponent_option, cache.exp))
-    decoded, failed, rung, fallback, section, main_NxL = option.exchange(
+    decoded, decoded_cached, failed, rung, fallback, section, main_NxL = option.exchange(
         e, cached, agreed, shard, axis_name, dtype, impl)
     operands = (shard, decoded, cache, main_NxL)
 
     def plain(args):
         shard, main, _ = args
         rows = transfer.plain_rest(main, codec.to_bits(shard), axis_name)
-        full = codec.from_bits(rows_to_full(rows, e.shard_shape, e.axis), dtype)
-        return varying_like(full, operands, axis_name)
+        bits = rows_to_full(rows, e.shard_shape, e.axis)
+        full = codec.from_bits(bits, dtype)
+        return tuple(varying_like(a, operands, axis_name)
+                     for a in (full, bits if word else codec.exponent(full)))
 
     def compressed(args):
-        return varying_like(args[2], operands, axis_name)
+        return tuple(varying_like(a, operands, axis_name) for a in args[2])
 
     # The one conditional with a large transfer: taken only when some rank overflowed the
     # top rung or a cache is unprimed (the agreement makes ``fallback`` rank-invariant).
-    full = lax.cond(fallback, plain, compressed, (shard, main_NxL, decoded))
+    full, new_cached = lax.cond(fallback, plain, compressed,
+                                (shard, main_NxL, (decoded, decoded_cached)))
     wire = e.wire
     caps = wire.caps1 if word else wire.caps
     sent = jnp.where(fallback, wire.fallback_bytes, wire.main_bytes + section)
@@ -255,19 +258,20 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
         code_bits=jnp.where(fallback, 0, e.code_bits if word else 0).astype(jnp.int32),
         verify_failed=jnp.where(fallback, 0, failed).astype(jnp.int32),
     )
-    new_cache = _refreshed(cache, full)
+    new_cache = _refreshed(cache, new_cached)
     # The gathered tensor differs by nothing across ranks, but lax.all_gather types it as
     # varying; match that so callers can mix it with per-rank values as they would a gather.
     full = varying_like(full, x, None)
     return attach_gather_grad(x, full, axis_name, e.axis), new_cache, stats
 
 
-def _refreshed(cache, full):
-    """The cache after a gather: the full tensor's exponents or words, primed."""
+def _refreshed(cache, new_cached):
+    """The cache after a gather: the full tensor's words or exponents (``new_cached``),
+    primed."""
     primed = jnp.ones_like(cache.primed)
     if isinstance(cache, WordCache):
-        return dataclasses.replace(cache, words=codec.to_bits(full), primed=primed)
-    return dataclasses.replace(cache, exp=codec.exponent(full), primed=primed)
+        return dataclasses.replace(cache, words=new_cached, primed=primed)
+    return dataclasses.replace(cache, exp=new_cached, primed=primed)
 
 
 def _plain_stats(x) -> dict:

@@ -88,9 +88,10 @@ def encode(x, cached_exp, primed, axis: int, n_ranks: int, csum, impl: str) -> E
 
 
 def exchange(e: Encoded, cache_exp, agreed, shard, axis_name, dtype, impl: str):
-    """Returns ``(decoded full, failed shards, rung, overflow, section bytes sent, main rows)``;
-    on overflow the main rows carry the head of the shards' bits and the caller finishes with
-    :func:`ciera_jax.transfer.plain_rest` (``decoded`` is then meaningless)."""
+    """Returns ``(decoded full, its exponents (the new cache), failed shards, rung, overflow,
+    section bytes sent, main rows)``; on overflow the main rows carry the head of the shards'
+    bits and the caller finishes with :func:`ciera_jax.transfer.plain_rest` (``decoded`` is
+    then meaningless)."""
     wire = e.wire
     n, n_planes = wire.n, e.payload.shape[0]
     rung, overflow = transfer.pick_rung(wire.caps, agreed)
@@ -113,6 +114,8 @@ def exchange(e: Encoded, cache_exp, agreed, shard, axis_name, dtype, impl: str):
     full, got_N = kernels.decode_checksum(exp_full, payload_full, dtype, e.n_ranks, axis=e.axis,
                                           impl=impl)
     sent = transfer.section_bytes(wire.section_sizes, rung)
-    return (full, selfcheck.failed_shards(full, sent_N, e.axis, got_N), rung, overflow, sent,
-            main_NxL)
+    # The new cache is the exponents the decode read (bitwise exponent(full)), so no pass
+    # over the full tensor is needed to make it.
+    return (full, exp_full, selfcheck.failed_shards(full, sent_N, e.axis, got_N), rung,
+            overflow, sent, main_NxL)
 

@@ -103,9 +103,10 @@ def _level1(d):
 
 
 def exchange(e: WordEncoded, cache_words, agreed, shard, axis_name, dtype, impl: str):
-    """Returns ``(decoded full, failed shards, rung, overflow, escape bytes sent, main rows)``;
-    on overflow the main rows carry the head of the shards' bits and the caller finishes with
-    :func:`ciera_jax.transfer.plain_rest` (``decoded`` is then meaningless)."""
+    """Returns ``(decoded full, its words (the new cache), failed shards, rung, overflow,
+    escape bytes sent, main rows)``; on overflow the main rows carry the head of the shards'
+    bits and the caller finishes with :func:`ciera_jax.transfer.plain_rest` (``decoded`` is
+    then meaningless)."""
     wire, b = e.wire, e.code_bits
     n = wire.n
     rung1, over1 = transfer.pick_rung(wire.caps1, agreed[ESCAPES])
@@ -130,9 +131,10 @@ def exchange(e: WordEncoded, cache_words, agreed, shard, axis_name, dtype, impl:
         dense_Nxn, esc_NxW, limit, level1_NxC, level2_NxC, escape_offset=escape_offset,
         level2_code=LEVEL2, values_at=escape_words(level1_NxC, level2_NxC, escape_offset),
         init=jnp.zeros((e.n_ranks,), jnp.int32), impl=impl)
-    full = codec.from_bits(rows_to_full(bits_Nxn, e.shard_shape, e.axis), dtype)
+    words = rows_to_full(bits_Nxn, e.shard_shape, e.axis)
+    full = codec.from_bits(words, dtype)
     sent = transfer.section_bytes(wire.section_sizes, rung)
-    return (full, selfcheck.failed_shards(full, sent_N, e.axis), rung, overflow, sent,
+    return (full, words, selfcheck.failed_shards(full, sent_N, e.axis), rung, overflow, sent,
             main_NxL)
 
 
