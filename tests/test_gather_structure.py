@@ -29,6 +29,8 @@ TRANSFER_ONLY = GATHERS | {"slice", "pad", "concatenate", "bitcast_convert_type"
                            "broadcast_in_dim", "pcast", "convert_element_type", "squeeze",
                            "dynamic_slice", "transpose",
                            "jit"}  # jit: jnp.pad's wrapper (walked into)
+# The plain fallback's branch (a rare step) also refreshes an exponent cache from its bits.
+FALLBACK_ALSO = {"shift_right_logical", "and"}
 
 
 def _subjaxprs(eqn):
@@ -104,9 +106,11 @@ def test_one_main_transfer_outside_conditionals_and_branches_only_transfer(mode,
     rest = n_local * word_bytes - (wire.main_bytes - 4)  # the fallback: bits past the head
     rest_gathers = 0
     for c in conds:
+        fallback = len(list(_subjaxprs(c))) == 2  # the rung switch has a branch per rung
         for branch in _subjaxprs(c):
             for e in _walk(branch):
-                assert e.primitive.name in TRANSFER_ONLY, (mode, e.primitive.name)
+                assert e.primitive.name in TRANSFER_ONLY | (FALLBACK_ALSO if fallback else
+                                                            set()), (mode, e.primitive.name)
                 if e.primitive.name in GATHERS:
                     size = e.invars[0].aval.size * e.invars[0].aval.dtype.itemsize
                     if size == rest:
