@@ -120,24 +120,23 @@ def split_gathered(full, members_t: list, shards: list, axis_name: str, n_ranks:
             for b, t, s in zip(parts, members_t, shards)]
 
 
+def _split_dims(shape, axis: int, n_ranks: int) -> tuple[int, int, int]:
+    """(elements before ``axis``, one rank's extent on it, elements after) of a full shape."""
+    return math.prod(shape[:axis]), shape[axis] // n_ranks, math.prod(shape[axis + 1:])
+
+
 def _to_rows(full, shape, axis: int, n_ranks: int, lead: int):
     """A member's full tensor ([L,] *shape) -> its rank rows ([L,] N, n)."""
-    shape = tuple(shape)
-    lead_shape = full.shape[:lead]
-    pre, s, post = (math.prod(shape[:axis]), shape[axis] // n_ranks,
-                    math.prod(shape[axis + 1:]))
-    a = full.reshape(lead_shape + (pre, n_ranks, s, post))
-    return jnp.moveaxis(a, lead + 1, lead).reshape(lead_shape + (n_ranks, pre * s * post))
+    pre, s, post = _split_dims(shape, axis, n_ranks)
+    a = full.reshape(full.shape[:lead] + (pre, n_ranks, s, post))
+    return jnp.moveaxis(a, lead + 1, lead).reshape(full.shape[:lead] + (n_ranks, pre * s * post))
 
 
 def _from_rows(rows, shape, axis: int, n_ranks: int, lead: int):
     """Inverse of :func:`_to_rows`."""
-    shape = tuple(shape)
-    lead_shape = rows.shape[:lead]
-    pre, s, post = (math.prod(shape[:axis]), shape[axis] // n_ranks,
-                    math.prod(shape[axis + 1:]))
-    a = rows.reshape(lead_shape + (n_ranks, pre, s, post))
-    return jnp.moveaxis(a, lead, lead + 1).reshape(lead_shape + shape)
+    pre, s, post = _split_dims(shape, axis, n_ranks)
+    a = rows.reshape(rows.shape[:lead] + (n_ranks, pre, s, post))
+    return jnp.moveaxis(a, lead, lead + 1).reshape(rows.shape[:lead] + tuple(shape))
 
 
 def join_full(fulls: list, members_t: list, n_ranks: int, lead: int = 0) -> jax.Array:
