@@ -91,7 +91,7 @@ def local_tensor(t: GatheredTensor, shard_shape, n_ranks: int) -> GatheredTensor
     return dataclasses.replace(t, shape=tuple(shape), stack=0)
 
 
-def tensor_of(key: str, members_t: list, n_ranks: int) -> GatheredTensor:
+def tensor_of(key: str, members_t: list) -> GatheredTensor:
     """The bucket as a tensor of its own (one layer): 1-D, split on axis 0. ``members_t``:
     :func:`local_tensor` of each member."""
     first = members_t[0]

@@ -115,7 +115,7 @@ def gather(tensors: dict, shards: dict, caches: dict, plan: Plan, axis_name: str
                        for k in members] for key, members in bucket_of.items()}
     joined_t, joined_s, joined_c = dict(tensors), dict(shards), dict(caches)
     for key, members in bucket_of.items():
-        joined_t[key] = buckets.tensor_of(key, members_t[key], n_ranks)
+        joined_t[key] = buckets.tensor_of(key, members_t[key])
         joined_s[key] = buckets.join_shards([shards[k] for k in members])
         joined_c[key] = buckets.join_caches([caches[k] for k in members], members_t[key],
                                             n_ranks)

@@ -35,7 +35,7 @@ def encode_tensors(tensors: dict, params: dict, caches: dict, compress: dict,
         lead = 1 if tensors[members[0]].stack else 0
         layer_t = [buckets.local_tensor(tensors[k], params[k].shape[lead:], n_ranks)
                    for k in members]
-        t = buckets.tensor_of(key, layer_t, n_ranks)
+        t = buckets.tensor_of(key, layer_t)
         shard = buckets.join_shards([units[k][1] for k in members], lead)
         cache = buckets.join_caches([caches[k] for k in members], layer_t, n_ranks, lead)
         units[key] = (dataclasses.replace(t, stack=tensors[members[0]].stack), shard, cache)
