@@ -147,4 +147,3 @@ if __name__ == "__main__":
     from ciera_jax.cli import main
 
     sys.exit(main(["train", *sys.argv[1:]]))
-

@@ -27,7 +27,7 @@ import numpy as np
 from jax import lax
 
 from ciera_jax import cache as cache_lib
-from ciera_jax import codec
+from ciera_jax import codec, layout
 from ciera_jax.gradient import attach_gather_grad
 from ciera_jax.fsdp.inventory import GatheredTensor
 from ciera_jax.fsdp.rules import kept_axes
@@ -99,6 +99,16 @@ def tensor_of(key: str, members_t: list) -> GatheredTensor:
     return GatheredTensor(key, 0, (n,), first.dtype, 0, "", first.spec, first.gatherer)
 
 
+def joined(key: str, members, tensors: dict, shards: dict, caches: dict, n_ranks: int,
+           lead: int = 0):
+    """A bucket as one tensor: ``(tensor, shard, cache, members_t)`` from its members'
+    ``shards`` (``[L,] *shard``, ``lead`` leading layer dims) and caches; ``members_t``
+    (:func:`local_tensor` of each member, one layer) cuts the results back out."""
+    members_t = [local_tensor(tensors[k], shards[k].shape[lead:], n_ranks) for k in members]
+    return (tensor_of(key, members_t), join_shards([shards[k] for k in members], lead),
+            join_caches([caches[k] for k in members], members_t, n_ranks, lead), members_t)
+
+
 # --------------------------------------------------------------------------- layout
 
 
@@ -120,28 +130,24 @@ def split_gathered(full, members_t: list, shards: list, axis_name: str, n_ranks:
             for b, t, s in zip(parts, members_t, shards)]
 
 
-def _split_dims(shape, axis: int, n_ranks: int) -> tuple[int, int, int]:
-    """(elements before ``axis``, one rank's extent on it, elements after) of a full shape."""
-    return math.prod(shape[:axis]), shape[axis] // n_ranks, math.prod(shape[axis + 1:])
+def _shard_shape(t: GatheredTensor, n_ranks: int) -> tuple[int, ...]:
+    shape = list(t.shape)
+    shape[t.axis] //= n_ranks
+    return tuple(shape)
 
 
-def _to_rows(full, shape, axis: int, n_ranks: int, lead: int):
-    """A member's full tensor ([L,] *shape) -> its rank rows ([L,] N, n)."""
-    pre, s, post = _split_dims(shape, axis, n_ranks)
-    a = full.reshape(full.shape[:lead] + (pre, n_ranks, s, post))
-    return jnp.moveaxis(a, lead + 1, lead).reshape(full.shape[:lead] + (n_ranks, pre * s * post))
-
-
-def _from_rows(rows, shape, axis: int, n_ranks: int, lead: int):
-    """Inverse of :func:`_to_rows`."""
-    pre, s, post = _split_dims(shape, axis, n_ranks)
-    a = rows.reshape(rows.shape[:lead] + (n_ranks, pre, s, post))
-    return jnp.moveaxis(a, lead, lead + 1).reshape(rows.shape[:lead] + tuple(shape))
+def _per_layer(fn, x, lead: int):
+    """``fn`` over ``x``'s ``lead`` leading (layer) dims."""
+    for _ in range(lead):
+        fn = jax.vmap(fn)
+    return fn(x)
 
 
 def join_full(fulls: list, members_t: list, n_ranks: int, lead: int = 0) -> jax.Array:
     """Members' full tensors ([L,] *shape) -> the bucket's full ([L,] N*S), rank-major."""
-    rows = [_to_rows(f, t.shape, t.axis, n_ranks, lead) for f, t in zip(fulls, members_t)]
+    rows = [_per_layer(lambda a, t=t: layout.full_to_rows(a, _shard_shape(t, n_ranks), t.axis,
+                                                          n_ranks), f, lead)
+            for f, t in zip(fulls, members_t)]
     joined = jnp.concatenate(rows, axis=-1)
     return joined.reshape(joined.shape[:lead] + (-1,))
 
@@ -152,7 +158,9 @@ def split_full(full, members_t: list, n_ranks: int, lead: int = 0) -> list:
     out, at = [], 0
     for t in members_t:
         n = math.prod(t.shape) // n_ranks
-        out.append(_from_rows(rows[..., at:at + n], t.shape, t.axis, n_ranks, lead))
+        out.append(_per_layer(lambda a, t=t: layout.rows_to_full(a, _shard_shape(t, n_ranks),
+                                                                 t.axis),
+                              rows[..., at:at + n], lead))
         at += n
     return out
 

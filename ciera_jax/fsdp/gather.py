@@ -111,14 +111,10 @@ def gather(tensors: dict, shards: dict, caches: dict, plan: Plan, axis_name: str
     else:
         bucket_of = {}
     n_ranks = axis_size(axis_name)
-    members_t = {key: [buckets.local_tensor(tensors[k], shards[k].shape, n_ranks)
-                       for k in members] for key, members in bucket_of.items()}
-    joined_t, joined_s, joined_c = dict(tensors), dict(shards), dict(caches)
+    joined_t, joined_s, joined_c, members_t = dict(tensors), dict(shards), dict(caches), {}
     for key, members in bucket_of.items():
-        joined_t[key] = buckets.tensor_of(key, members_t[key])
-        joined_s[key] = buckets.join_shards([shards[k] for k in members])
-        joined_c[key] = buckets.join_caches([caches[k] for k in members], members_t[key],
-                                            n_ranks)
+        joined_t[key], joined_s[key], joined_c[key], members_t[key] = buckets.joined(
+            key, members, tensors, shards, caches, n_ranks)
         for k in members:
             del joined_t[k], joined_s[k], joined_c[k]
     inputs = gather_inputs(joined_t, joined_s, joined_c, plan, axis_name, prepared)

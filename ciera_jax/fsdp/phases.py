@@ -30,15 +30,13 @@ def encode_tensors(tensors: dict, params: dict, caches: dict, compress: dict,
     keys = [k for k in tensors if compress.get(k, False)]
     bucket_of = buckets.groups(tensors, caches, axis_name, keys)
     n_ranks = axis_size(axis_name)
-    units = {k: (tensors[k], params[k].astype(tensors[k].dtype), caches[k]) for k in keys}
+    shards = {k: params[k].astype(tensors[k].dtype) for k in keys}
+    units = {k: (tensors[k], shards[k], caches[k]) for k in keys}
     for key, members in bucket_of.items():
-        lead = 1 if tensors[members[0]].stack else 0
-        layer_t = [buckets.local_tensor(tensors[k], params[k].shape[lead:], n_ranks)
-                   for k in members]
-        t = buckets.tensor_of(key, layer_t)
-        shard = buckets.join_shards([units[k][1] for k in members], lead)
-        cache = buckets.join_caches([caches[k] for k in members], layer_t, n_ranks, lead)
-        units[key] = (dataclasses.replace(t, stack=tensors[members[0]].stack), shard, cache)
+        stack = tensors[members[0]].stack
+        t, shard, cache, _ = buckets.joined(key, members, tensors, shards, caches, n_ranks,
+                                            lead=1 if stack else 0)
+        units[key] = (dataclasses.replace(t, stack=stack), shard, cache)
         for k in members:
             del units[k]
     out = {}
