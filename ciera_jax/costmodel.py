@@ -46,12 +46,15 @@ INT8_SCALE_BYTES = 4  # what quantized.py sends (float32)
 #   word encode (shard):     read word 2 + cached word 2; write codes b/8 (3-bit: 3/8)
 #   word decode (full):      read codes 3/8 + cached word 2; write word 2 + new cache 2
 CODEC_PASS_BYTES = {"ciera": (3 + 1 + 1 / 8, 2 + 1 / 8 + 3),
+                    "payload": (2 + 1, 1 + 1 + 2),  # split the shard; merge with the cache
                     "word": (4 + DEFAULT_CODE_BITS / 8, DEFAULT_CODE_BITS / 8 + 6)}
 CODEC_HBM_FRACTION = 0.8  # of peak bandwidth: a streaming elementwise kernel (gpu_check measures it)
 ENTROPY_RATIO = 1.5  # single-pass lossless entropy coding of bf16 (ZipNN / DietGPU class)
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
-METHODS = ("plain", "int8", "entropy", "ciera", "word")  # "ciera": exponent mode
+# "ciera": exponent mode; "payload": its backward's second gather, sign + mantissa only (the
+# exponents are the ones its forward left in the cache)
+METHODS = ("plain", "int8", "entropy", "ciera", "word", "payload")
 
 
 @dataclasses.dataclass
@@ -240,6 +243,8 @@ def gather_cost(method: str, n: int, N: int, bytes_per_elem: int, link: Link,
     n_local = math.ceil(n / max(N, 1))
     if method == "plain":
         return GatherCost("plain", n * b, 0.0)
+    if method == "payload":
+        return GatherCost("payload", n * (b - 1), codec_time("payload", n, N, b, link))
     if method == "int8":
         wire_per_elem = int8_wire_bytes(n_local) / max(n_local, 1)
         # quantize the local shard (read b, write ~1), dequantize the full tensor (read ~1, write b)
@@ -290,6 +295,12 @@ def t_ciera(n: int, N: int, payload_bytes_per_elem: int, change_rate: float, p: 
     share = agreement_time(N, p) if agreement_share_s is None else agreement_share_s
     c = gather_cost("ciera", n, N, payload_bytes_per_elem + 1, p, change_rate)
     return _time(c, N, p) + share
+
+
+def t_payload(n: int, N: int, bytes_per_elem: int, p: Link) -> float:
+    """An exponent-cache tensor's backward gather: its payload bytes, merged with the
+    exponents its forward gather left in the cache (no escapes, no agreement)."""
+    return _time(gather_cost("payload", n, N, bytes_per_elem, p), N, p)
 
 
 def t_word(n: int, N: int, bytes_per_elem: int, word_bpw: float, p: Link,

@@ -7,8 +7,10 @@ agreement share eat the byte saving. Dtypes other than bfloat16 and float32 alwa
 
 Budgeted (:func:`plan_model_modes`, :func:`plan_modes`): each tensor is plain, exponent or word
 mode, priced as ``ciera train`` runs it: per step a plain tensor is gathered twice (forward,
-backward re-gather), an exponent one twice compressed, a word one once (the backward reads the
-full weights from its cache), and every tensor's gradient is reduce-scattered once. Each mode
+backward re-gather), an exponent one compressed in the forward and by its sign + mantissa bytes
+alone in the backward (the forward left this step's exponents in its cache), a word one once
+(the backward reads the full weights from its cache), and every tensor's gradient is
+reduce-scattered once. Each mode
 costs cache memory on every GPU (:mod:`ciera_jax.memory`); the planner maximizes the step-time
 saving within a cache budget: a multiple-choice knapsack, solved by dynamic programming (a
 greedy by saving per byte was measured up to 14% short of the optimum on OLMoE: the big expert
@@ -196,46 +198,56 @@ class ModeChoice:
         return math.prod(self.shape) * memory.GATHER_BYTES
 
 
-# How many times ``ciera train`` gathers a tensor per step, by mode: the forward, and the
-# backward's re-gather unless a word cache holds the full weights (the backward reads it).
-GATHERS_PER_STEP = {"plain": 2, "exponent": 2, "word": 1}
+# What the backward of ``ciera train`` gathers again, by mode (the forward gathers every
+# tensor once): plain the whole tensor; exponent mode its payload (sign + mantissa), merged with
+# the exponents the forward left in the cache; word mode nothing (its cache holds the weights).
+BACKWARD_GATHER = {"plain": "plain", "exponent": "payload", "word": None}
 
 
 def mode_options(n: int, N: int, dtype: Any, link: cm.Link, change_rate: float, word_bpw: float,
                  share_s: float, cache_elem_bytes: int | None = None) -> dict:
     """``{mode: (cache bytes per GPU, communication seconds per step)}`` for one tensor of
-    ``n`` elements, as ``ciera train`` runs it (:data:`GATHERS_PER_STEP`): plain and exponent
-    gather twice per step, word once (plus the agreement share), and every mode reduce-scatters
-    the gradient once (the same in every mode, so it changes no choice)."""
+    ``n`` elements, as ``ciera train`` runs it (:data:`BACKWARD_GATHER`): plain gathers twice
+    per step, exponent once compressed and once its payload, word once (the compressed modes
+    plus the agreement share), and every mode reduce-scatters the gradient once (the same in
+    every mode, so it changes no choice)."""
     dt = dtype_name(dtype)
     b = _bytes_per_elem(dt)
     rs = cm.reduce_scatter_time(n * b, N, link) if N > 1 else 0.0
     tp = cm.t_plain(n, N, b, link)
-    out = {"plain": (0, GATHERS_PER_STEP["plain"] * tp + rs)}
+    out = {"plain": (0, 2 * tp + rs)}
     if dt not in CODEC_DTYPES or N <= 1:
         return out
     flag = memory.CACHE_FLAG_BYTES
     tc = cm.t_ciera(n, N, CODEC_DTYPES[dt][1], change_rate, link, agreement_share_s=share_s)
     if not cm.gather_cost("ciera", n, N, b, link, change_rate).fallback:
-        out["exponent"] = (n + flag, GATHERS_PER_STEP["exponent"] * tc + rs)
+        out["exponent"] = (n + flag, tc + cm.t_payload(n, N, b, link) + rs)
     word_b = b if cache_elem_bytes is None else cache_elem_bytes
-    out["word"] = (n * word_b + flag,
-                   GATHERS_PER_STEP["word"] * cm.t_word(n, N, b, word_bpw, link, share_s) + rs)
+    out["word"] = (n * word_b + flag, cm.t_word(n, N, b, word_bpw, link, share_s) + rs)
     return out
 
 
 def step_wire_bytes(mode: str, plain_bytes: float, gather_bytes: float | None = None,
-                    agreement_bytes: float = 0) -> float:
-    """Bytes one rank sends per step for one tensor as ``ciera train`` runs it: the gathers of
-    :data:`GATHERS_PER_STEP` (each ``gather_bytes``; plain: ``plain_bytes``, the rank's shard
-    of the gathered dtype), its share of the step's one agreement, and the gradient's
-    reduce-scatter (``plain_bytes``: a ring reduce-scatter moves what a ring all-gather of the
-    same tensor moves)."""
-    if mode not in GATHERS_PER_STEP:
-        raise ValueError(f"unknown mode {mode!r}; choose one of {tuple(GATHERS_PER_STEP)}")
-    if mode == "plain" or gather_bytes is None:
-        gather_bytes, agreement_bytes = plain_bytes, 0
-    return GATHERS_PER_STEP[mode] * gather_bytes + agreement_bytes + plain_bytes
+                    agreement_bytes: float = 0, dtype: Any = "bfloat16") -> float:
+    """Bytes one rank sends per step for one tensor as ``ciera train`` runs it: the forward's
+    gather (``gather_bytes``; plain: ``plain_bytes``, the rank's shard of the gathered
+    ``dtype``), the backward's (:data:`BACKWARD_GATHER`), its share of the step's one
+    agreement, and the gradient's reduce-scatter (``plain_bytes``: a ring reduce-scatter moves
+    what a ring all-gather of the same tensor moves)."""
+    if mode not in BACKWARD_GATHER:
+        raise ValueError(f"unknown mode {mode!r}; choose one of {tuple(BACKWARD_GATHER)}")
+    if mode == "plain":
+        return 3 * plain_bytes
+    if gather_bytes is None:
+        raise ValueError(f"step_wire_bytes({mode!r}, ...): give the forward's gather_bytes")
+    again = {"payload": plain_bytes * payload_share(dtype), None: 0}[BACKWARD_GATHER[mode]]
+    return gather_bytes + again + agreement_bytes + plain_bytes
+
+
+def payload_share(dtype: Any) -> float:
+    """Sign + mantissa bytes over the word's (bf16: 1/2, float32: 3/4)."""
+    whole, payload = CODEC_DTYPES[dtype_name(dtype)]
+    return payload / whole
 
 
 UNITS = 1 << 14  # budget resolution of the knapsack

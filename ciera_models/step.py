@@ -9,7 +9,9 @@
         |          plain / int8 gather) next to the compute of layer l; head. Tensors the plan
         |          leaves plain use the plain gather. Gathered computes are rematerialized:
         |          the backward reads word-cache tensors' full weights from their caches (no
-        |          second gather), re-gathers the rest (exact), psum_scatters the cotangents
+        |          second gather), gathers exponent-cache tensors' sign + mantissa bytes only
+        |          (their caches hold the exponents), the rest plainly; psum_scatters the
+        |          cotangents
         +-- grads: the loss is divided by the rank count, so these are grads of the global mean;
         |          replicated params (norms) are psummed by shard_map's autodiff
         +-- global-norm clipping (psum of sharded squares + replicated counted once), AdamW
@@ -33,7 +35,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import ciera_jax
-from ciera_jax import fsdp, heal
+from ciera_jax import codec, fsdp, heal
 from ciera_jax.fsdp import AXIS
 from ciera_jax.wire import agreement_bytes
 
@@ -68,15 +70,22 @@ def all_words(tensors: dict) -> dict:
                 else jnp.int32(math.prod(t.shape))) for k, t in tensors.items()}
 
 
-def step_bytes(st: dict, once: bool, word: bool) -> dict:
+def step_bytes(st: dict, backward: str, word: bool, dtype) -> dict:
     """What one rank sends for one tensor in the whole step, next to plain FSDP's: the
-    forward gather (``st``), the backward's re-gather unless ``once`` (a word cache served the
-    backward; a re-gather sends what the forward sent, its agreement excepted) and the
-    gradient's reduce-scatter (``plain_bytes``: a ring reduce-scatter moves what a ring
-    all-gather of the same tensor moves). ``ciera_jax.planner.step_wire_bytes`` prices it."""
+    forward gather (``st``), the backward's (``backward``: ``"cache"``, none: a word cache
+    served it; ``"payload"``: the sign + mantissa bytes, an exponent cache gave the exponents;
+    ``"regather"``: what the forward sent, its agreement excepted) and the gradient's
+    reduce-scatter (``plain_bytes``: a ring reduce-scatter moves what a ring all-gather of the
+    same tensor moves). ``ciera_jax.planner.step_wire_bytes`` prices it."""
     sent, plain = st["sent_bytes"], st["plain_bytes"]
     agreement = jnp.where(st["tier"] >= 0, agreement_bytes("word" if word else "exponent"), 0)
-    again = 0 if once else sent - agreement.astype(sent.dtype)
+    if backward == "cache":
+        again = 0
+    elif backward == "payload":
+        fmt = codec.word_format(dtype)
+        again = plain // fmt.word.itemsize * fmt.payload_bytes
+    else:
+        again = sent - agreement.astype(sent.dtype)
     return {"step_sent_bytes": sent + again + plain, "step_plain_bytes": 3 * plain}
 
 
@@ -132,10 +141,12 @@ def make_step(tc, mesh, graphdef, param_specs, opt_specs, tx, tensors, compress)
         encoded = unranked(ahead["encoded"])
         agreed = fsdp.agree_tensors(tensors, encoded, AXIS)  # the step's one agreement
         caches_d = fsdp.cache_dict(caches)
-        # tensors gathered once this step: the backward reads their word caches
+        # the backward reads word caches' full words and exponent caches' exponents
         words = {k for k in tensors if compress.get(k, False)
                  and isinstance(caches_d.get(k), ciera_jax.WordCache)}
-        once = {k: k in words and tc.word_backward == "cache" for k in tensors}
+        backward = {k: ("cache" if k in words else "payload")
+                    if compress.get(k, False) and tc.word_backward == "cache" else "regather"
+                    for k in tensors}
         grads, (loss, parts, caches_d, stats) = jax.grad(loss_fn, has_aux=True)(
             params, caches, encoded, agreed, tokens)
         # The gathers' self-check failures (per rank) ride on the norm's psum: no extra
@@ -163,7 +174,7 @@ def make_step(tc, mesh, graphdef, param_specs, opt_specs, tx, tensors, compress)
         for k, st in stats.items():
             st["words_changed"] = ahead["word_changed"][k]
             st["verify_failed"] = failed.get(k, jnp.zeros_like(st["tier"]))
-            st.update(step_bytes(st, once[k], word=k in words))
+            st.update(step_bytes(st, backward[k], k in words, tensors[k].dtype))
         metrics = {"loss": lax.pmean(loss, AXIS), "grad_norm": gnorm,
                    **{k: lax.pmean(v, AXIS) for k, v in parts.items()},
                    "verify_failed": sum((jnp.sum(v) for v in failed.values()), jnp.int32(0)),

@@ -92,9 +92,10 @@ class TrainConfig:
         "get what the training state, gathered layers and activations leave)",
         default_text="the accelerator's memory; unlimited on CPU")
     word_backward: str = option(
-        "cache", "how the backward gets word-mode weights: cache (read the full words the "
-        "forward's gather left in the word cache: no backward gather) or regather (the same "
-        "exact gather again); both give params bitwise equal to --gather plain",
+        "cache", "how the backward gets compressed weights: cache (a word cache's full "
+        "words, as the forward's gather left them: no backward gather; an exponent cache's "
+        "exponents: only sign + mantissa are gathered again) or regather (the same exact "
+        "compressed gather again); both give params bitwise equal to --gather plain",
         choices=LazyChoices("ciera_jax.fsdp.plan", "WORD_BACKWARDS"), metavar="HOW")
 
     @property

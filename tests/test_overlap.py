@@ -161,19 +161,36 @@ def _gathering_switches(jaxpr) -> int:
                and any(_has(b, {"all_gather", "all_gather_invariant"}) for b in _subjaxprs(e)))
 
 
-def test_word_mode_backward_reads_the_cache_instead_of_gathering():
-    """Exponent mode gathers every compressed tensor twice (forward, and the re-gather of the
-    backward); word mode (word_backward="cache", the default) once: its backward reads the
-    full words the forward left in the cache; word_backward="regather" twice again. (Traced
-    copies: a stack's forward traces its gathers twice, the first layer's before its scan;
-    its backward once. The compiled step's backward is checked to gather nothing in
-    test_word_backward.)"""
-    def switches(**kw):
-        return _gathering_switches(_step_jaxpr(TrainConfig(**{**TC.__dict__, "plan": "all",
-                                                               **kw})))
+def _outside_conds(jaxpr):
+    """Equations not inside any cond/switch branch (other nesting, e.g. scans, is followed)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        if eqn.primitive.name != "cond":
+            for sub in _subjaxprs(eqn):
+                yield from _outside_conds(sub)
 
-    exponent, word = switches(cache="exponent"), switches(cache="word")
-    # per exchange: the rung switch and the fallback; exponent: embed, head and the two
-    # layer buckets (attention, experts) forward (stacks twice) and backward (once)
-    assert exponent == 2 * (2 + 2 * 2 + 2 + 2) and word == 2 * (2 + 2 * 2)
-    assert switches(cache="word", word_backward="regather") == exponent
+
+def test_backward_reads_the_caches_instead_of_a_compressed_gather():
+    """With word_backward="cache" (the default) the backward runs no compressed gather: a
+    word cache gives it the full words, an exponent cache the exponents, so only an
+    unconditional all-gather of the sign + mantissa bytes travels. word_backward="regather"
+    runs the compressed gather again. (Traced copies: a stack's forward traces its gathers
+    twice, the first layer's before its scan; its backward once. The compiled word step's
+    backward is checked to gather nothing in test_word_backward.)"""
+    def step(**kw):
+        return _step_jaxpr(TrainConfig(**{**TC.__dict__, "plan": "all", **kw}))
+
+    def payload_gathers(jaxpr):  # uint8 planes outside any cond: the backward's
+        return sum(1 for e in _outside_conds(jaxpr) if e.primitive.name == "all_gather"
+                   and e.invars[0].aval.dtype == np.uint8)
+
+    exponent, word = step(cache="exponent"), step(cache="word")
+    # per exchange: the rung switch and the fallback; embed, head and the two layer buckets
+    # (attention, experts) forward, a stack's twice
+    assert _gathering_switches(exponent) == _gathering_switches(word) == 2 * (2 + 2 * 2)
+    # exponent mode's backward: embed, head, and one transfer per layer bucket
+    regathered = step(cache="exponent", word_backward="regather")
+    assert payload_gathers(exponent) == payload_gathers(regathered) + 4
+    again = 2 * (2 + 2 * 2 + 2 + 2)  # the backward's compressed gathers: + 2 per exchange
+    assert _gathering_switches(regathered) == again
+    assert _gathering_switches(step(cache="word", word_backward="regather")) == again

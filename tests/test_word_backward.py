@@ -164,14 +164,15 @@ def test_nnx_scan_word_caches_bitwise_plain():
     assert words and all(np.asarray(w).shape[0] == 3 for w in words)  # word caches per layer
 
 
-def test_planner_prices_the_bytes_a_train_step_reports():
+@pytest.mark.parametrize("cache", ["word", "exponent"])
+def test_planner_prices_the_bytes_a_train_step_reports(cache):
     """Per tensor and layer, the bytes a real step reports for the whole step (forward gather,
-    the backward's re-gather where there is one, the gradient's reduce-scatter) are what
+    the backward's gather where there is one, the gradient's reduce-scatter) are what
     ``planner.step_wire_bytes`` prices for the tensor's mode; plain FSDP's are three shards."""
     from ciera_jax import planner
     from ciera_jax.wire import agreement_bytes
 
-    tc = _tc(plan="all", cache="word")
+    tc = _tc(plan="all", cache=cache)
     tr = build_trainer(tc, train_mesh(8))
     ds = data.load_dataset(None, 256, tc.length)
     state = tr.init_state(0)
@@ -185,4 +186,4 @@ def test_planner_prices_the_bytes_a_train_step_reports():
                 assert st["plain_bytes"] == shard and st["step_plain_bytes"] == 3 * shard
                 agree = agreement_bytes(mode) if mode != "plain" else 0
                 assert st["step_sent_bytes"] == planner.step_wire_bytes(
-                    mode, shard, st["sent_bytes"] - agree, agree), (key, mode, st)
+                    mode, shard, st["sent_bytes"] - agree, agree, t.dtype), (key, mode, st)

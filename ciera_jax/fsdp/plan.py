@@ -17,9 +17,11 @@ from flax import nnx
 from ciera_jax.fsdp.discovery import gather_spec, iter_modules
 
 GATHER_MODES = ("ciera", "plain", "int8")
-# How a prepared step's backward gets a word-mode tensor's full weights: "cache" (default: read
-# the full words the forward's gather left in the word cache; no backward gather) or "regather"
-# (the same exact gather again). Both give parameters bitwise equal to a plain gather's.
+# How a prepared step's backward gets a compressed tensor's full weights: "cache" (default:
+# read what the forward's gather left in the cache: a word cache's full words, no backward
+# gather; an exponent cache's exponents, beside a gather of sign + mantissa alone) or
+# "regather" (the same exact compressed gather again). Both give parameters bitwise equal to a
+# plain gather's.
 WORD_BACKWARDS = ("cache", "regather")
 DEFAULT_WORD_BACKWARD = "cache"
 

@@ -7,8 +7,9 @@ A prepared module's call gathers with them (:func:`call`), and a layer stack run
 :func:`~ciera_jax.fsdp.scan_layers` gathers layer l+1 while layer l computes (:func:`scan`).
 Both go through :func:`_run`, the one custom VJP: the forward keeps no gathered weights as
 residuals; the backward reads a word-cache tensor's full words from the cache the forward left
-(no second gather, no second copy), and gathers every other tensor again (the same exact, pure
-function). Either way the compute sees its weights through one ``optimization_barrier``,
+(no second gather, no second copy), an exponent-cache tensor's exponents from its new cache
+beside a gather of its sign + mantissa bytes alone (:mod:`~ciera_jax.fsdp.regather`), and
+gathers every other tensor again (the same exact, pure function). Either way the compute sees its weights through one ``optimization_barrier``,
 forward and backward, so XLA compiles the same matmuls whichever path delivered them and the
 parameters stay bitwise those of a plain gather.
 """
@@ -31,6 +32,7 @@ from ciera_jax.fsdp.discovery import gather_spec, iter_modules, module_path, pat
 from ciera_jax.fsdp.gather import gather
 from ciera_jax.fsdp.inventory import GatheredTensor, gatherers
 from ciera_jax.fsdp.plan import DEFAULT_WORD_BACKWARD, Plan, plan_of, set_plan
+from ciera_jax.fsdp.regather import regather
 from ciera_jax.fsdp.stacking import stack_size
 from ciera_jax.fsdp.stats import GatherStats, record
 
@@ -170,17 +172,39 @@ def _scan(module, x, args, plan: Plan, layers: int, body):
     # A tuple in the members' order, not a set: what is traced must not depend on string
     # hashing, which differs between processes (a multi-host step would differ per host, and
     # JAX's persistent cache would miss).
-    held = () if plan.word_backward != "cache" else tuple(
-        k for k, gin in inputs.items() if gin is not None and isinstance(
-            gin[1], cache_lib.WordCache))  # bucket members too: each has its own cache
+    held = _cached(inputs, plan, cache_lib.WordCache)  # bucket members too: own caches
     axis_name = gather_spec(members[0][1]).axis_name if members else AXIS
-    run = _run(compute, tensors, held, layers, plan, axis_name)
+    regathered = _payload_groups(inputs, _cached(inputs, plan, cache_lib.ExponentCache))
+    run = _run(compute, tensors, held, regathered, layers, plan, axis_name)
     x, ys, cs, ss = run(shards, others, rest, x, tuple(args), inputs)
     _leave(members, cs, ss)
     return x, ys
 
 
-def _run(compute, tensors: dict, held: tuple, n: int, plan: Plan, axis_name: str):
+def _cached(inputs: dict, plan: Plan, kind) -> tuple:
+    """Keys whose backward reads their cache (``word_backward="cache"``), with a
+    compressible cache of ``kind``. A tuple in the members' order, not a set: what is traced
+    must not depend on string hashing, which differs between processes (a multi-host step
+    would differ per host, and JAX's persistent cache would miss)."""
+    if plan.word_backward != "cache":
+        return ()
+    return tuple(k for k, gin in inputs.items() if gin is not None
+                 and isinstance(gin[1], kind) and gin[1].compressible)
+
+
+def _payload_groups(inputs: dict, keys: tuple) -> tuple:
+    """``keys`` as the backward's payload transfers: a bucket all of whose members are among
+    them as one, every other key alone."""
+    groups, grouped = [], set()
+    for gin in inputs.values():
+        if gin is not None and buckets.is_bucket(gin[0]) and set(gin[0].members) <= set(keys):
+            groups.append(gin[0].members)
+            grouped.update(gin[0].members)
+    return tuple(groups) + tuple((k,) for k in keys if k not in grouped)
+
+
+def _run(compute, tensors: dict, held: tuple, regathered: tuple, n: int, plan: Plan,
+         axis_name: str):
     """``run(shards, others, rest, x, args, inputs) -> (x, ys, new caches, stats)`` over
     ``n`` stacked layers (0: one call, nothing stacked), with its own backward.
 
@@ -189,7 +213,8 @@ def _run(compute, tensors: dict, held: tuple, n: int, plan: Plan, axis_name: str
     updated one layer at a time in place (each gather reads its layer's old words and writes
     the new ones), so the step holds one stack of words, which is also what the backward
     reads. Residuals: each layer's input activation, the shards, the gather inputs and the
-    new caches (no gathered weights). Backward: the layers in reverse, each recomputed on its
+    new caches the backward reads (no gathered weights). ``regathered``: the exponent-cache
+    keys, grouped into the backward's payload transfers. Backward: the layers in reverse, each recomputed on its
     full weights and its cotangents ``psum_scatter``-ed."""
     def at(tree, i):
         if i is None:
@@ -215,12 +240,19 @@ def _run(compute, tensors: dict, held: tuple, n: int, plan: Plan, axis_name: str
                       {k: g[1] for k, g in ready.items() if g[1] is not None}, plan, axis_name,
                       prepared={k: (g[0], g[2]) for k, g in ready.items() if g[0] is not None})
 
-    def backward_fulls(shards, inputs, held_caches):
-        """Held keys from their (new) word cache, the rest gathered again."""
-        again = gather_layer(lax.stop_gradient(shards), inputs,
-                             [k for k in shards if k not in held_caches])[0]
-        return {k: again[k] if k in again else _typed_like_gather(
-            cache_lib.cached_full(held_caches[k]), shards[k], axis_name) for k in shards}
+    from_exponents = tuple(k for g in regathered for k in g)
+    from_cache = held + from_exponents
+
+    def backward_fulls(shards, inputs, new_caches):
+        """Held keys from their (new) word cache, exponent-cache keys from their (new)
+        exponents and a payload gather (:mod:`~ciera_jax.fsdp.regather`), the rest gathered
+        again."""
+        shards = lax.stop_gradient(shards)
+        fulls = gather_layer(shards, inputs, [k for k in shards if k not in from_cache])[0]
+        fulls.update(regather(tensors, shards, new_caches, regathered, axis_name,
+                              axis_size(axis_name)))
+        fulls.update({k: cache_lib.cached_full(new_caches[k]) for k in held})
+        return {k: _typed_like_gather(fulls[k], shards[k], axis_name) for k in shards}
 
     def scatter(ct_fulls, shards):
         """Weight cotangents: the transpose of the all-gather (``psum_scatter``)."""
@@ -262,15 +294,15 @@ def _run(compute, tensors: dict, held: tuple, n: int, plan: Plan, axis_name: str
             cs = jax.tree.map(lambda a, b: cat(a[None], b), c0, cs)
             ss = jax.tree.map(lambda a, b: cat(a[None], b), s0, ss)
         cs = {**cs, **stacks}
-        res = (shards, others, rest, args, inputs, {k: cs[k] for k in held}, x_in)
+        res = (shards, others, rest, args, inputs, {k: cs[k] for k in from_cache}, x_in)
         return (x, ys, cs, ss), res
 
     def backward(res, cts):
-        shards, others, rest, args, inputs, held_caches, x_in = res
+        shards, others, rest, args, inputs, new_caches, x_in = res
         ct_x, ct_ys = cts[0], cts[1]
 
         def layer_bwd(i, x, ct_x, ct_y):
-            fulls = backward_fulls(at(shards, i), at(inputs, i), at(held_caches, i))
+            fulls = backward_fulls(at(shards, i), at(inputs, i), at(new_caches, i))
             _, vjp = jax.vjp(compute, fulls, at(others, i), (at(rest, i), (x, *args)))
             ct_fulls, ct_others, (ct_rest, (ct_x, *ct_args)) = vjp((ct_x, ct_y))
             # float0 cotangents (integer state, integer args) cannot ride in a scan

@@ -5,7 +5,8 @@ Work items, per group of weights (``embed``, each decoder layer, ``head`` = fina
 - forward:  all-gather the group's weights (one bucketed collective, FSDP flat-parameter style),
             decode them (compute stream), run the forward;
 - backward: re-gather, decode, run the backward (2x forward FLOPs), reduce-scatter the
-            gradients (always plain bf16: gradient compression is out of scope).
+            gradients (always plain bf16: gradient compression is out of scope). Exponent
+            mode's re-gather sends the payload only: its cache holds this step's exponents.
 
 Each gathered tensor has a mode: ``plain``; ``plain-noreshard`` (FSDP that keeps the gathered
 weights from forward to backward, ZeRO-2 style: no backward re-gather, the full bf16 weights
@@ -164,9 +165,11 @@ def build_groups(cfg: Any, N: int, cluster: Cluster, mode_of: Callable, tokens_p
             extra += memory.cache_bytes(t, MEMORY_MODE.get(m, "plain"))
             wire += c.wire_bytes
             codec += c.codec_s
-            if m not in NO_REGATHER:
-                rewire += c.wire_bytes
-                recodec += c.codec_s
+            if m not in NO_REGATHER:  # exponent mode: the payload only, exponents cached
+                again = (cm.gather_cost("payload", t.size, N, BYTES_PER_ELEM, topo)
+                         if m == "exponent" else c)
+                rewire += again.wire_bytes
+                recodec += again.codec_s
         out.append(Group(name, fwd, 2 * fwd, cm.gather_time(wire, N, topo),
                          cm.gather_time(rewire, N, topo) if rewire else 0.0, codec, recodec,
                          cm.reduce_scatter_time(plain, N, topo), wire, rewire, plain, n_comp,

@@ -1,0 +1,47 @@
+"""A backward pass's second gather of exponent-cache tensors: sign + mantissa only.
+
+Between a step's forward and its backward the shards do not change, and the forward's gather
+left in each exponent cache exactly the exponents of the full weights it delivered (what its
+decode read: patched, healed or from a fallback). So the backward needs only the payload bytes:
+one unconditional all-gather of 1 byte per bf16 element (3 per float32), merged with the cached
+exponents. No escapes, patches, agreement, fallback or self-check, and no codec to compile
+twice; the bits are those of the forward's gather. A bucket's members travel as one transfer.
+
+Shape letters: N ranks, P payload planes, S elements of a bucket's joined shard.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+
+from ciera_jax import codec
+from ciera_jax.fsdp import buckets
+
+
+def regather(tensors: dict, shards: dict, caches: dict, groups, axis_name: str,
+             n_ranks: int) -> dict:
+    """``{key: full}`` for every key of ``groups`` (tuples of keys; a tuple of two or more is
+    a bucket: one transfer), each from its exponent cache (``caches[key].exp``, the full
+    tensor's) and an all-gather of its shard's payload bytes."""
+    fulls = {}
+    for members in groups:
+        if len(members) == 1:
+            (k,) = members
+            t = tensors[k]
+            fulls[k] = codec.merge(caches[k].exp, _payload_gather(shards[k], t.axis, axis_name),
+                                   t.dtype)
+            continue
+        members_t = [buckets.local_tensor(tensors[k], shards[k].shape, n_ranks) for k in members]
+        joined = buckets.join_shards([shards[k] for k in members])
+        payloads = buckets.split_full(_payload_gather(joined, 0, axis_name), members_t, n_ranks,
+                                      lead=1)
+        for k, payload_Pxn in zip(members, payloads):
+            fulls[k] = codec.merge(caches[k].exp, payload_Pxn, tensors[k].dtype)
+    return fulls
+
+
+def _payload_gather(shard: jax.Array, axis: int, axis_name: str) -> jax.Array:
+    """The full tensor's payload planes ``(P, *full)``: one tiled all-gather of the shard's."""
+    _, payload_Pxn = codec.split(lax.stop_gradient(shard))
+    return lax.all_gather(payload_Pxn, axis_name, axis=axis + 1, tiled=True)
