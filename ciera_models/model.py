@@ -96,7 +96,6 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm, self.k_norm = _ones((D,)), _ones((K,))
 
-    @gathered(rules=RULES)
     def __call__(self, x_BxLxD, positions_L):
         cfg = self.cfg
         B, L, _ = x_BxLxD.shape
@@ -136,7 +135,6 @@ class DenseMLP(nnx.Module):
         self.dense_up_DxF = _param(rngs, (D, F))
         self.dense_down_FxD = _param(rngs, (F, D), INIT_STD / (2 * cfg.n_layers) ** 0.5)
 
-    @gathered(rules=RULES)
     def __call__(self, x_BxLxD):
         h = rms_norm(x_BxLxD, self.mlp_norm[...])
         out = swiglu(h, self.dense_gate_DxF[...], self.dense_up_DxF[...], self.dense_down_FxD[...])
@@ -168,7 +166,6 @@ class MoE(nnx.Module):
             if cfg.shared_expert_gate:
                 self.shared_router_Dx1 = _param(rngs, (D, 1))
 
-    @gathered(rules=RULES)
     def __call__(self, x_BxLxD):
         cfg = self.cfg
         B, L, D = x_BxLxD.shape
@@ -203,12 +200,16 @@ class MoE(nnx.Module):
 
 
 class Block(nnx.Module):
-    """One decoder layer: attention then the MoE (or, ``dense=True``, a dense SwiGLU) FFN."""
+    """One decoder layer: attention then the MoE (or, ``dense=True``, a dense SwiGLU) FFN.
+
+    The layer is the unit that gathers, as FSDP wraps a transformer block: its small tensors
+    (norms, attention, router) travel as one bucket, its large ones alone."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dense: bool = False):
         self.attn = Attention(cfg, rngs)
         self.mlp = DenseMLP(cfg, rngs) if dense else MoE(cfg, rngs)
 
+    @gathered(rules=RULES)
     def __call__(self, x_BxLxD, positions_L):
         x_BxLxD = x_BxLxD + self.attn(x_BxLxD, positions_L)
         delta, aux = self.mlp(x_BxLxD)

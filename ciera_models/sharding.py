@@ -6,7 +6,9 @@ all of them, and divisible by the usual mesh sizes in every config (expert count
 are not). Vectors (norms, biases) are small and stay replicated without a rule.
 """
 
-RULES: tuple[tuple[str, int | None], ...] = (
+# (weight name, split axis); a decoder layer gathers its attention's and MLP's weights, so
+# the rules match the name below any sub-module path (``attn/wq_DxD``).
+WEIGHT_AXES: tuple[tuple[str, int | None], ...] = (
     (r"embed_VxD", 1),
     (r"head_DxV", 0),
     (r"w[qkv]_Dx[DK]", 0),
@@ -17,3 +19,5 @@ RULES: tuple[tuple[str, int | None], ...] = (
     (r"(shared|dense)_(gate|up)_Dx[SF]", 0),
     (r"(shared|dense)_down_[SF]xD", 1),
 )
+RULES: tuple[tuple[str, int | None], ...] = tuple(
+    (rf"(?:.+/)?{name}", axis) for name, axis in WEIGHT_AXES)

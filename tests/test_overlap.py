@@ -185,12 +185,12 @@ def test_backward_reads_the_caches_instead_of_a_compressed_gather():
                    and e.invars[0].aval.dtype == np.uint8)
 
     exponent, word = step(cache="exponent"), step(cache="word")
-    # per exchange: the rung switch and the fallback; embed, head and the two layer buckets
-    # (attention, experts) forward, a stack's twice
-    assert _gathering_switches(exponent) == _gathering_switches(word) == 2 * (2 + 2 * 2)
-    # exponent mode's backward: embed, head, and one transfer per layer bucket
+    # per exchange: the rung switch and the fallback; forward: embed, head and a decoder
+    # layer's bucket (its attention, router and experts), a stack's twice
+    assert _gathering_switches(exponent) == _gathering_switches(word) == 2 * (2 + 2)
+    # exponent mode's backward: one payload transfer each for embed, head and the layer
     regathered = step(cache="exponent", word_backward="regather")
-    assert payload_gathers(exponent) == payload_gathers(regathered) + 4
-    again = 2 * (2 + 2 * 2 + 2 + 2)  # the backward's compressed gathers: + 2 per exchange
+    assert payload_gathers(exponent) == payload_gathers(regathered) + 3
+    again = 2 * (2 + 2 + 3)  # the backward's compressed gathers: + 2 per exchange
     assert _gathering_switches(regathered) == again
     assert _gathering_switches(step(cache="word", word_backward="regather")) == again
