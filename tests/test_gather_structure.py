@@ -11,7 +11,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -19,6 +18,7 @@ import ciera_jax
 from ciera_jax import hlo
 from ciera_jax.wire import ExponentWire, WordWire
 from harness import escape_walk
+from jaxprs import outside, subjaxprs, walk
 
 N = 8
 SHAPE = (N * 64, 48)
@@ -31,41 +31,6 @@ TRANSFER_ONLY = GATHERS | {"slice", "pad", "concatenate", "bitcast_convert_type"
                            "jit"}  # jit: jnp.pad's wrapper (walked into)
 # The plain fallback's branch (a rare step) also refreshes an exponent cache from its bits.
 FALLBACK_ALSO = {"shift_right_logical", "and"}
-
-
-def _subjaxprs(eqn):
-    for v in eqn.params.values():
-        for j in (v if isinstance(v, (list, tuple)) else [v]):
-            if isinstance(j, jcore.ClosedJaxpr):
-                yield j.jaxpr
-            elif isinstance(j, jcore.Jaxpr):
-                yield j
-
-
-def _walk(jaxpr):
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in _subjaxprs(eqn):
-            yield from _walk(sub)
-
-
-def _outside_loops(jaxpr):
-    """Equations not inside any loop body (a loop's own conds, e.g. how a trip finds its
-    slots, are not how the escapes are walked)."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        if eqn.primitive.name != "while":
-            for sub in _subjaxprs(eqn):
-                yield from _outside_loops(sub)
-
-
-def _outside_conds(jaxpr):
-    """Equations not inside any cond/switch branch (other nesting, e.g. pjit, is followed)."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        if eqn.primitive.name != "cond":
-            for sub in _subjaxprs(eqn):
-                yield from _outside_conds(sub)
 
 
 def _gather_jaxpr(mode, dtype):
@@ -91,24 +56,24 @@ def test_one_main_transfer_outside_conditionals_and_branches_only_transfer(mode,
     word_bytes = jnp.dtype(dtype).itemsize
     wire = ExponentWire(n_local, word_bytes) if mode == "exponent" else WordWire(n_local,
                                                                                   word_bytes)
-    top = [e for e in _outside_conds(jaxpr) if e.primitive.name in GATHERS]
+    top = [e for e in outside(jaxpr, "cond") if e.primitive.name in GATHERS]
     assert [e.invars[0].aval.size for e in top] == [wire.main_bytes], \
         "exactly one transfer outside conditionals: the main plane with its checksum"
-    all_conds = [e for e in _walk(jaxpr) if e.primitive.name == "cond"]
+    all_conds = [e for e in walk(jaxpr) if e.primitive.name == "cond"]
     conds = [c for c in all_conds
-             if any(e.primitive.name in GATHERS for b in _subjaxprs(c) for e in _walk(b))]
+             if any(e.primitive.name in GATHERS for b in subjaxprs(c) for e in walk(b))]
     assert len(conds) == 2, "the escape section's rung switch and the plain fallback"
     # Where both walks are compiled (long rows on CPU), the other conds choose how the escapes
     # are walked (one pass over every element where they are dense, a loop over them
     # elsewhere): one per escape pack and per fill, no collective inside. Short rows: none.
-    walks = [c for c in _outside_loops(jaxpr) if c.primitive.name == "cond" and c not in conds]
+    walks = [c for c in outside(jaxpr, "while") if c.primitive.name == "cond" and c not in conds]
     assert len(walks) == ((2 if mode == "exponent" else 3) if loop else 0), len(walks)
     rest = n_local * word_bytes - (wire.main_bytes - 4)  # the fallback: bits past the head
     rest_gathers = 0
     for c in conds:
-        fallback = len(list(_subjaxprs(c))) == 2  # the rung switch has a branch per rung
-        for branch in _subjaxprs(c):
-            for e in _walk(branch):
+        fallback = len(list(subjaxprs(c))) == 2  # the rung switch has a branch per rung
+        for branch in subjaxprs(c):
+            for e in walk(branch):
                 assert e.primitive.name in TRANSFER_ONLY | (FALLBACK_ALSO if fallback else
                                                             set()), (mode, e.primitive.name)
                 if e.primitive.name in GATHERS:

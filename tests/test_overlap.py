@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 from jax.extend import core as jcore
 
+from jaxprs import outside, subjaxprs, walk
+
 from ciera_jax.fsdp import buckets
 from ciera_models import data
 from ciera_models.train import TrainConfig, build_trainer, make_mesh
@@ -17,31 +19,11 @@ from ciera_models.train import TrainConfig, build_trainer, make_mesh
 TC = TrainConfig(config="tiny", schedule_steps=20)  # test_train's config: shared trainer
 
 
-def _subjaxprs(eqn):
-    """(jaxpr, maps_inputs) for each sub-jaxpr of ``eqn``; maps_inputs: its invars line up
-    with the eqn's (after ``offset`` leading eqn inputs, e.g. a switch's index)."""
-    out = []
-    for v in eqn.params.values():
-        for j in (v if isinstance(v, (list, tuple)) else [v]):
-            if isinstance(j, jcore.ClosedJaxpr):
-                j = j.jaxpr
-            if isinstance(j, jcore.Jaxpr):
-                out.append(j)
-    return out
-
-
 GATHERS = {"all_gather", "all_gather_invariant"}  # word mode's planes: the invariant one
 
 
-def _walk(jaxpr):
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in _subjaxprs(eqn):
-            yield from _walk(sub)
-
-
 def _has(jaxpr, names) -> bool:
-    return any(e.primitive.name in names for e in _walk(jaxpr))
+    return any(e.primitive.name in names for e in walk(jaxpr))
 
 
 def _deps(jaxpr, in_deps):
@@ -57,7 +39,7 @@ def _deps(jaxpr, in_deps):
         every = set().union(*ins) if ins else set()
         if eqn.primitive.name in GATHERS:
             gathers.append(every)
-        subs = _subjaxprs(eqn)
+        subs = subjaxprs(eqn)
         outs = None
         if subs:
             offset = len(eqn.invars) - len(subs[0].invars)
@@ -97,7 +79,7 @@ def step_jaxpr():
 
 
 def test_one_agreement_per_step(step_jaxpr):
-    pmax = [e for e in _walk(step_jaxpr) if e.primitive.name == "pmax"]
+    pmax = [e for e in walk(step_jaxpr) if e.primitive.name == "pmax"]
     assert len(pmax) == 1, [str(e) for e in pmax]
     # ... over the demands of every layer of every compressed tensor
     tr = build_trainer(TC, make_mesh(8))
@@ -108,14 +90,14 @@ def test_one_agreement_per_step(step_jaxpr):
                   for e in shapes["encoded"].values())
     assert demands > 0 and pmax[0].invars[0].aval.shape == (demands,)
     # and not inside the layer scan (it would run once per layer)
-    for e in _walk(step_jaxpr):
+    for e in walk(step_jaxpr):
         if e.primitive.name == "scan":
             assert not _has(e.params["jaxpr"].jaxpr, {"pmax"})
     assert "pmax" in str(step_jaxpr)  # make_jaxpr's text includes the nested bodies too
 
 
 def test_next_layer_gather_does_not_wait_for_this_layer(step_jaxpr):
-    scans = [e for e in _walk(step_jaxpr) if e.primitive.name == "scan"
+    scans = [e for e in walk(step_jaxpr) if e.primitive.name == "scan"
              and _has(e.params["jaxpr"].jaxpr, GATHERS)
              and _has(e.params["jaxpr"].jaxpr, {"ragged_dot_general", "ragged_dot"})]
     assert scans, "no layer scan with gathers and expert matmuls"
@@ -157,17 +139,8 @@ def test_encoded_ahead_is_a_fresh_encode_of_the_new_state():
 
 def _gathering_switches(jaxpr) -> int:
     """Tier switches (``cond`` eqns whose branches all-gather), nested bodies included."""
-    return sum(1 for e in _walk(jaxpr) if e.primitive.name == "cond"
-               and any(_has(b, {"all_gather", "all_gather_invariant"}) for b in _subjaxprs(e)))
-
-
-def _outside_conds(jaxpr):
-    """Equations not inside any cond/switch branch (other nesting, e.g. scans, is followed)."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        if eqn.primitive.name != "cond":
-            for sub in _subjaxprs(eqn):
-                yield from _outside_conds(sub)
+    return sum(1 for e in walk(jaxpr) if e.primitive.name == "cond"
+               and any(_has(b, {"all_gather", "all_gather_invariant"}) for b in subjaxprs(e)))
 
 
 def test_backward_reads_the_caches_instead_of_a_compressed_gather():
@@ -181,7 +154,7 @@ def test_backward_reads_the_caches_instead_of_a_compressed_gather():
         return _step_jaxpr(TrainConfig(**{**TC.__dict__, "plan": "all", **kw}))
 
     def payload_gathers(jaxpr):  # uint8 planes outside any cond: the backward's
-        return sum(1 for e in _outside_conds(jaxpr) if e.primitive.name == "all_gather"
+        return sum(1 for e in outside(jaxpr, "cond") if e.primitive.name == "all_gather"
                    and e.invars[0].aval.dtype == np.uint8)
 
     exponent, word = step(cache="exponent"), step(cache="word")
