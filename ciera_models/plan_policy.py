@@ -24,16 +24,20 @@ def default_profile(platform: str) -> str:
     return "cpu-emulated" if platform == "cpu" else "h100-nvlink"
 
 
+NO_CACHE = "none"  # a tensor gathered plainly: its cache is empty
+
+
 def cache_modes(tc, tensors: dict, compress: dict, n: int, platform: str) -> dict[str, str]:
     """Cache mode per gathered tensor (``--cache``): ``exponent`` (1 B/param) or ``word``
     (2 B/param, sends a few bits per weight) for the compressed ones; ``auto``: the planner's
     per-tensor choice (``planner.plan_modes``) within the memory the caches may use
     (:func:`cache_budget_bytes`), exponent where it would not compress or a word cache does not
-    fit. Tensors that are not compressed keep an (unused) exponent cache."""
+    fit. Tensors that are not compressed get :data:`NO_CACHE` (an empty cache: no bytes)."""
     if tc.cache != "auto":
-        return {k: tc.cache if compress[k] else "exponent" for k in tensors}
+        return {k: tc.cache if compress[k] else NO_CACHE for k in tensors}
     chosen = planned_modes(tc, tensors, n, platform)
-    return {k: "word" if compress[k] and chosen[k] == "word" else "exponent" for k in tensors}
+    return {k: ("word" if chosen[k] == "word" else "exponent") if compress[k] else NO_CACHE
+            for k in tensors}
 
 
 def planned_modes(tc, tensors: dict, n: int, platform: str) -> dict[str, str]:

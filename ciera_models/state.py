@@ -26,7 +26,7 @@ from ciera_models import configs
 from ciera_models.data import Dataset
 from ciera_models.model import Transformer
 from ciera_models.optimizer import make_optimizer
-from ciera_models.plan_policy import cache_modes, make_plan
+from ciera_models.plan_policy import NO_CACHE, cache_modes, make_plan
 from ciera_models.step import AHEAD_SPECS, all_words, make_step
 
 
@@ -58,9 +58,12 @@ def bytes_per_device(tree) -> int:
 
 def with_cache_modes(caches, tensors: dict, modes: dict):
     """``caches`` (fresh, from ``fsdp.attach_caches``) with a word cache in place of the
-    exponent cache of every tensor ``modes`` says ``word`` (stacked tensors: one per layer)."""
+    exponent cache of every tensor ``modes`` says ``word``, and an empty one (no bytes) for
+    every tensor it says ``none`` (gathered plainly: a cache would be memory for nothing);
+    stacked tensors get one per layer."""
     def fresh(t, mode):
-        one = lambda _=None: ciera_jax.init_cache(t.shape, t.dtype, mode)  # noqa: E731
+        shape, mode = ((0,), "exponent") if mode == NO_CACHE else (t.shape, mode)
+        one = lambda _=None: ciera_jax.init_cache(shape, t.dtype, mode)  # noqa: E731
         return jax.vmap(one)(jnp.zeros(t.stack)) if t.stack else one()
 
     new = {k: fresh(tensors[k], m) for k, m in modes.items() if m != "exponent"}
