@@ -26,6 +26,7 @@ from typing import Any, Mapping, Union
 import jax
 import numpy as np
 
+from ciera_jax import codec
 from ciera_jax import costmodel as cm
 from ciera_jax import memory
 from ciera_jax.shapes import get_config, tensor_inventory
@@ -246,8 +247,8 @@ def step_wire_bytes(mode: str, plain_bytes: float, gather_bytes: float | None = 
 
 def payload_share(dtype: Any) -> float:
     """Sign + mantissa bytes over the word's (bf16: 1/2, float32: 3/4)."""
-    whole, payload = CODEC_DTYPES[dtype_name(dtype)]
-    return payload / whole
+    fmt = codec.word_format(dtype)
+    return fmt.payload_bytes / fmt.word.itemsize
 
 
 UNITS = 1 << 14  # budget resolution of the knapsack

@@ -153,7 +153,7 @@ def test_backward_reads_the_caches_instead_of_a_compressed_gather():
     def step(**kw):
         return _step_jaxpr(TrainConfig(**{**TC.__dict__, "plan": "all", **kw}))
 
-    def payload_gathers(jaxpr):  # uint8 planes outside any cond: the backward's
+    def payload_gathers(jaxpr):  # uint8 planes outside any cond: main planes and payloads
         return sum(1 for e in outside(jaxpr, "cond") if e.primitive.name == "all_gather"
                    and e.invars[0].aval.dtype == np.uint8)
 

@@ -9,9 +9,10 @@ Both go through :func:`_run`, the one custom VJP: the forward keeps no gathered 
 residuals; the backward reads a word-cache tensor's full words from the cache the forward left
 (no second gather, no second copy), an exponent-cache tensor's exponents from its new cache
 beside a gather of its sign + mantissa bytes alone (:mod:`~ciera_jax.fsdp.regather`), and
-gathers every other tensor again (the same exact, pure function). Either way the compute sees its weights through one ``optimization_barrier``,
-forward and backward, so XLA compiles the same matmuls whichever path delivered them and the
-parameters stay bitwise those of a plain gather.
+gathers every other tensor again (the same exact, pure function). Either way the compute sees
+its weights through one ``optimization_barrier``, forward and backward, so XLA compiles the
+same matmuls whichever path delivered them and the parameters stay bitwise those of a plain
+gather.
 """
 
 from __future__ import annotations
@@ -169,9 +170,6 @@ def _scan(module, x, args, plan: Plan, layers: int, body):
                 set_plan(m, dataclasses.replace(plan_of(m), held=True))
         return body(copy, x, *args)
 
-    # A tuple in the members' order, not a set: what is traced must not depend on string
-    # hashing, which differs between processes (a multi-host step would differ per host, and
-    # JAX's persistent cache would miss).
     held = _cached(inputs, plan, cache_lib.WordCache)  # bucket members too: own caches
     axis_name = gather_spec(members[0][1]).axis_name if members else AXIS
     regathered = _payload_groups(inputs, _cached(inputs, plan, cache_lib.ExponentCache))
@@ -213,9 +211,10 @@ def _run(compute, tensors: dict, held: tuple, regathered: tuple, n: int, plan: P
     updated one layer at a time in place (each gather reads its layer's old words and writes
     the new ones), so the step holds one stack of words, which is also what the backward
     reads. Residuals: each layer's input activation, the shards, the gather inputs and the
-    new caches the backward reads (no gathered weights). ``regathered``: the exponent-cache
-    keys, grouped into the backward's payload transfers. Backward: the layers in reverse, each recomputed on its
-    full weights and its cotangents ``psum_scatter``-ed."""
+    new caches the backward reads (no gathered weights). Backward: the layers in reverse,
+    each recomputed on its full weights and its cotangents ``psum_scatter``-ed; ``held``
+    keys' full weights are their new word caches, ``regathered`` (exponent-cache keys, grouped
+    into the backward's payload transfers) come from :func:`~ciera_jax.fsdp.regather.regather`."""
     def at(tree, i):
         if i is None:
             return tree
