@@ -1,6 +1,7 @@
 """The backward's payload-only gather (:mod:`ciera_jax.fsdp.regather`): bit for bit
 ``lax.all_gather`` when the exponent caches are the full tensors' exponents, alone and as a
-bucket, on adversarial words; and it really reads them (a wrong cache shows)."""
+bucket, on adversarial words; it really reads them (a wrong cache shows); and prepared steps
+with weights kept split over a ``tp`` axis train plain's parameters."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -80,3 +83,72 @@ def test_it_reads_the_cached_exponents():
         diff = np.flatnonzero(np.asarray(fulls[k])[0].reshape(-1) != bits_of(v).reshape(-1))
         assert diff.tolist() == [3], (k, diff)
 
+
+
+class _TPLayer(nnx.Module):
+    """Weights split over ``fsdp`` and kept split over ``tp`` (the layer psums over ``tp``),
+    and one split over ``fsdp`` alone."""
+
+    def __init__(self, rngs):
+        init = nnx.initializers.lecun_normal()
+        self.w_in = nnx.Param(init(rngs.params(), (16, 32)), out_sharding=("fsdp", "tp"))
+        self.w_out = nnx.Param(init(rngs.params(), (32, 16)), out_sharding=("tp", "fsdp"))
+        self.v = nnx.Param(init(rngs.params(), (8, 16)), out_sharding=("fsdp", None))
+
+    @ciera_jax.gathered(axis_name="fsdp")
+    def __call__(self, x):
+        h = jax.nn.gelu(x @ self.w_in[...].astype(jnp.float32))
+        y = lax.psum(h @ self.w_out[...].astype(jnp.float32), "tp")
+        return x + y + self.v[...].astype(jnp.float32).sum(0), jnp.float32(0)
+
+
+class _TPStack(nnx.Module):
+    def __init__(self, rngs):
+        self.layers = fsdp.stack(_TPLayer, 2, rngs)
+
+    def __call__(self, x):
+        return fsdp.scan_layers(self.layers, x)[0]
+
+
+@pytest.mark.parametrize("cache", ["exponent", "word"])
+def test_prepared_steps_beside_tp_are_bitwise_plain(cache):
+    """The prepared path on an (fsdp, tp) mesh, a stack under its one custom VJP: the
+    backward's payload gather (exponent caches) or cache read (word caches) of weights that
+    stay split over ``tp`` trains the same parameters as plain gathers, bit for bit."""
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tp"))
+    with jax.set_mesh(mesh):
+        model = fsdp.attach_caches(_TPStack(nnx.Rngs(0)), mode=cache, stats=False)
+    tensors = fsdp.gathered_tensors(model)
+    assert tensors["layers/w_in"].spec == ("fsdp", "tp")
+    graphdef, params, caches = nnx.split(model, nnx.Param, fsdp.GatherCacheVar)
+    specs, cache_specs = fsdp.state_specs(model, params, n=4), fsdp.state_specs(model, caches)
+    compress = {k: True for k in tensors}
+
+    def make(mode):
+        @jax.jit
+        @functools.partial(jax.shard_map, mesh=mesh, in_specs=(specs, cache_specs, P()),
+                           out_specs=(specs, cache_specs))
+        def step(params, caches, x):
+            x = lax.pcast(x, ("fsdp", "tp"), to="varying")
+            encoded = fsdp.encode_tensors(tensors, fsdp.param_dict(params),
+                                          fsdp.cache_dict(caches), compress)
+            agreed = fsdp.agree_tensors(tensors, encoded)
+
+            def loss(params):
+                m = fsdp.prepare(fsdp.merge(graphdef, params, caches), encoded, agreed, mode)
+                return jnp.sum(m(x)), nnx.state(m, fsdp.GatherCacheVar)
+
+            grads, new_caches = jax.grad(loss, has_aux=True)(params)
+            return jax.tree.map(lambda p, g: p - 0.05 * g, params, grads), new_caches
+        return step
+
+    x = jax.random.normal(jax.random.key(1), (4, 16), jnp.float32)
+    trained = {}
+    for mode in ("ciera", "plain"):
+        p, c = fsdp.put(params, specs, mesh), fsdp.put(caches, cache_specs, mesh)
+        step = make(mode)
+        for _ in range(4):  # priming, then steps through primed caches
+            p, c = step(p, c, x)
+        trained[mode] = [bits_of(a) for a in jax.tree.leaves(p)]
+    for a, b in zip(trained["ciera"], trained["plain"]):
+        np.testing.assert_array_equal(a, b)
