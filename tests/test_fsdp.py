@@ -259,3 +259,16 @@ def test_the_one_gather_is_values_in_values_out(mesh):
     assert bool(np.asarray(new.primed)) and int(stats["fallback"]) == 1  # primed by the gather
     assert int(p_stats["tier"]) == -1 and int(p_stats["sent_bytes"]) == int(
         p_stats["plain_bytes"])
+
+
+def test_attach_caches_on_an_abstract_model_makes_no_arrays():
+    """A model from ``nnx.eval_shape`` gets abstract caches: the inventory and specs of a
+    47B-parameter model without allocating its 47 GB of exponent caches (which killed this
+    machine before)."""
+    from ciera_models.configs import get_config
+    from ciera_models.model import abstract_model
+
+    model = fsdp.attach_caches(abstract_model(get_config("mixtral-8x7b")))
+    leaves = jax.tree.leaves(nnx.state(model, fsdp.GatherCacheVar))
+    assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    assert sum(int(np.prod(x.shape)) for x in leaves) > 40e9  # an exponent byte per weight

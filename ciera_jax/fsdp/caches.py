@@ -10,6 +10,8 @@ layer's cache (``fsdp.stack`` or ``nnx.vmap``) has the layer axis first, one per
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -126,8 +128,8 @@ def attach_caches(model: nnx.Module, mode: str = "exponent", *, memory_gb=None,
 
     Call once on the model built with its full (global) parameter shapes, eagerly sharded or
     not, after :func:`~ciera_jax.fsdp.shard`. Layers stacked with :func:`~ciera_jax.fsdp.stack`
-    or with ``nnx.vmap`` get one cache per layer. Idempotent: a parameter that has a cache
-    keeps it. Everything a step changes exists from here on, so ``nnx.jit`` traces once.
+    or with ``nnx.vmap`` get one cache per layer; an abstract model (``nnx.eval_shape``) gets
+    abstract caches. Idempotent: a parameter that has a cache keeps it. Everything a step changes exists from here on, so ``nnx.jit`` traces once.
 
     ``stats``: create the :class:`~ciera_jax.fsdp.GatherStats` variables now (True) or on
     the first call (False: a state split as ``nnx.split(model, nnx.Param, GatherCacheVar)``
@@ -160,9 +162,12 @@ def attach_caches(model: nnx.Module, mode: str = "exponent", *, memory_gb=None,
             object.__setattr__(p.owner, PLAIN_ATTR, frozenset(plain | {p.name}))
             continue
         if not hasattr(p.owner, cache_attr(p.name)):
-            dtype = g.spec.dtype or p.var.get_value().dtype
-            local = without_axis(p.spec, g.spec.axis_name)
-            cache = placer(local, n)(new_cache(p.layer_shape, dtype, n, m))
+            value = p.var.get_value()
+            make = functools.partial(new_cache, p.layer_shape, g.spec.dtype or value.dtype, n, m)
+            if isinstance(value, jax.ShapeDtypeStruct):  # an abstract model: abstract caches
+                cache = jax.eval_shape(make)
+            else:
+                cache = placer(without_axis(p.spec, g.spec.axis_name), n)(make())
             setattr(p.owner, cache_attr(p.name), GatherCacheVar(cache, param=p.name))
     per_module: dict = {}
     for g, p, n in todo:
