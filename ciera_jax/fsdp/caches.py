@@ -129,7 +129,8 @@ def attach_caches(model: nnx.Module, mode: str = "exponent", *, memory_gb=None,
     Call once on the model built with its full (global) parameter shapes, eagerly sharded or
     not, after :func:`~ciera_jax.fsdp.shard`. Layers stacked with :func:`~ciera_jax.fsdp.stack`
     or with ``nnx.vmap`` get one cache per layer; an abstract model (``nnx.eval_shape``) gets
-    abstract caches. Idempotent: a parameter that has a cache keeps it. Everything a step changes exists from here on, so ``nnx.jit`` traces once.
+    abstract caches. Idempotent: a parameter that has a cache keeps it. Everything a step
+    changes exists from here on, so ``nnx.jit`` traces once.
 
     ``stats``: create the :class:`~ciera_jax.fsdp.GatherStats` variables now (True) or on
     the first call (False: a state split as ``nnx.split(model, nnx.Param, GatherCacheVar)``
