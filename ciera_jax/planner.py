@@ -10,11 +10,10 @@ mode, priced as ``ciera train`` runs it: per step a plain tensor is gathered twi
 backward re-gather), an exponent one compressed in the forward and by its sign + mantissa bytes
 alone in the backward (the forward left this step's exponents in its cache), a word one once
 (the backward reads the full weights from its cache), and every tensor's gradient is
-reduce-scattered once. Each mode
-costs cache memory on every GPU (:mod:`ciera_jax.memory`); the planner maximizes the step-time
-saving within a cache budget: a multiple-choice knapsack, solved by dynamic programming (a
-greedy by saving per byte was measured up to 14% short of the optimum on OLMoE: the big expert
-tensors do not pack greedily).
+reduce-scattered once. Each mode costs cache memory on every GPU (:mod:`ciera_jax.memory`);
+the planner maximizes the step-time saving within a cache budget: a multiple-choice knapsack,
+solved by dynamic programming (a greedy by saving per byte was measured up to 14% short of the
+optimum on OLMoE: the big expert tensors do not pack greedily).
 """
 
 from __future__ import annotations
