@@ -165,7 +165,8 @@ def _start(tc: TrainConfig, run: RunConfig, mesh, saver, log):
             f"{sum(tr.compress.values())} compressed tensors, exponent for the rest")
     memory = {"params": bytes_per_device(state.params),
               "optimizer": bytes_per_device(state.opt_state),
-              f"caches ({tc.cache})": bytes_per_device(state.caches)}
+              ("caches" if tc.gather != "ciera" else f"caches ({tc.cache})"):
+                  bytes_per_device(state.caches)}
     log(metrics.memory_line(memory))
     log("legend: " + metrics.TIER_LEGEND)
     meta = {"train_config": dataclasses.asdict(tc), "seed": run.seed, "mesh": layout,

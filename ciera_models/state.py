@@ -56,18 +56,20 @@ def bytes_per_device(tree) -> int:
                for a in jax.tree.leaves(tree))
 
 
-def with_cache_modes(caches, tensors: dict, modes: dict):
-    """``caches`` (fresh, from ``fsdp.attach_caches``) with a word cache in place of the
-    exponent cache of every tensor ``modes`` says ``word``, and an empty one (no bytes) for
-    every tensor it says ``none`` (gathered plainly: a cache would be memory for nothing);
-    stacked tensors get one per layer."""
+def fresh_caches(abstract, tensors: dict, modes: dict):
+    """Unprimed caches shaped like ``abstract`` (the cache state of ``fsdp.attach_caches`` on
+    the abstract model), each in its tensor's mode: a word or exponent cache, or an empty one
+    (no bytes) for every tensor ``modes`` says ``none`` (gathered plainly: a cache would be
+    memory for nothing); stacked tensors get one per layer. Only these are ever allocated."""
     def fresh(t, mode):
         shape, mode = ((0,), "exponent") if mode == NO_CACHE else (t.shape, mode)
         one = lambda _=None: ciera_jax.init_cache(shape, t.dtype, mode)  # noqa: E731
         return jax.vmap(one)(jnp.zeros(t.stack)) if t.stack else one()
 
-    new = {k: fresh(tensors[k], m) for k, m in modes.items() if m != "exponent"}
-    return fsdp.with_caches(caches, new) if new else caches
+    missing = set(fsdp.cache_dict(abstract)) - set(modes)
+    if missing:
+        raise ValueError(f"no cache mode for {sorted(missing)}")
+    return fsdp.with_caches(abstract, {k: fresh(tensors[k], m) for k, m in modes.items()})
 
 
 def is_spec(x) -> bool:
@@ -89,6 +91,7 @@ class Trainer:
     plan_summary: str = ""
     prepare_fn: Callable | None = None
     cache_modes: dict = dataclasses.field(default_factory=dict)  # key -> "exponent" | "word"
+    cache_shapes: object = None  # the abstract cache state (every tensor's, exponent mode)
     compiled: bool = False  # a step has run (so the next one does not compile)
 
     @property
@@ -125,10 +128,9 @@ class Trainer:
         return TrainState(state.step + done, params, caches, opt_state, ahead), m
 
     def init_state(self, seed: int) -> TrainState:
-        model = fsdp.attach_caches(Transformer(self.tc.model, nnx.Rngs(seed)))
-        _, params, caches = nnx.split(model, nnx.Param, GatherCacheVar)
+        _, params, _ = nnx.split(Transformer(self.tc.model, nnx.Rngs(seed)), nnx.Param, ...)
         params = fsdp.put(params, self.param_specs, self.mesh)
-        caches = fsdp.put(with_cache_modes(caches, self.tensors, self.cache_modes), P(),
+        caches = fsdp.put(fresh_caches(self.cache_shapes, self.tensors, self.cache_modes), P(),
                           self.mesh)
         opt_state = jax.jit(self.tx.init, out_shardings=jax.tree.map(
             lambda s: NamedSharding(self.mesh, s), self.opt_specs, is_leaf=is_spec))(params)
@@ -167,7 +169,8 @@ def build_trainer(tc, mesh: Mesh) -> Trainer:
     step_fn, prepare_fn = make_step(tc, mesh, graphdef, param_specs, opt_specs, tx, tensors,
                                     compress)
     return Trainer(tc, mesh, graphdef, param_specs, opt_specs, tx, tensor_kinds(cfg, tensors),
-                   step_fn, tensors, compress, plan_summary, prepare_fn, modes)
+                   step_fn, tensors, compress, plan_summary, prepare_fn, modes,
+                   cache_shapes=caches)
 
 
 def tensor_kinds(cfg: configs.ModelConfig, tensors: dict) -> dict[str, str]:
