@@ -11,10 +11,13 @@ import jax
 import pytest
 from flax import nnx
 
+import ciera_jax
+import ciera_jax.cache as cache_lib
 from ciera_jax import cli, fsdp
 from ciera_models import data
 from ciera_models.model import Transformer, abstract_model
 from ciera_models.plan_policy import NO_CACHE, cache_modes
+from ciera_models.state import bytes_per_device
 from ciera_models.train import TrainConfig, build_trainer, make_mesh, make_plan, train
 
 STEPS = 20
@@ -163,6 +166,24 @@ def test_cache_modes_per_tensor():
     auto = cache_modes(TrainConfig(cache="auto"), tensors, compress, 8, "cpu")
     assert all(m == NO_CACHE for k, m in auto.items() if not compress[k])
     assert {m for k, m in auto.items() if compress[k]} <= {"exponent", "word"}
+
+
+def test_init_allocates_only_the_caches_the_plan_uses(monkeypatch):
+    """A plain run's state holds empty caches and never makes a full-size one, even for a
+    moment (an exponent cache for every tensor is ~7 GB per device on OLMoE)."""
+    tr = build_trainer(TrainConfig(config="tiny", schedule_steps=STEPS, gather="plain"),
+                       make_mesh(8))  # conftest's plain run: the trainer is shared
+    made, real = [], cache_lib.init_cache
+
+    def spy(shape, dtype, mode="exponent"):
+        made.append(tuple(shape))
+        return real(shape, dtype, mode)
+
+    monkeypatch.setattr(cache_lib, "init_cache", spy)
+    monkeypatch.setattr(ciera_jax, "init_cache", spy)
+    state = tr.init_state(0)
+    assert made and set(made) == {(0,)}, made
+    assert bytes_per_device(state.caches) < 64
 
 
 def test_cache_auto_fits_the_memory_budget():
