@@ -1,5 +1,6 @@
-"""Manual-axis types inside ``shard_map``: which mesh axes a value varies over, and casts that
-make both sides of a conditional, or a loop's carry in and out, the same type."""
+"""Manual-axis types inside ``shard_map``: which mesh axes a value varies over, casts that make
+both sides of a conditional, or a loop's carry in and out, the same type, and the type a
+Pallas kernel's outputs must declare under ``check_vma=True``."""
 
 from __future__ import annotations
 
@@ -41,3 +42,16 @@ def typed_cond(pred, true_fn, false_fn):
         return branch
 
     return lax.cond(pred, typed(true_fn), typed(false_fn))
+
+
+def kernel_out_types(out_types, args):
+    """``out_types`` (a ``ShapeDtypeStruct`` or a tuple of them) declared to vary over every
+    mesh axis an argument of the kernel varies over: a kernel computes its outputs from its
+    arguments, and ``shard_map(..., check_vma=True)`` (JAX's default) refuses a Pallas output
+    without a declared manual-axis type."""
+    manual_axis_type = getattr(jax.sharding, "ManualAxisType", None)
+    if manual_axis_type is None:  # a JAX without manual-axis types: nothing to declare
+        return out_types
+    mat = manual_axis_type(varying=frozenset().union(*(vma(a) for a in jax.tree.leaves(args))))
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat),
+                        out_types)

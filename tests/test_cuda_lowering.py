@@ -133,6 +133,32 @@ def test_gather_with_pallas_lowers_for_cuda(mesh, mode, dtype):
     assert "all_gather" in module
 
 
+@pytest.mark.parametrize("mode", ["exponent", "word"])
+@pytest.mark.parametrize("impl,capability", [
+    ("auto", "9.0"),
+    pytest.param("triton", "8.0", marks=pytest.mark.skipif(
+        "triton" not in K.available_backends(), reason="no Pallas Triton"))])
+def test_gather_with_kernels_lowers_in_a_checked_shard_map(mesh, mode, impl, capability):
+    """A user's ``shard_map`` with JAX's default ``check_vma=True``: every kernel declares its
+    outputs' manual-axis type (without it Pallas refuses the output and the gather fails on a
+    GPU only). The gathered weights are used inside, the new cache leaves replicated."""
+    shape = (8 * 64, 256)
+
+    def body(x, cache, h):
+        full, cache, _ = ciera_jax.all_gather(x, cache, "fsdp", impl=impl)
+        return h @ full, cache
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P("fsdp"), P(), P("fsdp")),
+                       out_specs=(P("fsdp"), P()))
+    x = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp")))
+    h = jax.ShapeDtypeStruct((8 * 4, shape[0]), jnp.bfloat16,
+                             sharding=NamedSharding(mesh, P("fsdp")))
+    cache = ciera_jax.init_cache(shape, jnp.bfloat16, mode=mode)
+    module = lower_for_cuda(fn, x, cache, h, capability=capability)
+    backend = "mosaic" if impl == "auto" else impl
+    assert module.count(K.CUSTOM_CALL[backend]) >= 2
+
+
 @pytest.mark.parametrize("capability,backend", [("9.0", "mosaic"), ("10.0", "mosaic"),
                                                 ("8.0", None)])
 def test_gather_auto_per_gpu(mesh, capability, backend):

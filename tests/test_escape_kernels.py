@@ -186,9 +186,10 @@ def test_no_loop_under_jit():
 
 
 def gather_fn(impl: str):
-    """One compressed gather on the 8-device CPU mesh -> (full, new cache, stats). Pallas
-    kernels inside ``shard_map`` need ``check_vma=False`` (their outputs carry no varying
-    axes), as in test_no_deprecations."""
+    """One compressed gather on the 8-device CPU mesh -> (full, new cache, stats), returned
+    replicated, hence ``check_vma=False`` (as for ``lax.all_gather``; and Triton's CPU
+    interpreter runs a kernel's body under the checks: test_cuda_lowering lowers the kernels
+    in a checked ``shard_map``)."""
     from jax.sharding import PartitionSpec as P
 
     import ciera_jax

@@ -58,6 +58,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ciera_jax.varying import kernel_out_types
+
 IMPLS = ("auto", "xla", "pallas", "mosaic", "triton")
 BACKENDS = ("mosaic", "triton")
 HOPPER = (9, 0)  # Mosaic GPU's target: Hopper (sm_90) and newer
@@ -223,9 +225,14 @@ def stream_call(body: Callable, inputs: Sequence[Operand], outputs: Sequence[Ope
         return jax.ShapeDtypeStruct(lead + layout.element_shape(), o.dtype)
 
     launch = _mosaic_call if backend == "mosaic" else _triton_call
-    return launch(body, tuple(inputs), tuple(outputs), tuple(map(out_type, outputs)),
-                  layout=layout, programs=programs, block=block, interpret=interpret,
-                  name=name, with_block=with_block)
+    out_types = tuple(map(out_type, outputs))
+
+    def call(*args):
+        return launch(body, tuple(inputs), tuple(outputs), kernel_out_types(out_types, args),
+                      layout=layout, programs=programs, block=block, interpret=interpret,
+                      name=name, with_block=with_block)(*args)
+
+    return call
 
 
 def _vec_size(operands, block: int) -> int:

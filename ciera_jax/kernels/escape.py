@@ -36,6 +36,7 @@ from jax import lax
 from ciera_jax import wordcodec
 from ciera_jax.kernels import _layout
 from ciera_jax.kernels.backend import TRITON_WARPS
+from ciera_jax.varying import kernel_out_types
 from ciera_jax.wire import FLAG_WORD_BITS
 
 ESCAPE_BLOCK = 4096  # elements per program: 128 flag words; a power of two, >= 32
@@ -82,11 +83,11 @@ def _call(kernel, out_shape, in_specs, out_specs, grid, *, interpret, name, alia
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltriton
 
-    return pl.pallas_call(
-        kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
-        input_output_aliases=aliases or {},
+    return lambda *args: pl.pallas_call(
+        kernel, out_shape=kernel_out_types(out_shape, args), grid=grid, in_specs=in_specs,
+        out_specs=out_specs, input_output_aliases=aliases or {},
         compiler_params=pltriton.CompilerParams(num_warps=TRITON_WARPS, num_stages=1),
-        interpret=interpret, name=name)
+        interpret=interpret, name=name)(*args)
 
 
 def _check(block: int, backend: str | None):
