@@ -53,5 +53,8 @@ def kernel_out_types(out_types, args):
     if manual_axis_type is None:  # a JAX without manual-axis types: nothing to declare
         return out_types
     mat = manual_axis_type(varying=frozenset().union(*(vma(a) for a in jax.tree.leaves(args))))
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat),
-                        out_types)
+    try:
+        return jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat), out_types)
+    except TypeError:  # a JAX whose ShapeDtypeStruct names it otherwise: as before
+        return out_types
