@@ -11,9 +11,13 @@ plain, ...: every mode sees the same machine load):
 
 It prints both with their ratio to plain (median over rounds), the optimized HLO's size, and
 how many all-gathers sit inside conditional branches against all of them (CIERA's main
-transfers must not: only escape prefixes and the plain fallback may).
+transfers must not: only escape prefixes and the plain fallback may). Then, per compressed
+mode, the ``--sources`` library functions its compiled step has the most fusions from beyond
+plain's (``ciera_jax.hlo.fusion_sources``: a fusion counts at the innermost frame of its
+stack inside ``ciera_jax``): where the step's size, and so its compile time, goes.
 
-    python benchmarks/compile_time.py [--config tiny] [--plan all] [--rounds 2] [--out PATH]
+    python benchmarks/compile_time.py [--config tiny] [--plan all] [--rounds 2] [--sources 8]
+                                      [--out PATH]
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--plan", default="all", help="which tensors compress (ciera train --plan)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds per mode")
     p.add_argument("--devices", type=int, default=8, help="emulated CPU devices")
+    p.add_argument("--sources", type=int, default=8,
+                   help="per compressed mode, the functions with the most extra fusions")
     p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)  # one mode, in-process
     return p.parse_args(argv)
 
@@ -76,6 +82,7 @@ def worker(args) -> dict:
     compile_s = time.perf_counter() - t0
     text = compiled.as_text()
     inside, total = branch_gathers(text)
+    fusions = hlo.fusion_sources(text)
     jax.clear_caches()
     t0 = time.perf_counter()
     tr = build_trainer(tc, mesh)
@@ -84,7 +91,8 @@ def worker(args) -> dict:
     jax.block_until_ready(state.params)
     first_s = time.perf_counter() - t0
     return dict(mode=args.worker, build_s=build_s, compile_s=compile_s, first_step_s=first_s,
-                hlo_bytes=len(text), gathers_in_branches=inside, gathers=total)
+                hlo_bytes=len(text), gathers_in_branches=inside, gathers=total,
+                fusions=sum(fusions.values()), fusion_sources=dict(fusions))
 
 
 def main(argv=None) -> int:
@@ -116,11 +124,20 @@ def main(argv=None) -> int:
         row = dict(mode=m, **med[m], compile_vs_plain=med[m]["compile_s"] / med["plain"]["compile_s"],
                    first_step_vs_plain=med[m]["first_step_s"] / med["plain"]["first_step_s"],
                    hlo_bytes=last["hlo_bytes"], gathers_in_branches=last["gathers_in_branches"],
-                   gathers=last["gathers"], rounds=runs[m])
+                   gathers=last["gathers"], fusions=last["fusions"],
+                   fusion_sources=last["fusion_sources"], rounds=runs[m])
         rows.append(row)
         print(f"{m:<10}{row['compile_s']:>10.1f}{row['compile_vs_plain']:>9.2f}"
               f"{row['first_step_s']:>14.1f}{row['first_step_vs_plain']:>9.2f}"
               f"{row['hlo_bytes'] / 1e6:>8.2f}{row['gathers_in_branches']:>12} of {row['gathers']}")
+    plain = rows[0]["fusion_sources"]
+    for row in rows[1:]:
+        extra = {k: n - plain.get(k, 0) for k, n in row["fusion_sources"].items()}
+        top = sorted(extra.items(), key=lambda kv: -kv[1])[:args.sources]
+        print(f"\n{row['mode']}: {row['fusions']} fusions against plain's {rows[0]['fusions']}; "
+              f"the most extra from")
+        for k, n in top:
+            print(f"{n:>6}  {k}")
     write_results(args.out, dict(config=args.config, plan=args.plan, devices=args.devices,
                                  rows=rows))
     return 0

@@ -2,11 +2,14 @@
 
 Used to check where the collectives of a compiled step landed (a transfer inside a conditional
 branch runs serialized with the compute around it on a GPU): ``benchmarks/compile_time.py``
-counts them, the tests assert on them.
+counts them, the tests assert on them. And to say which source function each fusion came
+from (:func:`fusion_sources`), which is where a compiled step's size, and so its compile time,
+goes.
 """
 
 from __future__ import annotations
 
+import collections
 import re
 
 _CALLS = re.compile(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
@@ -47,3 +50,42 @@ def all_gathers(text: str) -> list[tuple[str, list[int]]]:
     """``(element type, dims)`` of every all-gather result in some HLO text."""
     return [(m.group(1), [int(d) for d in m.group(2).split(",") if d])
             for m in re.finditer(r"= (\w+)\[([\d,]*)\][^ ]* all-gather(?:-start)?\(", text)]
+
+
+def _table(hlo: str, name: str) -> list[str]:
+    """The lines of one of the module's trailing tables (``FileNames``, ``StackFrames``...)."""
+    m = re.search(rf"^{name}\n(.*?)(?:\n\n|\Z)", hlo, re.S | re.M)
+    return m.group(1).splitlines() if m else []
+
+
+def _ids(line: str) -> dict[str, int]:
+    return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", line)}
+
+
+def fusion_sources(hlo: str, package: str = "ciera_jax") -> collections.Counter:
+    """``{"file:function": fusions}``: each fusion of a compiled module's text (``compile().
+    as_text()``) counted at the innermost frame of its stack that lies in ``package``;
+    ``"(outside <package>)"`` and ``"(no source)"`` for the rest."""
+    files = {int(line.split()[0]): line.split('"')[1] for line in _table(hlo, "FileNames")}
+    funcs = {int(line.split()[0]): line.split('"')[1] for line in _table(hlo, "FunctionNames")}
+    locs = {int(line.split()[0]): _ids(line) for line in _table(hlo, "FileLocations")}
+    frames = {int(line.split()[0]): _ids(line) for line in _table(hlo, "StackFrames")}
+
+    def source(frame: int) -> str:
+        seen = set()
+        while frame and frame not in seen:  # innermost first
+            seen.add(frame)
+            loc = locs[frames[frame]["file_location_id"]]
+            path = files[loc["file_name_id"]]
+            if f"/{package}/" in path:
+                return f"{path.split(f'/{package}/')[-1]}:{funcs[loc['function_name_id']]}"
+            frame = frames[frame].get("parent_frame_id", 0)
+        return f"(outside {package})"
+
+    counts: collections.Counter = collections.Counter()
+    for line in hlo.splitlines():
+        if " fusion(" not in line or "calls=" not in line:
+            continue
+        m = re.search(r"stack_frame_id=(\d+)", line)
+        counts[source(int(m.group(1))) if m else "(no source)"] += 1
+    return counts
