@@ -90,7 +90,7 @@ class Trainer:
     compress: dict = dataclasses.field(default_factory=dict)  # key -> bool (ciera only)
     plan_summary: str = ""
     prepare_fn: Callable | None = None
-    cache_modes: dict = dataclasses.field(default_factory=dict)  # key -> "exponent" | "word"
+    cache_modes: dict = dataclasses.field(default_factory=dict)  # key -> exponent, word, none
     cache_shapes: object = None  # the abstract cache state (every tensor's, exponent mode)
     compiled: bool = False  # a step has run (so the next one does not compile)
 
