@@ -13,7 +13,7 @@ It prints both with their ratio to plain (median over rounds), the optimized HLO
 how many all-gathers sit inside conditional branches against all of them (CIERA's main
 transfers must not: only escape prefixes and the plain fallback may). Then, per compressed
 mode, the ``--sources`` library functions its compiled step has the most fusions from beyond
-plain's (``ciera_jax.hlo.fusion_sources``: a fusion counts at the innermost frame of its
+plain's (``ciera_jax.runtime.hlo.fusion_sources``: a fusion counts at the innermost frame of its
 stack inside ``ciera_jax``): where the step's size, and so its compile time, goes.
 
     python benchmarks/compile_time.py [--config tiny] [--plan all] [--rounds 2] [--sources 8]
@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 
-from ciera_jax import hlo
+from ciera_jax.runtime import hlo
 from common import parser, write_results  # benchmarks/common.py, beside this script
 
 MODES = ("plain", "exponent", "word")
@@ -58,12 +58,12 @@ def branch_gathers(text: str) -> tuple[int, int]:
 
 def worker(args) -> dict:
     """One mode, in this process: time lower+compile, then the first step on a new trainer."""
-    from ciera_jax.devices import setup_devices
+    from ciera_jax.runtime.devices import setup_devices
 
     setup_devices(args.devices)
     import jax
 
-    from ciera_jax.devices import make_mesh
+    from ciera_jax.runtime.devices import make_mesh
     from ciera_models.data import load_dataset
     from ciera_models.train import TrainConfig, build_trainer
 

@@ -11,7 +11,7 @@ same process, median of repetitions:
 * ``ciera``       ``ciera_jax.all_gather`` in steady state: the cache is primed once, then
                   carried while two weight versions that differ in ``churn`` of their exponents
                   alternate, so every timed gather sees that churn,
-* ``checksum``    what a self-checking gather adds on every rank (``ciera_jax.checksum``): the
+* ``checksum``    what a self-checking gather adds on every rank (``ciera_jax.codec.checksum``): the
                   sender's checksum of its own shard plus the receiver's per-rank checksums of
                   the rebuilt full tensor, as a separate call (``chk/ciera`` is its share of the
                   CIERA gather's time; the target is <= 10% on CPU),
@@ -78,7 +78,7 @@ def checksum_fns(mesh, ndim: int, axis: int) -> dict:
 
     import ciera_jax
     from ciera_jax.calibrate.kit import STAT_KEYS
-    from ciera_jax.checksum import checksum, checksum_shards
+    from ciera_jax.codec.checksum import checksum, checksum_shards
     from ciera_jax.fsdp import AXIS, spec_for
 
     N = mesh.devices.size
@@ -123,14 +123,14 @@ def measure_all(mesh, shape, axis: int, churn: float, fns: dict, methods, reps: 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from ciera_jax.devices import setup_devices
+    from ciera_jax.runtime.devices import setup_devices
 
     setup_devices(args.devices)
     # JAX and the library load after the device count is set.
     import jax
 
     from ciera_jax.calibrate.kit import gather_fns
-    from ciera_jax.devices import make_mesh
+    from ciera_jax.runtime.devices import make_mesh
 
     devs = jax.devices()
     on_cpu = devs[0].platform == "cpu"

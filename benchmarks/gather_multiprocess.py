@@ -6,11 +6,11 @@ expert up-projections ``(E, 2048, 1024)`` bf16 on the d_model axis, at each chur
 the plain bits gather and CIERA (steady state: primed cache carried, two weight versions that
 differ in ``churn`` of their exponents alternate) timed interleaved in the same run. Links:
 
-* ``loopback``  processes on 127.0.0.1 (``ciera_jax.launch.run_local``): gloo over the kernel's
+* ``loopback``  processes on 127.0.0.1 (``ciera_jax.runtime.launch.run_local``): gloo over the kernel's
                 loopback, no bandwidth limit;
 * ``10gbit``, ``1gbit`` (any tc rate): every process in its own network namespace, joined by
                 veth links to a bridge, each link shaped with ``tc tbf`` in both directions
-                (``ciera_jax.netns``), standing in for an inter-node network. Needs root,
+                (``ciera_jax.runtime.netns``), standing in for an inter-node network. Needs root,
                 iproute2 and tc; where they are missing it says why and skips those links.
 
 A second series (``--word-experts``, default 4 experts = 16 MB) gathers a weight pair whose
@@ -155,8 +155,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     # SIGTERM unwinds like Ctrl-C: the workers are killed and the namespaces torn down.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    from ciera_jax import netns
-    from ciera_jax.launch import run_local
+    from ciera_jax.runtime import netns
+    from ciera_jax.runtime.launch import run_local
 
     churn = "churn" in args.series
     spec = json.dumps(dict(shapes=[[e, D_MODEL, D_FF] for e in args.experts] if churn else [],
@@ -214,7 +214,7 @@ def main(argv=None) -> int:
         notes=["time_ratio = ciera / plain bits; wire_ratio = bytes one rank sends, "
                "ciera / plain",
                "shaped links: per-process namespace, veth to a bridge, tc tbf at the "
-               "rate in both directions (ciera_jax.netns)",
+               "rate in both directions (ciera_jax.runtime.netns)",
                "times are the slowest process's median per method",
                "checksum_vs_ciera = checksum_s / ciera_s; checked_vs_ciera = "
                "ciera_checked_s / ciera_s - 1 (see gather_bench.py)",

@@ -12,7 +12,7 @@ only) it times jitted
 * the escapes of the wire: the sender's ``escape pack`` (flags packed 32 to a word, the flagged
   values into a capacity buffer in position order) and the receiver's ``escape expand`` (every
   flagged element's value back), at exponent mode's steady churn (1% of elements) and word
-  mode's (10%): ``xla`` is :mod:`ciera_jax.escapes` (loops over the escapes only, each found by
+  mode's (10%): ``xla`` is :mod:`ciera_jax.codec.escapes` (loops over the escapes only, each found by
   running count and popcount), ``triton`` the dense blockwise kernels of ``kernels/escape.py``
   (where an asked impl resolves to Triton: ``triton``, or ``pallas`` below Hopper; Mosaic GPU
   has none), checked against the loops; and the receiver's ``checksum`` of 8 ranks' shards
@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ciera_jax import checksum, codec, escapes, wordcodec
+from ciera_jax.codec import checksum, bitfields, escapes, wordcodec
 from ciera_jax import kernels as K
 from common import parser, print_table, write_results  # benchmarks/common.py, beside this script
 
@@ -89,7 +89,7 @@ def make_weights(dtype, n: int, seed: int = 0) -> jax.Array:
 def _cached_words(x):
     """The cache a step ago: every word moved by -3..3 ulps."""
     d = jax.random.randint(jax.random.key(1), x.shape, -3, 4)
-    return wordcodec.apply_delta(codec.to_bits(x), d)
+    return wordcodec.apply_delta(bitfields.to_bits(x), d)
 
 
 def _exponent_cases(impls, blocks):
@@ -109,7 +109,7 @@ def _checked_decode_rows(dtype_name, mb, x, impls, reps, copy_gbps) -> list[dict
     """The receiver's decode + per-rank checksums: unfused per impl, fused per Pallas backend."""
     dtype, n = x.dtype, x.size
     full = x.reshape(n // 1024, 1024)  # 8 ranks' shards of a (rows, 1024) matrix, axis 0
-    exp, payload = jax.jit(codec.split)(full)
+    exp, payload = jax.jit(bitfields.split)(full)
     rows = []
     for impl in impls:
         unfused = jax.jit(lambda e, p, impl=impl: (
@@ -127,7 +127,7 @@ def _checked_decode_rows(dtype_name, mb, x, impls, reps, copy_gbps) -> list[dict
             got = jax.block_until_ready(fn(exp, payload))
             if want is None:
                 want = got
-            elif not (bool(jnp.all(codec.to_bits(got[0]) == codec.to_bits(want[0])))
+            elif not (bool(jnp.all(bitfields.to_bits(got[0]) == bitfields.to_bits(want[0])))
                       and bool(jnp.all(got[1] == want[1]))):
                 raise AssertionError(f"{op} ({name}) differs from the unfused decode")
             rows.append(_row(dtype_name, mb, n, name, op,
@@ -147,13 +147,13 @@ def bench_one(dtype_name: str, mb: float, impls, modes, reps: int, blocks=()) ->
     n = int(mb * 2**20) // itemsize
     x = make_weights(dtype, n)
     nbytes = n * itemsize
-    bits = codec.to_bits(x)
+    bits = bitfields.to_bits(x)
     t_copy = median_seconds(jax.jit(lambda w, s: w ^ s), bits, jnp.asarray(1, bits.dtype),
                             reps=reps)
     copy_gbps = nbytes / t_copy / 1e9
     rows = [_row(dtype_name, mb, n, "-", "copy", t_copy, nbytes, copy_gbps)]
     if "exponent" in modes:
-        cache = codec.exponent(x)
+        cache = bitfields.exponent(x)
         for impl, enc_fn, dec_fn in _exponent_cases(impls, blocks):
             enc = jax.jit(enc_fn)
             exp, payload, _ = jax.block_until_ready(enc(x, cache))
@@ -175,7 +175,7 @@ def _escape_rows(dtype_name, mb, x, impls, reps, copy_gbps) -> list[dict]:
     time follows their count, and the dense Triton kernels where an impl resolves to Triton),
     each kernel checked against the loops; and the receiver's checksum."""
     n, nbytes = x.size, x.nbytes
-    bits = codec.to_bits(x)
+    bits = bitfields.to_bits(x)
     rows = []
     escape_impls = ["xla"] + sorted({K.escape_impl(i) for i in impls} - {"xla"})
     for share in (0.01, 0.1):

@@ -26,8 +26,8 @@ CLUSTERS = {"H100-80GB": "h100", "H200-141GB": "h200"}
 
 def one(cfg, N: int, cluster, tokens: int, trace, word, remat: bool = True) -> dict:
     """Memory and the best plan that fits for one config, GPU count and cluster."""
-    from ciera_jax import memory
-    from ciera_jax.planner import cache_budget, modes_summary, plan_model_modes
+    from ciera_jax.planning import memory
+    from ciera_jax.planning.planner import cache_budget, modes_summary, plan_model_modes
     from ciera_jax.sim import simulate_step
 
     topo = cluster.topology
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="activations of every layer kept (default: rematerialized, as the "
                         "trainer does)")
     a = p.parse_args(argv)
-    from ciera_jax.shapes import get_config
+    from ciera_jax.planning.shapes import get_config
     from ciera_jax.sim import default_trace, default_word_trace, get_cluster
 
     trace, word = default_trace(), default_word_trace()

@@ -1,6 +1,6 @@
 """One process of benchmarks/gather_multiprocess.py: times plain-bits and CIERA gathers.
 
-Started by the launcher (``ciera_jax.launch.run_local`` or ``ciera_jax.netns.run_in_namespaces``)
+Started by the launcher (``ciera_jax.runtime.launch.run_local`` or ``ciera_jax.runtime.netns.run_in_namespaces``)
 as ``python -m mp_gather_bench_worker SPEC_JSON`` with ``benchmarks/`` on PYTHONPATH. SPEC_JSON:
 ``{"shapes": [[E, 2048, 1024], ...], "axis": 1, "churn": [0.0, 0.01], "reps": 5, "warmup": 2,
 "methods": ["plain", "ciera", "checksum", "ciera_checked"], "word_shapes": [[4, 2048, 1024]]}``
@@ -31,7 +31,7 @@ def word_pair(mesh, shape, axis: int, seed: int = 0):
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
 
-    from ciera_jax import codec, wordcodec
+    from ciera_jax.codec import bitfields, wordcodec
     from ciera_jax.fsdp import spec_for
 
     sharding = NamedSharding(mesh, spec_for(axis, len(shape)))
@@ -47,8 +47,8 @@ def word_pair(mesh, shape, axis: int, seed: int = 0):
         hi = jnp.asarray([0] + edges[2:])[band]
         mag = lo + jnp.floor(jax.random.uniform(k3, shape) * (hi - lo + 1)).astype(jnp.int32)
         d = jnp.where(jax.random.bernoulli(k4, 0.5, shape), mag, -mag)
-        bits = wordcodec.apply_delta(codec.to_bits(xa), d)
-        return xa, codec.from_bits(bits, jnp.bfloat16)
+        bits = wordcodec.apply_delta(bitfields.to_bits(xa), d)
+        return xa, bitfields.from_bits(bits, jnp.bfloat16)
 
     return gen()
 
@@ -94,17 +94,17 @@ def measure_modes(mesh, shape, axis: int, reps: int, warmup: int) -> list[dict]:
 
 
 def main(spec: dict) -> None:
-    from ciera_jax.netns import apply_gloo_hostname
+    from ciera_jax.runtime.netns import apply_gloo_hostname
 
     apply_gloo_hostname()  # only in a namespace run; before the CPU backend starts
-    from ciera_jax.launch import init_from_env
+    from ciera_jax.runtime.launch import init_from_env
 
     t0 = time.perf_counter()
     pid = init_from_env()
     import jax
 
     from ciera_jax.calibrate.kit import gather_fns
-    from ciera_jax.devices import make_mesh
+    from ciera_jax.runtime.devices import make_mesh
     from gather_bench import checksum_fns, measure_all  # benchmarks/, on PYTHONPATH
 
     mesh = make_mesh(None)

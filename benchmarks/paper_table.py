@@ -57,7 +57,7 @@ def ciera_wire_ratio(w, churn: float, steps: int = 4, devices: int = 8) -> float
     from jax.sharding import PartitionSpec as P
 
     import ciera_jax
-    from ciera_jax.demo import drift, gather_step
+    from ciera_jax.cli.drift_demo import drift, gather_step
 
     mesh = jax.make_mesh((devices,), ("fsdp",))
     step = gather_step(mesh)
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens-per-gpu", type=int, default=4096)
     p.add_argument("--no-zipnn", action="store_true")
     a = p.parse_args(argv)
-    from ciera_jax.devices import setup_devices
+    from ciera_jax.runtime.devices import setup_devices
 
     setup_devices(8)
     from ciera_jax.sim import (default_trace, default_word_trace, get_cluster, load_trace,

@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__, "sim_validation")
     p.add_argument("--reps", type=int, default=7, help="repetitions per timing (median)")
     args = p.parse_args(argv)
-    from ciera_jax.devices import setup_devices
+    from ciera_jax.runtime.devices import setup_devices
 
     setup_devices(8)
     from ciera_jax import calibrate as C

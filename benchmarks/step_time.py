@@ -46,13 +46,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if "plain" not in [m.split(":")[0] for m in args.modes]:
         raise SystemExit("--modes must include plain (the ratios are to it)")
-    from ciera_jax.devices import setup_devices
+    from ciera_jax.runtime.devices import setup_devices
 
     setup_devices(args.devices)
     # JAX, the library and the model load after the device count is set.
     import jax
 
-    from ciera_jax.devices import make_mesh
+    from ciera_jax.runtime.devices import make_mesh
 
     on_cpu = jax.devices()[0].platform == "cpu"
     mesh = make_mesh(args.devices if on_cpu else None)

@@ -7,11 +7,11 @@ gathered tensor (each layer of a stack on its own), it takes the previous and th
 words on the host, splits them into the 8 FSDP shards along the tensor's FSDP axis, and prices:
 
 - exponent mode: ``b - 1`` payload bytes per weight plus the escape section of the rung that
-  holds the MAX over shards of changed exponents (:class:`ciera_jax.wire.ExponentWire`; above
-  the top rung the main plane and then a plain gather), as ``ciera_jax.collective`` sends it;
+  holds the MAX over shards of changed exponents (:class:`ciera_jax.codec.wire.ExponentWire`; above
+  the top rung the main plane and then a plain gather), as ``ciera_jax.collective.gather`` sends it;
 - word mode: ``d = ord(new) - ord(cached)``; escapes per code width ``b`` (``|d| >
   code_limit(b)``) and raw words (``|d| > 127``), MAX over shards, priced by
-  :class:`ciera_jax.wire.WordWire` at each width (``word_b2``..``word_b4``); ``word`` is the
+  :class:`ciera_jax.codec.wire.WordWire` at each width (``word_b2``..``word_b4``); ``word`` is the
   width the gather uses (``wire.DEFAULT_CODE_BITS``);
 - the entropy bound: the empirical entropy of ``d`` per tensor, in bits per weight.
 
@@ -34,7 +34,7 @@ other wire table (``--from-counts PATH`` re-prices them without training).
 
     python benchmarks/weight_stability.py    # small, 300 steps: 20-60 min on 2 busy CPU cores
     python benchmarks/weight_stability.py --configs tiny --steps 100 --word-trace ''
-    python benchmarks/weight_stability.py --word-trace ciera_jax/sim/data/word_trace.json
+    python benchmarks/weight_stability.py --word-trace ciera_jax/planning/data/word_trace.json
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ from pathlib import Path
 import numpy as np
 
 from common import parser, write_results  # benchmarks/common.py, beside this script
-from ciera_jax import word_ladder as wl
-from ciera_jax.wire import CODE_BITS_CHOICES, DEFAULT_CODE_BITS, ExponentWire, WordWire
+from ciera_jax.codec import word_ladder as wl
+from ciera_jax.codec.wire import CODE_BITS_CHOICES, DEFAULT_CODE_BITS, ExponentWire, WordWire
 
 N_SHARDS = 8  # the FSDP split the study prices, whatever mesh trains
 PHASES = ("warmup", "peak", "steady", "late")
@@ -409,7 +409,7 @@ def word_trace(res: dict) -> dict:
     return {"format": "ciera-word-trace/1",
             "source": f"measured by benchmarks/weight_stability.py: {res['config']}, "
                       f"{res['steps']} steps, warm-up {res['warmup_steps']}, peak lr "
-                      f"{res['lr_peak']}, cosine to 10%; word mode as ciera_jax.wire prices it "
+                      f"{res['lr_peak']}, cosine to 10%; word mode as ciera_jax.codec.wire prices it "
                       f"({DEFAULT_CODE_BITS}-bit codes, the plain fallback included, per tensor "
                       f"and step, max over {N_SHARDS} FSDP shards), bytes one rank sends per "
                       f"bf16 weight",
@@ -441,7 +441,7 @@ def load_counts(path: str) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from ciera_jax.devices import setup_devices
+    from ciera_jax.runtime.devices import setup_devices
 
     setup_devices(max(args.devices, 1))
     results, runs = [], []

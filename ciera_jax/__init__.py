@@ -8,32 +8,33 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ciera_jax import lazy
+from ciera_jax.runtime import lazy
 
 if TYPE_CHECKING:
-    from ciera_jax.cache import (ExponentCache, WordCache, cached_full, init_cache,
-                                 init_cache_tree, is_cache)
-    from ciera_jax.collective import (Encoded, WordEncoded, agree, all_gather, all_gather_tree,
-                                      encode, exchange, plain_all_gather, priming_encoded)
+    from ciera_jax.collective.cache import (ExponentCache, WordCache, cached_full, init_cache,
+                                            init_cache_tree, is_cache)
+    from ciera_jax.collective.gather import (Encoded, WordEncoded, agree, all_gather,
+                                             all_gather_tree, encode, exchange, plain_all_gather,
+                                             priming_encoded)
     from ciera_jax.fsdp import gathered
 
 _EXPORTS = {
-    "ExponentCache": "ciera_jax.cache",
-    "WordCache": "ciera_jax.cache",
-    "init_cache": "ciera_jax.cache",
-    "init_cache_tree": "ciera_jax.cache",
-    "is_cache": "ciera_jax.cache",
-    "cached_full": "ciera_jax.cache",
-    "all_gather": "ciera_jax.collective",
-    "all_gather_tree": "ciera_jax.collective",
-    "plain_all_gather": "ciera_jax.collective",
+    "ExponentCache": "ciera_jax.collective.cache",
+    "WordCache": "ciera_jax.collective.cache",
+    "init_cache": "ciera_jax.collective.cache",
+    "init_cache_tree": "ciera_jax.collective.cache",
+    "is_cache": "ciera_jax.collective.cache",
+    "cached_full": "ciera_jax.collective.cache",
+    "all_gather": "ciera_jax.collective.gather",
+    "all_gather_tree": "ciera_jax.collective.gather",
+    "plain_all_gather": "ciera_jax.collective.gather",
     "gathered": "ciera_jax.fsdp",
-    "Encoded": "ciera_jax.collective",
-    "WordEncoded": "ciera_jax.collective",
-    "encode": "ciera_jax.collective",
-    "agree": "ciera_jax.collective",
-    "exchange": "ciera_jax.collective",
-    "priming_encoded": "ciera_jax.collective",
+    "Encoded": "ciera_jax.collective.gather",
+    "WordEncoded": "ciera_jax.collective.gather",
+    "encode": "ciera_jax.collective.gather",
+    "agree": "ciera_jax.collective.gather",
+    "exchange": "ciera_jax.collective.gather",
+    "priming_encoded": "ciera_jax.collective.gather",
 }
 
 __all__ = list(_EXPORTS)

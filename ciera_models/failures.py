@@ -21,7 +21,7 @@ import errno
 import shutil
 from pathlib import Path
 
-from ciera_jax.units import fmt_bytes
+from ciera_jax.runtime.units import fmt_bytes
 
 EXIT_NO_GOOD_CHECKPOINT = 66  # EX_NOINPUT
 EXIT_PEER_LOST = 69  # EX_UNAVAILABLE

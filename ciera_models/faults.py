@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ciera_jax import faults, fsdp
+from ciera_jax import fsdp
+from ciera_jax.collective import faults
 
 FLIPPED_BITS = 8  # several, so one landing on an element whose exponent moves anyway still
                   # leaves others that the check must see

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ciera_jax.devices import make_mesh
-from ciera_jax.outputs import check_output_file
+from ciera_jax.runtime.devices import make_mesh
+from ciera_jax.runtime.outputs import check_output_file
 from ciera_models import checkpoint as ckpt
 from ciera_models import faults, metrics, peers, run_lock
 from ciera_models.failures import WriteFailed, describe_os_error

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ciera_jax.units import fmt_bytes
+from ciera_jax.runtime.units import fmt_bytes
 
 
 TIER_LEGEND = ("tiers T:n = n tensor-layers whose gather took option T: -1 not compressed "

@@ -2,7 +2,7 @@
 
 ``cost``: the planner alone; ``auto`` (default): the planner, plus the routed expert weights
 always (the tensors CIERA exists for); ``all``: every tensor of a codec dtype. "The planner" is
-the exponent-mode decision (``ciera_jax.planner.plan_tree``) and, with ``--cache auto``
+the exponent-mode decision (``ciera_jax.planning.planner.plan_tree``) and, with ``--cache auto``
 (default), also the budgeted mode planner (``planner.plan_modes``), which prices what the
 trainer runs: a word-cache tensor gathered once per step (the backward reads its cache), an
 exponent or plain one twice. So every tensor whose word cache pays and fits is compressed.
@@ -15,7 +15,7 @@ import re
 
 import jax
 
-from ciera_jax import memory, planner
+from ciera_jax.planning import memory, planner
 from ciera_models.train_config import PLANS
 EXPERT_WEIGHT = re.compile(r"w_(gate|up|down)_Ex\w+")
 

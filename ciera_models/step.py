@@ -35,9 +35,11 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import ciera_jax
-from ciera_jax import codec, fsdp, heal
+from ciera_jax import fsdp
+from ciera_jax.codec import bitfields
+from ciera_jax.collective import heal
 from ciera_jax.fsdp import AXIS
-from ciera_jax.wire import agreement_bytes
+from ciera_jax.codec.wire import agreement_bytes
 
 # ``ahead``: per rank Encoded (a leading rank axis outside shard_map), replicated counts.
 AHEAD_SPECS = {"encoded": P(AXIS), "word_changed": P()}
@@ -76,13 +78,13 @@ def step_bytes(st: dict, backward: str, word: bool, dtype) -> dict:
     served it; ``"payload"``: the sign + mantissa bytes, an exponent cache gave the exponents;
     ``"regather"``: what the forward sent, its agreement excepted) and the gradient's
     reduce-scatter (``plain_bytes``: a ring reduce-scatter moves what a ring all-gather of the
-    same tensor moves). ``ciera_jax.planner.step_wire_bytes`` prices it."""
+    same tensor moves). ``ciera_jax.planning.planner.step_wire_bytes`` prices it."""
     sent, plain = st["sent_bytes"], st["plain_bytes"]
     agreement = jnp.where(st["tier"] >= 0, agreement_bytes("word" if word else "exponent"), 0)
     if backward == "cache":
         again = 0
     elif backward == "payload":
-        fmt = codec.word_format(dtype)
+        fmt = bitfields.word_format(dtype)
         again = plain // fmt.word.itemsize * fmt.payload_bytes
     else:
         again = sent - agreement.astype(sent.dtype)

@@ -75,7 +75,7 @@ def _schedule_steps(tc: TrainConfig, run: RunConfig) -> int:
 
 
 def run(args) -> int:
-    from ciera_jax.devices import setup_devices
+    from ciera_jax.runtime.devices import setup_devices
     from ciera_models import configs
     from ciera_models.loop import check_inputs
 
@@ -98,7 +98,7 @@ def run(args) -> int:
 
     from ciera_models.loop import train
     from ciera_models.preemption import EXIT_PREEMPTED
-    from ciera_jax.devices import make_mesh
+    from ciera_jax.runtime.devices import make_mesh
 
     _without_persistent_cache(jax)
     multi = jax.process_count() > 1
@@ -144,6 +144,6 @@ def _without_persistent_cache(jax) -> None:
 
 
 if __name__ == "__main__":
-    from ciera_jax.cli import main
+    from ciera_jax.cli.main import main
 
     sys.exit(main(["train", *sys.argv[1:]]))

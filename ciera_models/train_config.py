@@ -41,7 +41,7 @@ class LazyChoices(collections.abc.Sequence):
 
 # Which cache a compressed tensor keeps: the library's modes (exponent, 1 B/param; word, the
 # whole word, 2 B/param), or auto: the planner's choice per tensor.
-CACHE_MODES = LazyChoices("ciera_jax.cache", "MODES", extra=("auto",))
+CACHE_MODES = LazyChoices("ciera_jax.collective.cache", "MODES", extra=("auto",))
 # Which tensors compress (models.plan_policy): the cost model plus the expert weights, the cost
 # model alone, every gathered tensor.
 PLANS = ("auto", "cost", "all")
@@ -60,7 +60,7 @@ class TrainConfig:
     config: str = option("tiny", f"model config: {', '.join(configs.CONFIGS)}", metavar="NAME")
     gather: str = option("ciera", "ciera: lossless, compressed; plain: the lossless baseline "
                          "(same params bitwise); int8: the lossy baseline (ZeRO++ qwZ style)",
-                         choices=LazyChoices("ciera_jax.fsdp.plan", "GATHER_MODES"),
+                         choices=LazyChoices("ciera_jax.fsdp.state.plan", "GATHER_MODES"),
                          metavar="MODE")
     batch_size: int = option(16, "global batch, in sequences (divisible by the devices)")
     seq_len: int | None = option(None, "tokens per sequence", default_text="the config's")
@@ -96,7 +96,7 @@ class TrainConfig:
         "words, as the forward's gather left them: no backward gather; an exponent cache's "
         "exponents: only sign + mantissa are gathered again) or regather (the same exact "
         "compressed gather again); both give params bitwise equal to --gather plain",
-        choices=LazyChoices("ciera_jax.fsdp.plan", "WORD_BACKWARDS"), metavar="HOW")
+        choices=LazyChoices("ciera_jax.fsdp.state.plan", "WORD_BACKWARDS"), metavar="HOW")
 
     @property
     def model(self) -> configs.ModelConfig:

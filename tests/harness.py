@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ciera_jax
-from ciera_jax import codec, escapes
+from ciera_jax.codec import bitfields, escapes
 from ciera_jax.fsdp import spec_for
 from bitdata import BF16, weights
 
@@ -52,7 +52,7 @@ def gather_step(mesh_shape, mesh_names, axis_name, axis, ndim, impl="xla", loop=
 
     def body(x, cache):
         full, new_cache, stats = ciera_jax.all_gather(x, cache, axis_name, axis=axis, impl=impl)
-        ref = lax.all_gather(codec.to_bits(x), axis_name, axis=axis, tiled=True)
+        ref = lax.all_gather(bitfields.to_bits(x), axis_name, axis=axis, tiled=True)
         per_rank = lambda v: v[None]  # noqa: E731
         return (per_rank(full), per_rank(ref), new_cache,
                 jax.tree.map(per_rank, stats))

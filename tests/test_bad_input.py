@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ciera_jax import cli
+from ciera_jax.cli import main as cli
 
 
 @pytest.fixture

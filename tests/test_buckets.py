@@ -17,7 +17,9 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import ciera_jax
-from ciera_jax import codec, fsdp, hlo
+from ciera_jax import fsdp
+from ciera_jax.codec import bitfields
+from ciera_jax.runtime import hlo
 from ciera_jax.fsdp import buckets
 from bitdata import BF16, adversarial, bits_of, churn, weights
 from harness import mesh_of
@@ -102,10 +104,10 @@ def _gather_fn(mode_key: str):
 
     def body(shards, caches):
         fulls, new, stats = fsdp.gather(ts, shards, caches, fsdp.Plan(), "fsdp")
-        refs = {k: lax.all_gather(codec.to_bits(s), "fsdp", axis=ts[k].axis, tiled=True)
+        refs = {k: lax.all_gather(bitfields.to_bits(s), "fsdp", axis=ts[k].axis, tiled=True)
                 for k, s in shards.items()}
         per_rank = lambda tree: jax.tree.map(lambda v: v[None], tree)  # noqa: E731
-        return (per_rank({k: codec.to_bits(f) for k, f in fulls.items()}), per_rank(refs), new,
+        return (per_rank({k: bitfields.to_bits(f) for k, f in fulls.items()}), per_rank(refs), new,
                 per_rank(stats))
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P()),
@@ -141,7 +143,7 @@ def test_bucketed_gather_is_bitwise(mode):
             np.testing.assert_array_equal(np.asarray(fulls[k])[0], bits_of(v))
             got = np.asarray(caches[k].words if mode == "word" else caches[k].exp)
             want = (bits_of(v) if mode == "word" else
-                    np.asarray(codec.exponent(jnp.asarray(v))))
+                    np.asarray(bitfields.exponent(jnp.asarray(v))))
             np.testing.assert_array_equal(got, want)
             assert bool(np.asarray(caches[k].primed))
         # the bucket's members took one option together

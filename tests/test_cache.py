@@ -9,7 +9,7 @@ import pytest
 
 import ciera_jax
 from bitdata import BF16, F32
-from ciera_jax.cache import ExponentCache, WordCache
+from ciera_jax.collective.cache import ExponentCache, WordCache
 
 
 @pytest.mark.parametrize("dtype,word", [(BF16, np.uint16), (F32, np.uint32)])

@@ -8,10 +8,10 @@ import math
 import numpy as np
 import pytest
 
-from ciera_jax import costmodel as cm
+from ciera_jax.planning import costmodel as cm
 from ciera_jax.calibrate.fit import fit_alpha_beta, fit_rate
-from ciera_jax.cli import main
-from ciera_jax.units import fmt_bytes, parse_size
+from ciera_jax.cli.main import main
+from ciera_jax.runtime.units import fmt_bytes, parse_size
 
 
 @pytest.mark.slow  # ~15 compiled measurements: half a minute on 2 idle cores, minutes if busy

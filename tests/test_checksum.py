@@ -13,8 +13,8 @@ from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
 from bitdata import BF16, F32, adversarial, bits_of, from_bits
-from ciera_jax.checksum import checksum, checksum_np, checksum_shards
-from ciera_jax.devices import make_mesh
+from ciera_jax.codec.checksum import checksum, checksum_np, checksum_shards
+from ciera_jax.runtime.devices import make_mesh
 
 DTYPES = [BF16, F32]
 # One compiled program per call instead of one per primitive: keeps the tests quick.

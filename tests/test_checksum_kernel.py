@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ciera_jax import checksum, codec
+from ciera_jax.codec import checksum, bitfields
 from ciera_jax import kernels as K
 from test_kernels import BACKENDS, ON_GPU, WORDS, adversarial_bits, bits_of, make_x
 
@@ -16,7 +16,7 @@ N = 8
 
 def split_of(dtype, shape, seed=0):
     x = make_x(adversarial_bits(dtype, int(np.prod(shape)), seed=seed), dtype, shape)
-    exp, payload = codec.split(x)
+    exp, payload = bitfields.split(x)
     return x, exp, payload
 
 

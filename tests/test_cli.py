@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from ciera_jax.cli import main
+from ciera_jax.cli.main import main
 
 COMMANDS = ("calibrate", "demo", "plan", "simulate", "train")
 
@@ -23,7 +23,7 @@ def test_help_lists_every_subcommand(capsys):
 
 def test_building_the_whole_parser_imports_no_jax():
     code = ("import sys\n"
-            "from ciera_jax import cli\n"
+            "from ciera_jax.cli import main as cli\n"
             "cli.build_parser(cli.commands())\n"
             "assert 'jax' not in sys.modules and 'flax' not in sys.modules\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -35,7 +35,7 @@ def test_building_the_whole_parser_imports_no_jax():
 def test_command_module_imports_no_jax(name):
     """Building the parser imports every command module, so each must stay light."""
     code = ("import argparse, importlib.metadata, sys\n"
-            "from ciera_jax.cli import GROUP\n"
+            "from ciera_jax.cli.main import GROUP\n"
             "mod = importlib.metadata.entry_points(group=GROUP)[%r].load()\n"
             "mod.add_arguments(argparse.ArgumentParser())\n"
             "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "

@@ -1,4 +1,4 @@
-"""codec.py on its own: split/merge round-trip bit for bit, the payload layout, the exponent,
+"""bitfields.py on its own: split/merge round-trip bit for bit, the payload layout, the exponent,
 same-width views, and clear errors for dtypes it does not compress."""
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 
 from bitdata import BF16, F32, WORD, adversarial, bits_of, special_words
-from ciera_jax import codec
+from ciera_jax.codec import bitfields
 
 DTYPES = [BF16, F32]
 IDS = ["bf16", "f32"]
 
 
 def _split_merge(x):
-    exp, payload = jax.jit(codec.split)(x)
-    back = jax.jit(codec.merge, static_argnums=2)(exp, payload, x.dtype)
+    exp, payload = jax.jit(bitfields.split)(x)
+    back = jax.jit(bitfields.merge, static_argnums=2)(exp, payload, x.dtype)
     return np.asarray(exp), np.asarray(payload), np.asarray(back)
 
 
@@ -65,10 +65,10 @@ def test_f32_payload_planes_are_low_mid_and_sign_high_mantissa():
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 def test_exponent_matches_split(dtype):
     x = jnp.asarray(adversarial(np.random.default_rng(1), (64,), dtype))
-    exp = np.asarray(codec.exponent(x))
+    exp = np.asarray(bitfields.exponent(x))
     assert exp.dtype == np.uint8
-    np.testing.assert_array_equal(exp, np.asarray(codec.split(x)[0]))
-    mant = codec.word_format(dtype).mantissa_bits
+    np.testing.assert_array_equal(exp, np.asarray(bitfields.split(x)[0]))
+    mant = bitfields.word_format(dtype).mantissa_bits
     np.testing.assert_array_equal(exp, (bits_of(np.asarray(x)) >> mant) & 0xFF)
 
 
@@ -76,31 +76,31 @@ def test_exponent_matches_split(dtype):
                                    np.dtype(np.uint16)], ids=str)
 def test_to_bits_and_from_bits_are_same_width_views(dtype):
     x = np.arange(-8, 8).astype(dtype)
-    bits = codec.to_bits(jnp.asarray(x))
-    assert bits.dtype == codec.unsigned_dtype_like(dtype)
+    bits = bitfields.to_bits(jnp.asarray(x))
+    assert bits.dtype == bitfields.unsigned_dtype_like(dtype)
     assert bits.dtype.itemsize == np.dtype(dtype).itemsize
     np.testing.assert_array_equal(np.asarray(bits), bits_of(x))
-    back = codec.from_bits(bits, dtype)
+    back = bitfields.from_bits(bits, dtype)
     assert back.dtype == dtype
     np.testing.assert_array_equal(bits_of(np.asarray(back)), bits_of(x))
 
 
 def test_formats_describe_the_wire():
     for dtype, mant, payload in ((BF16, 7, 1), (F32, 23, 3)):
-        fmt = codec.word_format(dtype)
+        fmt = bitfields.word_format(dtype)
         assert (fmt.word, fmt.mantissa_bits, fmt.payload_bytes) == (WORD[dtype], mant, payload)
         assert fmt.bits == 8 * np.dtype(dtype).itemsize == 1 + 8 + mant
-        assert codec.is_compressible(dtype)
+        assert bitfields.is_compressible(dtype)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.int32, np.uint8], ids=str)
 def test_unsupported_dtypes_fail_with_the_fix(dtype):
-    assert not codec.is_compressible(dtype)
+    assert not bitfields.is_compressible(dtype)
     with pytest.raises(TypeError, match="plain all-gather"):
-        codec.word_format(dtype)
+        bitfields.word_format(dtype)
     with pytest.raises(TypeError, match="bfloat16 and float32 only"):
-        codec.split(jnp.zeros((4,), dtype))
+        bitfields.split(jnp.zeros((4,), dtype))
     with pytest.raises(TypeError, match="bfloat16 and float32 only"):
-        codec.exponent(jnp.zeros((4,), dtype))
+        bitfields.exponent(jnp.zeros((4,), dtype))
     with pytest.raises(TypeError, match="bfloat16 and float32 only"):
-        codec.merge(jnp.zeros((4,), jnp.uint8), jnp.zeros((1, 4), jnp.uint8), dtype)
+        bitfields.merge(jnp.zeros((4,), jnp.uint8), jnp.zeros((1, 4), jnp.uint8), dtype)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from bitdata import BF16, F32, adversarial, bits_of, churn, weights
 from harness import run_steps
 
-from ciera_jax.wire import ExponentWire
+from ciera_jax.codec.wire import ExponentWire
 
 SHAPE = (8 * 32, 96)  # 3072 elements per rank: 0.1% churn is ~3 changed exponents per rank
 

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ciera_jax
-from ciera_jax.costmodel import CHECKSUM_BYTES
+from ciera_jax.planning.costmodel import CHECKSUM_BYTES
 from bitdata import BF16, F32, adversarial, bits_of, churn, weights
 from harness import encode_vmap_matches_layerwise, mesh_of, run_steps
 

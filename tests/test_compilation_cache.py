@@ -16,10 +16,10 @@ import sys
 import pytest
 
 LOWERED_HASH = """
-from ciera_jax.devices import setup_devices
+from ciera_jax.runtime.devices import setup_devices
 setup_devices(8)
 import hashlib, jax
-from ciera_jax.devices import make_mesh
+from ciera_jax.runtime.devices import make_mesh
 from ciera_models.data import load_dataset
 from ciera_models.train import TrainConfig, build_trainer
 tr = build_trainer(TrainConfig(schedule_steps=4), make_mesh(8))
@@ -52,7 +52,7 @@ def test_every_process_traces_the_same_step():
 
 @pytest.mark.slow
 def test_ciera_train_turns_the_persistent_cache_off(tmp_path):
-    args = ["-m", "ciera_jax.cli", "train", "--steps", "2", "--schedule-steps", "20"]
+    args = ["-m", "ciera_jax.cli.main", "train", "--steps", "2", "--schedule-steps", "20"]
     plain = _python(args, _env())
     cache_dir = tmp_path / "jax_cache"
     cached = _python(args, _env(JAX_COMPILATION_CACHE_DIR=str(cache_dir),

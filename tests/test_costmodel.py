@@ -15,10 +15,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ciera_jax
-from ciera_jax import costmodel as cm
-from ciera_jax import quantized
-from ciera_jax.wire import DEFAULT_CODE_BITS, ExponentWire, WordWire, agreement_bytes
-from ciera_jax.word_ladder import code_limit
+from ciera_jax.planning import costmodel as cm
+from ciera_jax.collective import quantized
+from ciera_jax.codec.wire import (DEFAULT_CODE_BITS, INT8_SCALE_BYTES, ExponentWire, WordWire,
+                                  agreement_bytes, int8_wire_bytes)
+from ciera_jax.codec.word_ladder import code_limit
 
 N = 8
 ROWS, COLS = N * 512, 8  # 4096 elements per rank
@@ -109,9 +110,9 @@ def test_int8_priced_as_sent(mesh, n_local):
 
     walk(jaxpr.jaxpr)
     assert len(carried) == 2  # codes and scales
-    assert sum(carried) == quantized.wire_bytes(n_local) == cm.int8_wire_bytes(n_local)
+    assert sum(carried) == quantized.wire_bytes(n_local) == int8_wire_bytes(n_local)
     assert cm.gather_cost("int8", N * n_local, N, 2, LINK).wire_bytes == N * sum(carried)
-    assert cm.INT8_SCALE_BYTES == np.dtype(quantized.SCALE_DTYPE).itemsize
+    assert INT8_SCALE_BYTES == np.dtype(quantized.SCALE_DTYPE).itemsize
 
 
 def _word_moves(w, moves):

@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ciera_jax
-from ciera_jax import codec
+from ciera_jax.codec import bitfields
 from ciera_jax import kernels as K
 from test_kernels import BACKENDS, BLOCK, WORDS
 
@@ -43,7 +43,7 @@ def lower_for_cuda(fn, *args, capability="9.0") -> str:
 
 def kernel_calls(dtype, backend):
     """(name, fn, abstract args) for every kernel on ``backend``."""
-    P_ = codec.word_format(dtype).payload_bytes
+    P_ = bitfields.word_format(dtype).payload_bytes
     x = jax.ShapeDtypeStruct(SHAPE, dtype)
     u8 = jax.ShapeDtypeStruct(SHAPE, jnp.uint8)
     planes = jax.ShapeDtypeStruct((P_, *SHAPE), jnp.uint8)

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from ciera_jax import devices
+from ciera_jax.runtime import devices
 
 
 def test_make_mesh_puts_devices_on_the_first_axis():
@@ -36,3 +36,28 @@ def test_gpu_flags_keep_what_the_user_set(monkeypatch):
     assert added == ["--xla_gpu_enable_highest_priority_async_stream=true"]
     assert "--xla_gpu_enable_latency_hiding_scheduler=false" in os.environ["XLA_FLAGS"]
     assert "latency_hiding_scheduler=true" not in os.environ["XLA_FLAGS"]
+
+
+@pytest.mark.parametrize("plugin,node,visible,expect", [
+    (True, False, None, False),   # ``ciera aot``'s plugin on a CPU machine: emulate devices
+    (True, True, None, True),     # a GPU machine
+    (True, True, "-1", False),    # CUDA told to hide every device
+    (False, True, None, False),   # a driver but no JAX plugin: JAX would run on CPU
+])
+def test_an_installed_gpu_plugin_alone_is_no_gpu(monkeypatch, plugin, node, visible, expect):
+    import importlib.util
+
+    from ciera_jax.runtime import devices
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda m, *a: (
+        object() if plugin and m.startswith("jax_cuda") else
+        None if m.startswith(("jax_cuda", "jax_rocm", "libtpu")) else real_find_spec(m, *a)))
+    monkeypatch.setattr(devices.os.path, "exists",
+                        lambda p: node if p in devices.GPU_DEVICE_NODES else False)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert devices.has_gpu() is expect
+    assert devices.has_accelerator() is expect

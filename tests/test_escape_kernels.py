@@ -1,5 +1,5 @@
 """The escape kernels (``kernels/escape.py``: pack, exponent fill, word fill) against the jnp
-loops of :mod:`ciera_jax.escapes`, bit for bit, in Triton's interpreter (the kernels exist on
+loops of :mod:`ciera_jax.codec.escapes`, bit for bit, in Triton's interpreter (the kernels exist on
 Triton only: Mosaic GPU has no per-element gather/scatter), on random and adversarial flags:
 none, all, every 32nd, the last element only, lengths that are not a multiple of 32 or of the
 block. With ``JAX_PLATFORMS=cuda`` (``benchmarks/gpu_check.sh``) the same tests compile and run
@@ -13,9 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ciera_jax import escapes, word_option
+from ciera_jax.codec import escapes
+from ciera_jax.collective import word_option
 from ciera_jax import kernels as K
-from ciera_jax.word_ladder import LEVEL2
+from ciera_jax.codec.word_ladder import LEVEL2
 
 pytestmark = pytest.mark.skipif("triton" not in K.available_backends(),
                                 reason="no Pallas Triton in this JAX")
@@ -211,7 +212,7 @@ def test_gather_with_escape_kernels_matches_jnp(mode):
     and stats, bit for bit, over a priming step and steps with escapes (exponent changes; word
     moves, far ones raw)."""
     import ciera_jax
-    from ciera_jax import codec
+    from ciera_jax.codec import bitfields
 
     rng = np.random.default_rng(6)
     shape = (8 * 16, 96)  # 1536 elements per shard: a ragged last block
@@ -226,10 +227,10 @@ def test_gather_with_escape_kernels_matches_jnp(mode):
         fn, cache, out = gather_fn(impl), ciera_jax.init_cache(shape, jnp.bfloat16, mode=mode), []
         for v in xs:
             full, cache, stats = fn(v, cache)
-            out.append((codec.to_bits(full), cache, stats))
+            out.append((bitfields.to_bits(full), cache, stats))
         runs[impl] = out
     for step, (v, got, want) in enumerate(zip(xs, runs["pallas"], runs["xla"])):
-        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(codec.to_bits(v)),
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(bitfields.to_bits(v)),
                                       err_msg=f"step {step}")
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"step {step}")

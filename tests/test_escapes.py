@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ciera_jax import escapes
+from ciera_jax.codec import escapes
 
 
 @jax.jit

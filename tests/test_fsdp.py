@@ -13,7 +13,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import ciera_jax
-from ciera_jax import fsdp, quantized
+from ciera_jax import fsdp
+from ciera_jax.collective import quantized
 
 N = 8
 

@@ -15,8 +15,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ciera_jax
-from ciera_jax import hlo
-from ciera_jax.wire import ExponentWire, WordWire
+from ciera_jax.runtime import hlo
+from ciera_jax.codec.wire import ExponentWire, WordWire
 from harness import escape_walk
 from jaxprs import outside, subjaxprs, walk
 
@@ -139,14 +139,14 @@ def test_train_step_hlo_keeps_main_transfers_out_of_branches(cache):
 def test_fusion_sources_name_the_library_function_of_every_fusion():
     """``hlo.fusion_sources`` (what ``benchmarks/compile_time.py`` reports): every fusion of
     a compiled program is counted once, a codec fusion at the codec's function."""
-    from ciera_jax import codec
+    from ciera_jax.codec import bitfields
 
     x = jnp.arange(4096, dtype=jnp.float32).astype(jnp.bfloat16)
-    text = jax.jit(lambda x: (codec.split(x), jnp.sin(x.astype(jnp.float32)))).lower(
+    text = jax.jit(lambda x: (bitfields.split(x), jnp.sin(x.astype(jnp.float32)))).lower(
         x).compile().as_text()
     sources = hlo.fusion_sources(text)
     fusions = [line for line in text.splitlines() if " fusion(" in line and "calls=" in line]
     assert fusions and sum(sources.values()) == len(fusions)
-    assert any(k.startswith("codec.py:") for k in sources), sources
+    assert any(k.startswith("codec/bitfields.py:") for k in sources), sources
     assert set(sources) - {"(outside ciera_jax)", "(no source)"} <= {
         k for k in sources if k.split(":")[0].endswith(".py")}

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from jax import lax
 
 import bitdata
-from ciera_jax import codec
+from ciera_jax.codec import bitfields
 from ciera_jax import kernels as K
 
 BLOCK = K.BLOCK
@@ -45,7 +45,7 @@ SPECIAL = {jnp.bfloat16: SPECIAL_BF16, jnp.float32: SPECIAL_F32}
 
 
 def bits_of(x) -> np.ndarray:
-    return np.asarray(codec.to_bits(x))
+    return np.asarray(bitfields.to_bits(x))
 
 
 def adversarial_bits(dtype, n: int, seed: int = 0) -> np.ndarray:
@@ -70,7 +70,7 @@ def make_x(bits: np.ndarray, dtype, shape=None) -> jax.Array:
 
 
 def make_cache(x, mode: str, seed: int = 1) -> jax.Array:
-    exp = np.asarray(codec.exponent(x))
+    exp = np.asarray(bitfields.exponent(x))
     if mode == "same":
         return jnp.asarray(exp)
     if mode == "all_changed":
@@ -85,7 +85,7 @@ def make_cache(x, mode: str, seed: int = 1) -> jax.Array:
 def assert_encode_equal(got, want, x):
     exp, payload, changed = got
     exp_r, payload_r, changed_r = want
-    P = codec.word_format(x.dtype).payload_bytes
+    P = bitfields.word_format(x.dtype).payload_bytes
     assert exp.dtype == jnp.uint8 and exp.shape == x.shape
     assert payload.dtype == jnp.uint8 and payload.shape == (P, *x.shape)
     assert changed.dtype == jnp.bool_ and changed.shape == x.shape
@@ -180,7 +180,7 @@ def test_empty():
         for impl in ("xla", "pallas", "mosaic", "triton"):
             exp, payload, changed = K.encode(x, cache, impl=impl)
             assert exp.shape == (0, 3) and changed.shape == (0, 3)
-            assert payload.shape == (codec.word_format(dtype).payload_bytes, 0, 3)
+            assert payload.shape == (bitfields.word_format(dtype).payload_bytes, 0, 3)
             assert K.decode(exp, payload, dtype, impl=impl).shape == (0, 3)
 
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from ciera_jax import launch
+from ciera_jax.runtime import launch
 
 
 def test_free_port_is_bindable():

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ciera_jax.layout import full_index, full_to_rows, gathered_shape, rows_to_full
+from ciera_jax.codec.layout import full_index, full_to_rows, gathered_shape, rows_to_full
 
 
 @pytest.mark.parametrize("shard_shape,axis", [((6,), 0), ((3, 4), 0), ((3, 4), 1),

@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from ciera_jax.launch import free_port
+from ciera_jax.runtime.launch import free_port
 from ciera_models import peers
 from ciera_models.failures import EXIT_PEER_LOST
 
-TRAIN = [sys.executable, "-m", "ciera_jax.cli", "train", "--schedule-steps", "40",
+TRAIN = [sys.executable, "-m", "ciera_jax.cli.main", "train", "--schedule-steps", "40",
          "--log-every", "1", "--devices", "4", "--num-processes", "2"]
 ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 

@@ -12,10 +12,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ciera_jax
-from ciera_jax import fsdp, memory
-from ciera_jax.planner import (cache_budget, check_budget, choose_modes, mode_options,
-                               modes_summary, plan_model_modes, plan_modes)
-from ciera_jax.shapes import get_config, tensor_inventory
+from ciera_jax import fsdp
+from ciera_jax.planning import memory
+from ciera_jax.planning.planner import (cache_budget, check_budget, choose_modes, mode_options,
+                                        modes_summary, plan_model_modes, plan_modes)
+from ciera_jax.planning.shapes import get_config, tensor_inventory
 from ciera_models.model import Transformer
 
 N = 8
@@ -211,7 +212,7 @@ def test_plan_modes_for_the_trainer():
 
 
 def test_mode_options_word_gathers_once():
-    from ciera_jax import costmodel as cm
+    from ciera_jax.planning import costmodel as cm
 
     p = cm.Profile.load("h100-ib400")
     o = mode_options(1 << 24, 16, "bfloat16", p, 1e-3, 0.55, 0.0)

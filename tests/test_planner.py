@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from ciera_jax import costmodel as cm
-from ciera_jax.planner import plan_model, plan_tensor, plan_tree, summarize
-from ciera_jax.shapes import get_config, tensor_inventory
-from ciera_jax.wire import EXPONENT_CAPACITIES, ExponentWire, capacities
+from ciera_jax.planning import costmodel as cm
+from ciera_jax.planning.planner import plan_model, plan_tensor, plan_tree, summarize
+from ciera_jax.planning.shapes import get_config, tensor_inventory
+from ciera_jax.codec.wire import EXPONENT_CAPACITIES, ExponentWire, capacities
 
 
 def ideal(**kw):
@@ -160,7 +160,7 @@ def test_profiles_state_device_memory():
 
 
 def test_plan_cli(tmp_path, capsys):
-    from ciera_jax.cli import main
+    from ciera_jax.cli.main import main
 
     out = tmp_path / "plan.json"
     assert main(["plan", "--config", "olmoe-1b-7b", "--gpus", "16", "--json", str(out)]) == 0
@@ -187,7 +187,7 @@ def test_plan_cli(tmp_path, capsys):
 
 
 def test_plan_cli_errors(capsys):
-    from ciera_jax.cli import main
+    from ciera_jax.cli.main import main
 
     assert main(["plan", "--config", "no-such-model"]) == 2
     assert main(["plan", "--profile", "no-such-profile"]) == 2

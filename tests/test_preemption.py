@@ -15,15 +15,15 @@ import time
 
 import pytest
 
-from ciera_jax import cli
-from ciera_jax.launch import free_port
+from ciera_jax.cli import main as cli
+from ciera_jax.runtime.launch import free_port
 from ciera_models import train_cli
 from ciera_models.preemption import EXIT_PREEMPTED, PreemptionGuard
 from ciera_models.train import TrainConfig
 
 STEPS = 20
 TC = TrainConfig(config="tiny", schedule_steps=STEPS)  # test_train's: the trainer is shared
-TRAIN = [sys.executable, "-m", "ciera_jax.cli", "train", "--steps", str(STEPS),
+TRAIN = [sys.executable, "-m", "ciera_jax.cli.main", "train", "--steps", str(STEPS),
          "--schedule-steps", str(STEPS), "--log-every", "1"]
 
 
@@ -99,10 +99,13 @@ def test_sigterm_to_a_child_process_saves_and_resume_is_bitwise(tmp_path, straig
 
 
 def test_first_signal_asks_second_exits_at_once():
+    # Whatever the shell gave this process (a background job or nohup ignores SIGINT), the
+    # guard must hand back exactly that.
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     with PreemptionGuard(log=lambda s: None) as guard:
         os.kill(os.getpid(), signal.SIGINT)  # no KeyboardInterrupt: the guard holds it
         assert guard.signal_name == "SIGINT"
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    assert {s: signal.getsignal(s) for s in before} == before  # handlers restored
     code = ("import os, signal, time\n"
             "from ciera_models.preemption import PreemptionGuard\n"
             "with PreemptionGuard() as g:\n"

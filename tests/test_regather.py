@@ -17,7 +17,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import ciera_jax
-from ciera_jax import codec, fsdp
+from ciera_jax import fsdp
+from ciera_jax.codec import bitfields
 from ciera_jax.fsdp.regather import regather
 from bitdata import BF16, F32, adversarial, bits_of, churn, weights
 from harness import mesh_of
@@ -37,10 +38,10 @@ def _fn():
 
     def body(shards, caches):
         fulls = regather(ts, shards, caches, GROUPS, "fsdp", N)
-        refs = {k: lax.all_gather(codec.to_bits(s), "fsdp", axis=ts[k].axis, tiled=True)
+        refs = {k: lax.all_gather(bitfields.to_bits(s), "fsdp", axis=ts[k].axis, tiled=True)
                 for k, s in shards.items()}
         per_rank = lambda tree: jax.tree.map(lambda v: v[None], tree)  # noqa: E731
-        return per_rank({k: codec.to_bits(f) for k, f in fulls.items()}), per_rank(refs)
+        return per_rank({k: bitfields.to_bits(f) for k, f in fulls.items()}), per_rank(refs)
 
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P()),
                                out_specs=(P("fsdp"), P("fsdp"))))
@@ -54,7 +55,7 @@ def _fn():
 
 
 def _exp_caches(x: dict) -> dict:
-    return {k: ciera_jax.ExponentCache(codec.exponent(jnp.asarray(v)), jnp.bool_(True),
+    return {k: ciera_jax.ExponentCache(bitfields.exponent(jnp.asarray(v)), jnp.bool_(True),
                                        np.dtype(v.dtype)) for k, v in x.items()}
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import orbax.checkpoint as ocp
 import pytest
 
-from ciera_jax import cli
+from ciera_jax.cli import main as cli
 from ciera_models import checkpoint as ckpt
 from ciera_models import run_lock
 from ciera_models.failures import EXIT_NO_GOOD_CHECKPOINT, EXIT_WRITE_FAILED, NoGoodCheckpoint, WriteFailed

@@ -5,9 +5,10 @@ import json
 
 import pytest
 
-from ciera_jax import costmodel as cm
-from ciera_jax import memory, simulate_cli
-from ciera_jax.shapes import get_config, tensor_inventory
+from ciera_jax.planning import costmodel as cm
+from ciera_jax.planning import memory
+from ciera_jax.cli import simulate as simulate_cli
+from ciera_jax.planning.shapes import get_config, tensor_inventory
 from ciera_jax.sim import (default_trace, default_word_trace, get_cluster, load_trace,
                            load_word_trace, simulate_gather, simulate_step, sweep)
 from ciera_jax.sim.step import METHODS, compare_to_measurements
@@ -98,7 +99,7 @@ def test_more_gpus_more_comm_share(olmoe):
 
 
 def test_ciera_equals_plain_with_huge_change_rate():
-    from ciera_jax.sim.trace import Trace
+    from ciera_jax.planning.traces import Trace
 
     t = Trace({}, default=0.9)  # above the top (bitmap, n/2) tier
     a = simulate_step("olmoe-1b-7b", 16, "h100", "plain", trace=t)

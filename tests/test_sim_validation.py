@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ciera_jax import costmodel as cm
+from ciera_jax.planning import costmodel as cm
 from ciera_jax.calibrate.fit import fit_alpha_beta
 from ciera_jax.sim.step import compare_to_measurements
 

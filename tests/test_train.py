@@ -12,8 +12,9 @@ import pytest
 from flax import nnx
 
 import ciera_jax
-import ciera_jax.cache as cache_lib
-from ciera_jax import cli, fsdp
+import ciera_jax.collective.cache as cache_lib
+from ciera_jax import fsdp
+from ciera_jax.cli import main as cli
 from ciera_models import data
 from ciera_models.model import Transformer, abstract_model
 from ciera_models.plan_policy import NO_CACHE, cache_modes

@@ -11,7 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ciera_jax import cache, cli, fsdp
+from ciera_jax import fsdp
+from ciera_jax.collective import cache
+from ciera_jax.cli import main as cli
 from ciera_models import checkpoint as ckpt
 from ciera_models import train_cli
 from ciera_models.data import TOKEN_DTYPES

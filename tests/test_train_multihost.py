@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from ciera_jax.launch import free_port
+from ciera_jax.runtime.launch import free_port
 
 pytestmark = pytest.mark.slow  # 2 processes x 2 trainings
 
@@ -19,7 +19,7 @@ def _train_two_processes(gather: str, tmp_path) -> str:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "ciera_jax.cli", "train", "--steps", "3", "--devices", "4",
+        [sys.executable, "-m", "ciera_jax.cli.main", "train", "--steps", "3", "--devices", "4",
          "--gather", gather, "--log-every", "1", "--coordinator", f"127.0.0.1:{port}",
          "--num-processes", "2", "--process-id", str(i)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)

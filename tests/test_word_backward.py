@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ciera_jax import fsdp, memory
+from ciera_jax import fsdp
+from ciera_jax.planning import memory
 from ciera_jax.fsdp import buckets
 from flax_nets import LM, MLP, batches, make_mesh, same_bits, train_jit, train_shard_map
 from ciera_models import data
@@ -170,8 +171,8 @@ def test_planner_prices_the_bytes_a_train_step_reports(cache):
     """Per tensor and layer, the bytes a real step reports for the whole step (forward gather,
     the backward's gather where there is one, the gradient's reduce-scatter) are what
     ``planner.step_wire_bytes`` prices for the tensor's mode; plain FSDP's are three shards."""
-    from ciera_jax import planner
-    from ciera_jax.wire import agreement_bytes
+    from ciera_jax.planning import planner
+    from ciera_jax.codec.wire import agreement_bytes
 
     tc = _tc(plan="all", cache=cache)
     tr = build_trainer(tc, train_mesh(8))

@@ -21,9 +21,9 @@ import ciera_jax
 from bitdata import (BF16, F32, WORD, adversarial, bits_of, from_bits, moved, ord_np,
                      special_words, weights, word_deltas)
 from harness import encode_vmap_matches_layerwise, gather_step, mesh_of, run_steps
-from ciera_jax.collective import MODE_EXPONENT, MODE_PLAIN, MODE_WORD
-from ciera_jax.wire import CHECKSUM_BYTES, DEFAULT_CODE_BITS, WordWire, agreement_bytes
-from ciera_jax.word_ladder import code_limit
+from ciera_jax.collective.gather import MODE_EXPONENT, MODE_PLAIN, MODE_WORD
+from ciera_jax.codec.wire import CHECKSUM_BYTES, DEFAULT_CODE_BITS, WordWire, agreement_bytes
+from ciera_jax.codec.word_ladder import code_limit
 
 
 def _step(mesh_shape=(8,), names=("fsdp",), axis_name="fsdp", axis=0, ndim=2, impl="xla"):

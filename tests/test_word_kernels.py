@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ciera_jax import kernels as K
-from ciera_jax import wordcodec as W
-from ciera_jax.word_ladder import CODE_BITS, escape_code
+from ciera_jax.codec import wordcodec as W
+from ciera_jax.codec.word_ladder import CODE_BITS, escape_code
 from test_kernels import (BACKENDS, BLOCK, DTYPES, ON_GPU, WORDS, adversarial_bits, bits_of,
                           make_x)
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from bitdata import BF16, F32, WORD, adversarial, bits_of, special_words
-from ciera_jax import wordcodec as W
-from ciera_jax.word_ladder import code_limit, escape_code
+from ciera_jax.codec import wordcodec as W
+from ciera_jax.codec.word_ladder import code_limit, escape_code
 
 
 def test_ord_is_monotone_and_an_involution_on_every_bf16_word():

@@ -1,6 +1,6 @@
 """Measure alpha, beta, codec rate and agreement on this mesh and build a cost-model profile.
 
-``ciera calibrate`` (:mod:`ciera_jax.calibrate_cli`) runs it. The modules, one concern each:
+``ciera calibrate`` (:mod:`ciera_jax.cli.calibrate`) runs it. The modules, one concern each:
 
 defaults.py  what is measured when the caller does not say (sizes per platform)
 kit.py       the gather timing kit: weight pairs with controlled exponent churn, jitted gathers,
@@ -8,7 +8,7 @@ kit.py       the gather timing kit: weight pairs with controlled exponent churn,
 measure.py   calibration's measurements: plain gathers, the codec, CIERA's overhead beyond the
              wire, the agreement, the memory rate
 fit.py       the fits: ring model ``t = (N-1)*alpha + (N-1)/N * bytes/beta``, rate lines
-profile.py   :func:`calibrate`: measure, fit, and return a :class:`~ciera_jax.costmodel.Profile`
+profile.py   :func:`calibrate`: measure, fit, and return a :class:`~ciera_jax.planning.costmodel.Profile`
 
 What is measured (every figure a median of interleaved repetitions of one jitted call):
 
@@ -37,13 +37,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ciera_jax import lazy
+from ciera_jax.runtime import lazy
 
 if TYPE_CHECKING:
     from ciera_jax.calibrate.kit import (CieraStepper, gather_fns, measure_gathers,
                                          time_interleaved, weight_pair)
     from ciera_jax.calibrate.profile import calibrate, profile_table
-    from ciera_jax.devices import make_mesh
+    from ciera_jax.runtime.devices import make_mesh
 
 _EXPORTS = {
     "calibrate": "ciera_jax.calibrate.profile",
@@ -53,7 +53,7 @@ _EXPORTS = {
     "measure_gathers": "ciera_jax.calibrate.kit",
     "time_interleaved": "ciera_jax.calibrate.kit",
     "weight_pair": "ciera_jax.calibrate.kit",
-    "make_mesh": "ciera_jax.devices",
+    "make_mesh": "ciera_jax.runtime.devices",
 }
 
 __all__ = list(_EXPORTS)

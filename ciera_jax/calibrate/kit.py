@@ -17,9 +17,10 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import ciera_jax
-from ciera_jax import codec
-from ciera_jax.fsdp import AXIS, spec_for
+from ciera_jax.codec import bitfields
+from ciera_jax.collective.cache import init_cache
+from ciera_jax.collective.gather import all_gather, plain_all_gather
+from ciera_jax.runtime.partition import AXIS, spec_for
 
 STAT_KEYS = ("sent_bytes", "plain_bytes", "changed", "agreed_changed", "tier", "fallback")
 
@@ -33,18 +34,18 @@ def weight_pair(mesh, shape, axis: int, change_rate: float, dtype=None, seed: in
     of exponents every step: CIERA's steady state at that churn.
     """
     dtype = jnp.bfloat16 if dtype is None else dtype
-    fmt = codec.word_format(dtype)
+    fmt = bitfields.word_format(dtype)
     sharding = NamedSharding(mesh, spec_for(axis, len(shape)))
 
     @functools.partial(jax.jit, out_shardings=(sharding, sharding))
     def gen():
         k1, k2 = jax.random.split(jax.random.key(seed))
         xa = (0.02 * jax.random.normal(k1, shape, jnp.float32)).astype(dtype)
-        bits = codec.to_bits(xa)
+        bits = bitfields.to_bits(xa)
         one = jnp.asarray(1, bits.dtype)
         flip = jax.random.uniform(k2, shape) < change_rate
         exp_bit = jnp.where(flip, one << fmt.mantissa_bits, jnp.zeros_like(one))
-        return xa, codec.from_bits(bits ^ one ^ exp_bit, dtype)
+        return xa, bitfields.from_bits(bits ^ one ^ exp_bit, dtype)
 
     return gen()
 
@@ -64,13 +65,13 @@ def gather_fns(mesh, ndim: int, axis: int) -> dict[str, Callable]:
     spec = spec_for(axis, ndim)
 
     def plain(x):
-        return ciera_jax.plain_all_gather(x, AXIS, axis=axis)[None]
+        return plain_all_gather(x, AXIS, axis=axis)[None]
 
     def plain_bf16(x):
         return lax.all_gather(x, AXIS, axis=axis, tiled=True)[None]
 
     def ciera(x, cache):
-        full, c, s = ciera_jax.all_gather(x, cache, AXIS, axis=axis)
+        full, c, s = all_gather(x, cache, AXIS, axis=axis)
         return full[None], c, {k: s[k][None] for k in STAT_KEYS}
 
     return {
@@ -82,7 +83,7 @@ def gather_fns(mesh, ndim: int, axis: int) -> dict[str, Callable]:
 
 def replicated_cache(mesh, shape, dtype):
     """A fresh (unprimed) cache for a tensor of ``shape``, replicated on ``mesh``."""
-    return jax.jit(lambda: ciera_jax.init_cache(shape, dtype),
+    return jax.jit(lambda: init_cache(shape, dtype),
                    out_shardings=NamedSharding(mesh, P()))()
 
 

@@ -14,13 +14,14 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ciera_jax import codec, kernels
-from ciera_jax import costmodel as cm
+from ciera_jax import kernels
+from ciera_jax.codec import bitfields
+from ciera_jax.planning import costmodel as cm
 from ciera_jax.calibrate.kit import (gather_fns, jit_shard_map, measure_gathers, median_call,
                                      weight_pair)
-from ciera_jax.devices import make_mesh
-from ciera_jax.fsdp import AXIS
-from ciera_jax.units import fmt_bytes
+from ciera_jax.runtime.devices import make_mesh
+from ciera_jax.runtime.partition import AXIS
+from ciera_jax.runtime.units import fmt_bytes
 
 
 def n_elements(size: int, N: int) -> int:
@@ -61,8 +62,8 @@ def measure_codec(mesh, sizes: Sequence[int], reps: int, log=None) -> list[dict]
         n = n_elements(size, N)
         xa, xb = weight_pair(mesh, (n,), 0, 0.01)
         rep = NamedSharding(mesh, P())
-        exp_full = jax.jit(codec.exponent, out_shardings=rep)(xa)
-        payload_full = jax.jit(lambda x: codec.split(x)[1], out_shardings=rep)(xa)
+        exp_full = jax.jit(bitfields.exponent, out_shardings=rep)(xa)
+        payload_full = jax.jit(lambda x: bitfields.split(x)[1], out_shardings=rep)(xa)
 
         def body(x, exp_full, payload_full):
             s = x.shape[0]

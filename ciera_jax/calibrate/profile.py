@@ -8,14 +8,14 @@ from collections.abc import Sequence
 
 import jax
 
-from ciera_jax import costmodel as cm
+from ciera_jax.planning import costmodel as cm
 from ciera_jax.calibrate.defaults import (CPU_CODEC_SIZES, CPU_SIZES, GPU_CODEC_SIZES, GPU_SIZES,
                                           mesh_sizes_for)
 from ciera_jax.calibrate.fit import fit_alpha_beta, fit_rate
 from ciera_jax.calibrate.measure import (empty_call_s, measure_agreement, measure_ciera_overhead,
                                          measure_codec, measure_hbm, measure_plain_gathers)
-from ciera_jax.devices import make_mesh
-from ciera_jax.units import fmt_bytes, parse_size
+from ciera_jax.runtime.devices import make_mesh
+from ciera_jax.runtime.units import fmt_bytes, parse_size
 
 
 def base_profile(platform_name: str, device_kind: str) -> str:

@@ -35,24 +35,24 @@ agreement, and gathers with prefetch and the one custom VJP), :mod:`.layer_stack
 :mod:`.decorator`, :mod:`.wrap` (by instance).
 """
 
-from ciera_jax.fsdp.axes import AXIS, invariant
-from ciera_jax.fsdp.caches import (CACHE_MODES, ExponentCacheVar, GatherCacheVar, attach_caches,
-                                   cache_dict, with_caches)
+from ciera_jax.fsdp.state.axes import AXIS, invariant
+from ciera_jax.fsdp.state.caches import (CACHE_MODES, ExponentCacheVar, GatherCacheVar,
+                                         attach_caches, cache_dict, with_caches)
 from ciera_jax.fsdp.clipping import clip_by_global_norm, global_sq_norm
 from ciera_jax.fsdp.decorator import gathered
-from ciera_jax.fsdp.discovery import GatherSpec
+from ciera_jax.fsdp.state.discovery import GatherSpec
 from ciera_jax.fsdp.gather import gather
-from ciera_jax.fsdp.inventory import (GatheredTensor, Gatherer, gathered_tensors, gatherers,
-                                      param_dict)
+from ciera_jax.fsdp.state.inventory import (GatheredTensor, Gatherer, gathered_tensors, gatherers,
+                                            param_dict)
 from ciera_jax.fsdp.layer_stack import scan_layers
 from ciera_jax.fsdp.phases import agree_tensors, encode_tensors, priming_inputs
-from ciera_jax.fsdp.plan import (GATHER_MODES, WORD_BACKWARDS, Plan, gather_mode, plan_of,
-                                 set_gather_mode)
+from ciera_jax.fsdp.state.plan import (GATHER_MODES, WORD_BACKWARDS, Plan, gather_mode, plan_of,
+                                       set_gather_mode)
 from ciera_jax.fsdp.prepared import GatherInputs, prepare
-from ciera_jax.fsdp.rules import check_divisible, d_axis, rule_axis, spec_for
-from ciera_jax.fsdp.specs import merge, param_specs, put, split_axes, state_specs
-from ciera_jax.fsdp.stacking import stack, stack_size
-from ciera_jax.fsdp.stats import GatherStats, gather_stats, wire_ratio
+from ciera_jax.runtime.partition import check_divisible, d_axis, rule_axis, spec_for
+from ciera_jax.fsdp.state.specs import merge, param_specs, put, split_axes, state_specs
+from ciera_jax.fsdp.state.stacking import stack, stack_size
+from ciera_jax.fsdp.state.stats import GatherStats, gather_stats, wire_ratio
 from ciera_jax.fsdp.wrap import is_sharded, shard
 
 __all__ = [

@@ -26,11 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ciera_jax import cache as cache_lib
-from ciera_jax import codec, layout
-from ciera_jax.gradient import attach_gather_grad
-from ciera_jax.fsdp.inventory import GatheredTensor
-from ciera_jax.fsdp.rules import kept_axes
+from ciera_jax.collective import cache as cache_lib
+from ciera_jax.codec import bitfields, layout
+from ciera_jax.collective.gradient import attach_gather_grad
+from ciera_jax.fsdp.state.inventory import GatheredTensor
+from ciera_jax.runtime.partition import kept_axes
 
 MAX_ELEMENTS = 1 << 20  # one layer's full tensor; above it a tensor is gathered alone
 # one layer of a bucket's full tensor: a gather holds a joined copy of its members' caches and
@@ -68,7 +68,7 @@ def groups(tensors: dict, caches: dict, axis_name: str, keys=None) -> dict:
     by: dict = {}
     for k in keys:
         t, c = tensors[k], caches[k]
-        if not (cache_lib.is_cache(c) and codec.is_compressible(t.dtype)
+        if not (cache_lib.is_cache(c) and bitfields.is_compressible(t.dtype)
                 and math.prod(t.shape) <= MAX_ELEMENTS):
             continue
         group = (t.gatherer, t.stack, np.dtype(t.dtype).str, c.mode,
@@ -117,16 +117,16 @@ def join_shards(shards: list, lead: int = 0) -> jax.Array:
     Joined as bits: XLA:CPU may run a bf16 copy through float32, which quiets NaN payloads.
     No gradient flows through (see :func:`split_gathered`)."""
     dtype = shards[0].dtype
-    bits = [codec.to_bits(lax.stop_gradient(s)) for s in shards]
-    return codec.from_bits(jnp.concatenate(
+    bits = [bitfields.to_bits(lax.stop_gradient(s)) for s in shards]
+    return bitfields.from_bits(jnp.concatenate(
         [b.reshape(b.shape[:lead] + (-1,)) for b in bits], axis=-1), dtype)
 
 
 def split_gathered(full, members_t: list, shards: list, axis_name: str, n_ranks: int) -> list:
     """The bucket's gathered tensor (one layer) -> each member's full tensor, cut as bits and
     differentiating as an all-gather of its own shard."""
-    parts = split_full(codec.to_bits(full), members_t, n_ranks)
-    return [attach_gather_grad(s, codec.from_bits(b, full.dtype), axis_name, t.axis)
+    parts = split_full(bitfields.to_bits(full), members_t, n_ranks)
+    return [attach_gather_grad(s, bitfields.from_bits(b, full.dtype), axis_name, t.axis)
             for b, t, s in zip(parts, members_t, shards)]
 
 

@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ciera_jax.fsdp.axes import AXIS, invariant
-from ciera_jax.fsdp.specs import is_split, spec_pairs
+from ciera_jax.fsdp.state.axes import AXIS, invariant
+from ciera_jax.fsdp.state.specs import is_split, spec_pairs
 
 
 def global_sq_norm(tree, specs, axis_name: str = AXIS, *, also_sum=None):

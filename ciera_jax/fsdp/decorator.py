@@ -1,6 +1,6 @@
 """The :func:`gathered` decorator: a sharded module's parameters are gathered just before its
 ``__call__`` runs. What the call does is the module's static plan
-(:mod:`ciera_jax.fsdp.plan`): on its own (:mod:`.percall`), prepared by a train step
+(:mod:`ciera_jax.fsdp.state.plan`): on its own (:mod:`.percall`), prepared by a train step
 (:mod:`.prepared`), or nothing but the call when a prepared layer stack holds its full
 weights already."""
 
@@ -11,12 +11,12 @@ from typing import Callable
 
 import jax.numpy as jnp
 
-from ciera_jax.fsdp.axes import AXIS, MANUAL, REGION, placement
-from ciera_jax.fsdp.discovery import GATHER_ATTR, GatherSpec, module_name
+from ciera_jax.fsdp.state.axes import AXIS, MANUAL, REGION, placement
+from ciera_jax.fsdp.state.discovery import GATHER_ATTR, GatherSpec, module_name
 from ciera_jax.fsdp.percall import call as call_alone
-from ciera_jax.fsdp.plan import plan_of
+from ciera_jax.fsdp.state.plan import plan_of
 from ciera_jax.fsdp.prepared import call as call_prepared
-from ciera_jax.fsdp.rules import Rules
+from ciera_jax.runtime.partition import Rules
 
 
 def gathered(axis_name: str = AXIS, *, dtype=jnp.bfloat16, rules: Rules = (),
@@ -25,7 +25,7 @@ def gathered(axis_name: str = AXIS, *, dtype=jnp.bfloat16, rules: Rules = (),
 
     Every parameter under the module (its Flax layers included) that is split over
     ``axis_name`` (by Flax's partitioning metadata, ``fsdp_axis`` metadata or ``rules``, see
-    :mod:`ciera_jax.fsdp.discovery`) is cast to ``dtype`` and gathered with the module's gather
+    :mod:`ciera_jax.fsdp.state.discovery`) is cast to ``dtype`` and gathered with the module's gather
     mode (:func:`~ciera_jax.fsdp.set_gather_mode`; default ``ciera``), so the body sees full
     weights. Inside the user's ``jax.shard_map`` the gathers run there; under ``jit`` with a
     mesh set (no ``shard_map``) the call opens a ``shard_map`` region for them and the body

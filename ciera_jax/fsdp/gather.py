@@ -16,13 +16,13 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-import ciera_jax.collective as collective
-import ciera_jax.quantized as quantized
+import ciera_jax.collective.gather as collective
+import ciera_jax.collective.quantized as quantized
 from ciera_jax.fsdp import buckets
-from ciera_jax.fsdp.axes import axis_bound, axis_size, invariant
-from ciera_jax.fsdp.inventory import GatheredTensor
-from ciera_jax.fsdp.plan import Plan
-from ciera_jax.fsdp.rules import kept_axes, names_of, without_axis
+from ciera_jax.fsdp.state.axes import axis_bound, axis_size, invariant
+from ciera_jax.fsdp.state.inventory import GatheredTensor
+from ciera_jax.fsdp.state.plan import Plan
+from ciera_jax.runtime.partition import kept_axes, names_of, without_axis
 
 
 def _gather_one(t: GatheredTensor, shard, gin, plan: Plan, axis_name: str,

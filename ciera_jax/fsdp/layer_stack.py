@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from flax import nnx
 
-from ciera_jax.fsdp.axes import axis_bound
-from ciera_jax.fsdp.discovery import gather_spec, iter_modules
-from ciera_jax.fsdp.plan import plan_of
+from ciera_jax.fsdp.state.axes import axis_bound
+from ciera_jax.fsdp.state.discovery import gather_spec, iter_modules
+from ciera_jax.fsdp.state.plan import plan_of
 from ciera_jax.fsdp.prepared import scan as prepared_scan
 
 

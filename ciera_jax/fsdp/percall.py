@@ -11,17 +11,17 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-import ciera_jax.cache as cache_lib
-import ciera_jax.codec as codec
-from ciera_jax.fsdp.axes import MANUAL, REGION, UNSHARDED, axis_size, placement
-from ciera_jax.fsdp.caches import PLAIN_ATTR, GatherCacheVar, cache_attr
-from ciera_jax.fsdp.discovery import GatherSpec, module_name, module_path, sharded_params
+import ciera_jax.collective.cache as cache_lib
+from ciera_jax.codec import bitfields
+from ciera_jax.fsdp.state.axes import MANUAL, REGION, UNSHARDED, axis_size, placement
+from ciera_jax.fsdp.state.caches import PLAIN_ATTR, GatherCacheVar, cache_attr
+from ciera_jax.fsdp.state.discovery import GatherSpec, module_name, module_path, sharded_params
 from ciera_jax.fsdp.gather import gather, gather_region
-from ciera_jax.fsdp.inventory import GatheredTensor
-from ciera_jax.fsdp.plan import Plan
-from ciera_jax.fsdp.rules import check_divisible
-from ciera_jax.fsdp.stacking import stack_size
-from ciera_jax.fsdp.stats import record
+from ciera_jax.fsdp.state.inventory import GatheredTensor
+from ciera_jax.fsdp.state.plan import Plan
+from ciera_jax.runtime.partition import check_divisible
+from ciera_jax.fsdp.state.stacking import stack_size
+from ciera_jax.fsdp.state.stats import record
 
 
 def copy_of(module):
@@ -89,7 +89,7 @@ def gathered_into(copy, module, params: list, spec: GatherSpec, plan: Plan, plac
     for p in params:
         t = tensors[p.key] = call_tensor(module, p, spec, place)
         shards[p.key] = p.var.get_value().astype(t.dtype)
-        if (plan.mode == "ciera" and codec.is_compressible(t.dtype)
+        if (plan.mode == "ciera" and bitfields.is_compressible(t.dtype)
                 and p.name not in getattr(p.owner, PLAIN_ATTR, ())):
             caches[p.key] = cache_of(p, t, f"{module_name(module)}/{p.key}")
     run = gather if place == MANUAL else gather_region

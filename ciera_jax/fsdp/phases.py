@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-import ciera_jax.collective as collective
+import ciera_jax.collective.gather as collective
 from ciera_jax.fsdp import buckets
-from ciera_jax.fsdp.axes import AXIS, axis_size
+from ciera_jax.fsdp.state.axes import AXIS, axis_size
 
 
 def encode_tensors(tensors: dict, params: dict, caches: dict, compress: dict,

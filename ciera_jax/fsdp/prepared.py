@@ -1,7 +1,7 @@
 """Gathers prepared for a train step (inside its ``shard_map``): the step encoded every
 compressed tensor at the end of the previous step and agreed on all of them with ONE collective
 (:mod:`ciera_jax.fsdp.phases`); :func:`prepare` hands each gathering module its tensors'
-``Encoded`` and agreement, as module state, with a static :class:`~ciera_jax.fsdp.plan.Plan`.
+``Encoded`` and agreement, as module state, with a static :class:`~ciera_jax.fsdp.state.plan.Plan`.
 
 A prepared module's call gathers with them (:func:`call`), and a layer stack run by
 :func:`~ciera_jax.fsdp.scan_layers` gathers layer l+1 while layer l computes (:func:`scan`).
@@ -25,17 +25,17 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-import ciera_jax.cache as cache_lib
+import ciera_jax.collective.cache as cache_lib
 from ciera_jax.fsdp import buckets
-from ciera_jax.fsdp.axes import AXIS, axis_size, varying_axes
-from ciera_jax.fsdp.caches import GatherCacheVar, cache_attr
-from ciera_jax.fsdp.discovery import gather_spec, iter_modules, module_path, path_key
+from ciera_jax.fsdp.state.axes import AXIS, axis_size, varying_axes
+from ciera_jax.fsdp.state.caches import GatherCacheVar, cache_attr
+from ciera_jax.fsdp.state.discovery import gather_spec, iter_modules, module_path, path_key
 from ciera_jax.fsdp.gather import gather
-from ciera_jax.fsdp.inventory import GatheredTensor, gatherers
-from ciera_jax.fsdp.plan import DEFAULT_WORD_BACKWARD, Plan, plan_of, set_plan
+from ciera_jax.fsdp.state.inventory import GatheredTensor, gatherers
+from ciera_jax.fsdp.state.plan import DEFAULT_WORD_BACKWARD, Plan, plan_of, set_plan
 from ciera_jax.fsdp.regather import regather
-from ciera_jax.fsdp.stacking import stack_size
-from ciera_jax.fsdp.stats import GatherStats, record
+from ciera_jax.fsdp.state.stacking import stack_size
+from ciera_jax.fsdp.state.stats import GatherStats, record
 
 INPUTS_ATTR = "ciera_gather_inputs"
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 from jax import lax
 
-from ciera_jax import codec
+from ciera_jax.codec import bitfields
 from ciera_jax.fsdp import buckets
 
 
@@ -29,7 +29,7 @@ def regather(tensors: dict, shards: dict, caches: dict, groups, axis_name: str,
         if len(members) == 1:
             (k,) = members
             t = tensors[k]
-            fulls[k] = codec.merge(caches[k].exp, _payload_gather(shards[k], t.axis, axis_name),
+            fulls[k] = bitfields.merge(caches[k].exp, _payload_gather(shards[k], t.axis, axis_name),
                                    t.dtype)
             continue
         members_t = [buckets.local_tensor(tensors[k], shards[k].shape, n_ranks) for k in members]
@@ -37,11 +37,11 @@ def regather(tensors: dict, shards: dict, caches: dict, groups, axis_name: str,
         payloads = buckets.split_full(_payload_gather(joined, 0, axis_name), members_t, n_ranks,
                                       lead=1)
         for k, payload_Pxn in zip(members, payloads):
-            fulls[k] = codec.merge(caches[k].exp, payload_Pxn, tensors[k].dtype)
+            fulls[k] = bitfields.merge(caches[k].exp, payload_Pxn, tensors[k].dtype)
     return fulls
 
 
 def _payload_gather(shard: jax.Array, axis: int, axis_name: str) -> jax.Array:
     """The full tensor's payload planes ``(P, *full)``: one tiled all-gather of the shard's."""
-    _, payload_Pxn = codec.split(lax.stop_gradient(shard))
+    _, payload_Pxn = bitfields.split(lax.stop_gradient(shard))
     return lax.all_gather(payload_Pxn, axis_name, axis=axis + 1, tiled=True)

@@ -16,11 +16,11 @@ from typing import Callable
 import jax.numpy as jnp
 from flax import nnx
 
-from ciera_jax.fsdp.axes import AXIS
+from ciera_jax.fsdp.state.axes import AXIS
 from ciera_jax.fsdp.decorator import gathered
-from ciera_jax.fsdp.discovery import (GATHER_ATTR, GatherSpec, gather_spec, iter_modules,
-                                      sharded_params)
-from ciera_jax.fsdp.rules import Rules
+from ciera_jax.fsdp.state.discovery import (GATHER_ATTR, GatherSpec, gather_spec, iter_modules,
+                                            sharded_params)
+from ciera_jax.runtime.partition import Rules
 
 WRAPPED_ATTR = "ciera_wrapped_class"  # on a gathering subclass: the class it wraps
 

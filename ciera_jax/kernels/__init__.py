@@ -8,7 +8,7 @@ Triton). Which backend runs where is decided in ``backend.py`` (see docs/kernels
 ``decode_checksum_pallas`` is the fused decode + per-rank checksum option. The wire's escapes
 (``escape_pack``, ``escape_fill_exponents``, ``escape_fill_words``) have Triton kernels
 (``escape.py``; Mosaic GPU has no per-element gather/scatter) beside the jnp loops of
-:mod:`ciera_jax.escapes`.
+:mod:`ciera_jax.codec.escapes`.
 """
 
 from ciera_jax.kernels.backend import (BACKENDS, CUSTOM_CALL, available_backends, gpu_capability,

@@ -58,7 +58,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ciera_jax.varying import kernel_out_types
+from ciera_jax.runtime.varying import kernel_out_types
 
 IMPLS = ("auto", "xla", "pallas", "mosaic", "triton")
 BACKENDS = ("mosaic", "triton")

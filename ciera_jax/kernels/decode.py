@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from ciera_jax import codec
+from ciera_jax.codec import bitfields
 from ciera_jax.kernels import _layout
 from ciera_jax.kernels.backend import Operand, check_backend, stream_call
 from ciera_jax.kernels.encode import BLOCK
@@ -20,7 +20,7 @@ from ciera_jax.kernels.encode import BLOCK
 
 def decode_reference(exp: jnp.ndarray, payload_Pxn: jnp.ndarray, dtype) -> jnp.ndarray:
     """The pure-jnp decode the kernel must match bit for bit."""
-    return codec.merge(exp, payload_Pxn, dtype)
+    return bitfields.merge(exp, payload_Pxn, dtype)
 
 
 def decode_body(exp, planes, *, fmt):
@@ -41,7 +41,7 @@ def decode_pallas(exp: jnp.ndarray, payload_Pxn: jnp.ndarray, dtype, *, block: i
     """Pallas decode: ``exp`` uint8 of any shape, ``payload_Pxn`` uint8 of shape
     (P, *exp.shape)."""
     del num_warps
-    fmt = codec.word_format(dtype)
+    fmt = bitfields.word_format(dtype)
     _layout.check_block(block)
     backend = check_backend(backend)
     shape = exp.shape
@@ -67,4 +67,4 @@ def decode_pallas(exp: jnp.ndarray, payload_Pxn: jnp.ndarray, dtype, *, block: i
     (out_N,) = call(exp_N, payload)
     # Slice the padding off the unsigned words, then view them as floats: XLA:CPU's copies of
     # bf16 canonicalise NaN payloads, copies of unsigned words keep every bit.
-    return codec.from_bits(_layout.unflatten(out_N, shape), fmt.dtype)
+    return bitfields.from_bits(_layout.unflatten(out_N, shape), fmt.dtype)

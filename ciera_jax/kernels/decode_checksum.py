@@ -22,7 +22,7 @@ import math
 
 import jax.numpy as jnp
 
-from ciera_jax import checksum, codec
+from ciera_jax.codec import checksum, bitfields
 from ciera_jax.kernels import _layout
 from ciera_jax.kernels.backend import (Operand, Pairs, WARPGROUP, check_backend, resolve,
                                        stream_call)
@@ -32,9 +32,9 @@ from ciera_jax.kernels.encode import BLOCK
 
 def decode_checksum_reference(exp, payload_Pxn, dtype, n_ranks: int, *, axis: int = 0,
                               seed: int = 0):
-    """The pure-jnp pair the fused kernel must match bit for bit: ``(codec.merge(...),
+    """The pure-jnp pair the fused kernel must match bit for bit: ``(bitfields.merge(...),
     checksum.checksum_shards(full, axis, n_ranks))``."""
-    full = codec.merge(exp, payload_Pxn, dtype)
+    full = bitfields.merge(exp, payload_Pxn, dtype)
     return full, checksum.checksum_shards(full, axis, n_ranks, seed=seed)
 
 
@@ -48,7 +48,7 @@ def fusable(shape, dtype, n_ranks: int, *, axis: int = 0, block: int = BLOCK):
         return None
     d, post = shape[0] // n_ranks, math.prod(shape[1:])
     n_local = d * post
-    itemsize = codec.word_format(dtype).word.itemsize
+    itemsize = bitfields.word_format(dtype).word.itemsize
     if itemsize == 2 and post % 2 == 0:  # pairs along the last dims: lo, hi halves of a row
         groups, dist, paired = n // post, post // 2, True
     elif itemsize == 2 and d % 2 == 0:  # pairs along the shard axis: halves of a rank's shard
@@ -89,7 +89,7 @@ def decode_checksum_pallas(exp, payload_Pxn, dtype, n_ranks: int, *, axis: int =
                            seed: int = 0, block: int = BLOCK, backend: str | None = None,
                            interpret: bool = False):
     """Fused :func:`decode_checksum_reference` (raises ValueError where not :func:`fusable`)."""
-    fmt = codec.word_format(dtype)
+    fmt = bitfields.word_format(dtype)
     backend = check_backend(backend)
     shape, P = exp.shape, fmt.payload_bytes
     if payload_Pxn.shape != (P, *shape):
@@ -110,7 +110,7 @@ def decode_checksum_pallas(exp, payload_Pxn, dtype, n_ranks: int, *, axis: int =
     words, partials = call(exp.astype(jnp.uint8).reshape(view),
                            payload_Pxn.astype(jnp.uint8).reshape(P, *view))
     sums = jnp.sum(partials.reshape(n_ranks, -1), axis=1, dtype=jnp.uint32)
-    return codec.from_bits(words.reshape(shape), fmt.dtype), sums
+    return bitfields.from_bits(words.reshape(shape), fmt.dtype), sums
 
 
 def decode_checksum(exp, payload_Pxn, dtype, n_ranks: int, *, axis: int = 0, seed: int = 0,

@@ -11,7 +11,7 @@ The escapes (``escape_pack``, ``escape_fill_exponents``, ``escape_fill_words``) 
 kernels only (Mosaic GPU has no per-element gather or scatter: ``kernels/escape.py``). They run
 wherever ``impl`` resolves to the Triton backend (``"triton"``; ``"pallas"`` below Hopper and,
 interpreted, on CPU); everywhere else, ``"auto"`` included, they are the jnp path of
-:mod:`ciera_jax.escapes`, whose walk :func:`ciera_jax.escapes.walk_for` fixes at trace time
+:mod:`ciera_jax.codec.escapes`, whose walk :func:`ciera_jax.codec.escapes.walk_for` fixes at trace time
 (one dense pass on a GPU; the loop over escapes only on CPU, for long rows).
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from ciera_jax import escapes
+from ciera_jax.codec import escapes
 from ciera_jax.kernels.backend import IMPLS, available_backends, resolve
 from ciera_jax.kernels.decode import decode_pallas, decode_reference
 from ciera_jax.kernels.encode import encode_pallas, encode_reference
@@ -103,7 +103,7 @@ def _escape_pallas(impl: str):
 def escape_pack(values, words_W: jnp.ndarray, capacity: int, *, impl: str = "auto"):
     """Exactly ``escapes.pack(values, words_W, capacity)``: the flagged values in position
     order in a (capacity,) buffer, zeros after the last. ``values``: (n,) or
-    :class:`ciera_jax.escapes.PerElement`."""
+    :class:`ciera_jax.codec.escapes.PerElement`."""
     kw = _escape_pallas(impl)
     if kw is None:
         return escapes.pack(values, words_W, capacity)

@@ -16,7 +16,7 @@ import functools
 
 import jax.numpy as jnp
 
-from ciera_jax import codec
+from ciera_jax.codec import bitfields
 from ciera_jax.kernels import _layout
 from ciera_jax.kernels.backend import Operand, check_backend, stream_call
 
@@ -25,7 +25,7 @@ BLOCK = 4096  # elements per program: 8 KB of bf16 in, >= 12 KB out; a power of 
 
 def encode_reference(x: jnp.ndarray, cache_exp: jnp.ndarray):
     """The pure-jnp encode the kernel must match bit for bit: ``codec.split`` + a compare."""
-    exp, payload_Pxn = codec.split(x)
+    exp, payload_Pxn = bitfields.split(x)
     return exp, payload_Pxn, exp != cache_exp
 
 
@@ -49,7 +49,7 @@ def encode_pallas(x: jnp.ndarray, cache_exp: jnp.ndarray, *, block: int = BLOCK,
     shape) on ``backend`` (None: the one ``impl="pallas"`` picks). ``num_warps`` is accepted
     for compatibility and ignored (Triton runs ``backend.TRITON_WARPS``)."""
     del num_warps
-    fmt = codec.word_format(x.dtype)
+    fmt = bitfields.word_format(x.dtype)
     _layout.check_block(block)
     backend = check_backend(backend)
     shape = x.shape
@@ -60,7 +60,7 @@ def encode_pallas(x: jnp.ndarray, cache_exp: jnp.ndarray, *, block: int = BLOCK,
                 jnp.zeros(shape, jnp.bool_))
     # Bitcast (same width, free in XLA) before any pad/reshape: XLA:CPU's copies of bf16 are
     # not bit-preserving (they canonicalise NaN payloads), copies of unsigned words are.
-    x_N = _layout.flatten_padded(codec.to_bits(x), block)
+    x_N = _layout.flatten_padded(bitfields.to_bits(x), block)
     cache_N = _layout.flatten_padded(cache_exp.astype(jnp.uint8), block)
     call = stream_call(
         functools.partial(encode_body, fmt=fmt),

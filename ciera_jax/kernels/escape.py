@@ -1,7 +1,7 @@
 """The wire's escapes as dense, blockwise Pallas kernels (Triton): the sender's pack and the
 receivers' fills, one pass each, no loop over the escapes.
 
-:mod:`ciera_jax.escapes` walks the escapes (a loop whose trip count is their number: the right
+:mod:`ciera_jax.codec.escapes` walks the escapes (a loop whose trip count is their number: the right
 shape for XLA:CPU). On a GPU a loop with a dynamic trip count syncs with the host every trip,
 so here every element is visited once, a block of ``block`` elements (``block / 32`` flag
 words) per program:
@@ -15,7 +15,7 @@ words) per program:
 Then the sender stores each flagged value at ``out[rank]`` (a masked scatter into a zeroed
 buffer aliased into the kernel) and a receiver reads ``section[row, rank]`` (a masked gather)
 where the element is flagged and ``rank < limit``, keeping the dense value elsewhere.
-Results are bit for bit :func:`ciera_jax.escapes.pack` / :func:`ciera_jax.escapes.fill`.
+Results are bit for bit :func:`ciera_jax.codec.escapes.pack` / :func:`ciera_jax.codec.escapes.fill`.
 
 Backend: Triton only. Pallas on Mosaic GPU (JAX 0.10.2's sources) has no per-element gather
 or scatter: a ref indexed by an array fails ("Arrays are not supported as indices"),
@@ -33,11 +33,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ciera_jax import wordcodec
+from ciera_jax.codec import wordcodec
 from ciera_jax.kernels import _layout
 from ciera_jax.kernels.backend import TRITON_WARPS
-from ciera_jax.varying import kernel_out_types
-from ciera_jax.wire import FLAG_WORD_BITS
+from ciera_jax.runtime.varying import kernel_out_types
+from ciera_jax.codec.wire import FLAG_WORD_BITS
 
 ESCAPE_BLOCK = 4096  # elements per program: 128 flag words; a power of two, >= 32
 BITS = FLAG_WORD_BITS
@@ -105,7 +105,7 @@ def _check(block: int, backend: str | None):
 def pack_pallas(values_N: jax.Array, words_W: jax.Array, capacity: int, *,
                 block: int = ESCAPE_BLOCK, backend: str | None = None,
                 interpret: bool = False) -> jax.Array:
-    """:func:`ciera_jax.escapes.pack`: the flagged values in position order in a (capacity,)
+    """:func:`ciera_jax.codec.escapes.pack`: the flagged values in position order in a (capacity,)
     buffer, zeros after the last, flags past ``capacity`` dropped."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltriton
@@ -147,7 +147,7 @@ def fill_exponents_pallas(cached_Rxn: jax.Array, flags_RxW: jax.Array, section_R
                           limit_R: jax.Array, *, block: int = ESCAPE_BLOCK,
                           backend: str | None = None, interpret: bool = False) -> jax.Array:
     """Exponent mode's receiver: ``where(flag, section[row, rank], cached)`` for every element
-    whose rank is below its row's ``limit_R`` (uint8 (R, n)); :func:`ciera_jax.escapes.fill`
+    whose rank is below its row's ``limit_R`` (uint8 (R, n)); :func:`ciera_jax.codec.escapes.fill`
     with the section's values."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltriton

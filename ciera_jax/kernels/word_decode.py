@@ -4,19 +4,19 @@ unpacked codes, one write of the new words.
 Per element: ``new = ord⁻¹(ord(cached) + code - code_limit(b))`` modulo the word width. Escaped
 elements come out as garbage here and are overwritten by the caller from the level-1/level-2
 lists (a scatter of at most the rung's capacity, found block-wise: see
-:func:`ciera_jax.wordcodec.escape_positions`), so this kernel is a pure stream.
+:func:`ciera_jax.codec.wordcodec.escape_positions`), so this kernel is a pure stream.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from ciera_jax import codec, wordcodec
+from ciera_jax.codec import bitfields, wordcodec
 from ciera_jax.kernels import _layout
 from ciera_jax.kernels.backend import Operand, check_backend, stream_call
 from ciera_jax.kernels.encode import BLOCK
 from ciera_jax.kernels.word_encode import ord_word
-from ciera_jax.word_ladder import code_limit
+from ciera_jax.codec.word_ladder import code_limit
 
 
 def word_decode_reference(cached_bits: jnp.ndarray, codes: jnp.ndarray, code_bits: int):
@@ -38,7 +38,7 @@ def word_decode_pallas(cached_bits: jnp.ndarray, codes: jnp.ndarray, code_bits: 
     """Pallas :func:`word_decode_reference`: ``cached_bits`` unsigned words, ``codes`` uint8 of
     the same shape."""
     del num_warps
-    fmt = codec.word_format(_float_of(cached_bits.dtype))
+    fmt = bitfields.word_format(_float_of(cached_bits.dtype))
     _layout.check_block(block)
     backend = check_backend(backend)
     shape = cached_bits.shape

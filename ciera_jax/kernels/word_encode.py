@@ -2,7 +2,7 @@
 per-block demand counts out.
 
 Per element: ``d = ord(new) - ord(cached)`` modulo the word width (see
-:mod:`ciera_jax.wordcodec`), written as the same-width unsigned pattern and viewed as signed
+:mod:`ciera_jax.codec.wordcodec`), written as the same-width unsigned pattern and viewed as signed
 outside; per block of ``block`` elements: how many escape at code widths 2, 3 and 4, how many
 go raw (``|d| > 127``) and how many exponents changed. The caller sums the block counts (a tiny
 reduction). Only shifts, masks, xor, wrapping subtraction, compares, selects and sums, and no
@@ -16,20 +16,20 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
-from ciera_jax import codec, wordcodec
+from ciera_jax.codec import bitfields, wordcodec
 from ciera_jax.kernels import _layout
 from ciera_jax.kernels.backend import Operand, check_backend, stream_call
 from ciera_jax.kernels.encode import BLOCK
-from ciera_jax.word_ladder import CODE_BITS, LEVEL1_LIMIT, code_limit
+from ciera_jax.codec.word_ladder import CODE_BITS, LEVEL1_LIMIT, code_limit
 
 COUNT_SLOTS = 8  # the demand counts of a block, padded to a power of two
 
 
 def word_encode_reference(x: jnp.ndarray, cached_bits: jnp.ndarray):
     """``x`` (bf16/float32) and its cached words -> ``(d, demand)``: signed deltas shaped like
-    ``x`` and int32 (N_DEMANDS,) counts (see :func:`ciera_jax.wordcodec.demands`)."""
-    fmt = codec.word_format(x.dtype)
-    bits = codec.to_bits(x)
+    ``x`` and int32 (N_DEMANDS,) counts (see :func:`ciera_jax.codec.wordcodec.demands`)."""
+    fmt = bitfields.word_format(x.dtype)
+    bits = bitfields.to_bits(x)
     d = wordcodec.delta(bits, cached_bits)
     exp_changed = ((bits ^ cached_bits) >> fmt.mantissa_bits) & 0xFF != 0
     return d, wordcodec.demands(d, exp_changed)
@@ -61,14 +61,14 @@ def word_encode_pallas(x: jnp.ndarray, cached_bits: jnp.ndarray, *, block: int =
                        backend: str | None = None, interpret: bool = False, num_warps=None):
     """Pallas :func:`word_encode_reference`: same outputs, bit for bit."""
     del num_warps
-    fmt = codec.word_format(x.dtype)
+    fmt = bitfields.word_format(x.dtype)
     _layout.check_block(block)
     backend = check_backend(backend)
     shape, n = x.shape, _layout.num_elements(x.shape)
     signed = wordcodec.signed_like(fmt.word)
     if n == 0:
         return jnp.zeros(shape, signed), jnp.zeros((wordcodec.N_DEMANDS,), jnp.int32)
-    x_N = _layout.flatten_padded(codec.to_bits(x), block)
+    x_N = _layout.flatten_padded(bitfields.to_bits(x), block)
     cache_N = _layout.flatten_padded(cached_bits.astype(fmt.word), block)
     call = stream_call(
         functools.partial(word_encode_body, fmt=fmt),

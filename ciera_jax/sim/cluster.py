@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ciera_jax import costmodel as cm
+from ciera_jax.planning import costmodel as cm
 
 # vendor spec: H100 SXM and H200 SXM dense bf16 tensor-core peak, 989 TFLOP/s (no sparsity)
 PEAK_BF16_FLOPS = 989e12

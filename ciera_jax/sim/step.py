@@ -15,12 +15,12 @@ forward gather sends word deltas, and the cache *is* the full weights, so the ba
 is gone, like plain-noreshard). The methods compared are mode assignments: every tensor plain /
 plain-noreshard / int8 / entropy; ``ciera`` exponent mode where the planner says it pays; ``word``
 word mode where it pays; or any per-tensor plan (e.g. the budgeted planner's). Every result
-states the extra memory its caches (or held weights) take per GPU (:mod:`ciera_jax.memory`).
+states the extra memory its caches (or held weights) take per GPU (:mod:`ciera_jax.planning.memory`).
 
 Prefetch depth one: the gather of group g+1 may start once the compute of group g starts (one
 extra gathered layer in memory), so it overlaps that compute. Collectives are hierarchical
 (NVLink ring inside a node, IB ring across nodes); the wire bytes and codec time of each method
-come from :mod:`ciera_jax.costmodel`. Replicated tensors (norms, biases) are not gathered.
+come from :mod:`ciera_jax.planning.costmodel`. Replicated tensors (norms, biases) are not gathered.
 CIERA also pays one agreement collective (pmax of all change counts) at the start of the step.
 
 Compute: 2 FLOPs per active parameter per token forward (routed experts count top_k/n_experts),
@@ -38,12 +38,12 @@ import dataclasses
 import math
 from typing import Any, Callable, Mapping
 
-from ciera_jax import costmodel as cm
-from ciera_jax import memory
-from ciera_jax.planner import plan_tensor
-from ciera_jax.shapes import get_config, global_tensors, layer_tensors
+from ciera_jax.planning import costmodel as cm
+from ciera_jax.planning import memory
+from ciera_jax.planning.planner import plan_tensor
+from ciera_jax.planning.shapes import get_config, global_tensors, layer_tensors
 from ciera_jax.sim.cluster import Cluster, get_cluster
-from ciera_jax.sim.trace import Trace, WordTrace, default_trace, default_word_trace
+from ciera_jax.planning.traces import Trace, WordTrace, default_trace, default_word_trace
 
 BYTES_PER_ELEM = 2  # bf16 weights and gradients
 METHODS = ("plain", "plain-noreshard", "int8", "entropy", "ciera", "word")

@@ -1,0 +1,123 @@
+"""Exponent mode: the payload (sign + mantissa) travels, the exponent stays in the cache.
+
+Sender (:func:`encode`, no collective): split the shard into exponent and payload planes, flag
+the exponents that differ from this rank's slice of the cache, and pack what locates them and
+their new values: the flags 32 to a uint32 word, the nonzero words in order with a summary bit
+per word, and the new exponents in position order, each at its top capacity.
+
+Receiver (:func:`exchange`): the payload plane and checksum arrive by one unconditional
+all-gather; the flags and the exponents arrive in the section switch at the agreed rung
+(:mod:`ciera_jax.codec.wire`); the flag words are rebuilt from the summary (escapes of escapes, a
+dense pass over 1/32 of the tensor), one fill puts every flagged exponent in place of the
+cached one, one
+decode merges exponents and payload, one self-check compares every rank's shard with the
+checksum it sent.
+
+Shape letters as in :mod:`ciera_jax.codec.escapes`: N ranks, n elements per shard, P payload planes,
+W flag words, S summary words, C and K capacities.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ciera_jax import kernels
+from ciera_jax.codec import bitfields, escapes
+from ciera_jax.collective import selfcheck, transfer
+from ciera_jax.codec.layout import full_to_rows, gathered_shape, rows_to_full
+from ciera_jax.codec.wire import ExponentWire, flag_words
+
+INT32_MAX = np.iinfo(np.int32).max
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Encoded:
+    """What one rank sends for one exponent-mode tensor, made before the gather (it depends only
+    on the shard and the cache, so it can be made at the end of the previous step).
+
+    ``payload``: uint8 (P, *shard shape); ``summary``: uint32 (S,), a bit per flag word: is it
+    nonzero; ``flag_words``: uint32 (C,), the nonzero flag words in order, at the top capacity;
+    ``patch_exp``: uint8 (K,), the new exponents of the flagged elements in position order, at
+    the top capacity; ``count``: exponents changed in this shard; ``demand``: ``count``, or
+    int32 max when the cache is unprimed; ``checksum``: uint32 of the shard's true words.
+    """
+
+    payload: jax.Array
+    summary: jax.Array
+    flag_words: jax.Array
+    patch_exp: jax.Array
+    count: jax.Array
+    demand: jax.Array
+    checksum: jax.Array
+    axis: int = dataclasses.field(metadata=dict(static=True))
+    n_ranks: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shard_shape(self) -> tuple[int, ...]:
+        return tuple(self.payload.shape[1:])
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        return gathered_shape(self.shard_shape, self.axis, self.n_ranks)
+
+    @property
+    def wire(self) -> ExponentWire:
+        n = int(np.prod(self.shard_shape))
+        return ExponentWire(n, self.payload.shape[0] + 1)
+
+
+def encode(x, cached_exp, primed, axis: int, n_ranks: int, csum, impl: str) -> Encoded:
+    """``x``: this rank's shard; ``cached_exp``: its slice of the cached exponents."""
+    _, payload, changed = kernels.encode(x, cached_exp, impl=impl)  # exponents: read below
+    wire = ExponentWire(x.size, x.dtype.itemsize)
+    changed_N = changed.reshape(-1)
+    flags_W = escapes.pack_flags(changed_N[None])[0]
+    summary_S = escapes.pack_flags((flags_W != 0)[None])[0]
+    listed_C = escapes.pack_dense(flags_W, summary_S, wire.word_caps[-1])
+    x_N = x.reshape(-1)  # the new exponents read at the changed elements only
+    patch_exp = kernels.escape_pack(
+        escapes.PerElement(x.size, jnp.uint8, lambda i: bitfields.exponent(x_N[i])), flags_W,
+        wire.caps[-1], impl=impl)
+    # An unprimed cache knows no exponent: all of them count as changed.
+    count = jnp.where(primed, escapes.count(flags_W[None])[0], x.size).astype(jnp.int32)
+    demand = jnp.where(primed, count, jnp.int32(INT32_MAX))
+    return Encoded(payload, summary_S, listed_C, patch_exp, count, demand, csum, axis, n_ranks)
+
+
+def exchange(e: Encoded, cache_exp, agreed, shard, axis_name, dtype, impl: str):
+    """Returns ``(decoded full, its exponents (the new cache), failed shards, rung, overflow,
+    section bytes sent, main rows)``; on overflow the main rows carry the head of the shards'
+    bits and the caller finishes with :func:`ciera_jax.collective.transfer.plain_rest` (``decoded`` is
+    then meaningless)."""
+    wire = e.wire
+    n, n_planes = wire.n, e.payload.shape[0]
+    rung, overflow = transfer.pick_rung(wire.caps, agreed)
+    main_NxL, sent_N = transfer.gather_main(e.payload.reshape(-1), shard, overflow,
+                                            e.checksum, axis_name)
+    summary_NxS, listed_NxC, patch_NxK = transfer.gather_section(
+        [e.summary, e.flag_words, e.patch_exp],
+        [tuple(wire.summary_words if c else 0 for c in wire.caps), wire.word_caps, wire.caps],
+        rung, axis_name)
+    # Escapes of escapes: the nonzero flag words back in place (1/32 of the tensor: dense),
+    # then each changed exponent over the cached one (escapes.fill, or the escape kernel).
+    flags_NxW = escapes.expand_dense(listed_NxC, summary_NxS, flag_words(n))
+    cap_N = jnp.full((e.n_ranks,), jnp.asarray(wire.caps, jnp.int32)[rung])
+    exp_Nxn = kernels.escape_fill_exponents(
+        full_to_rows(cache_exp, e.shard_shape, e.axis, e.n_ranks), flags_NxW, patch_NxK, cap_N,
+        impl=impl)
+    exp_full = rows_to_full(exp_Nxn, e.shard_shape, e.axis)
+    payload_full = rows_to_full(main_NxL.reshape(e.n_ranks, n_planes, n), e.shard_shape, e.axis)
+    # One pass: the weights and every rank's checksum of them (fused on GPU where it can be).
+    full, got_N = kernels.decode_checksum(exp_full, payload_full, dtype, e.n_ranks, axis=e.axis,
+                                          impl=impl)
+    sent = transfer.section_bytes(wire.section_sizes, rung)
+    # The new cache is the exponents the decode read (bitwise exponent(full)), so no pass
+    # over the full tensor is needed to make it.
+    return (full, exp_full, selfcheck.failed_shards(full, sent_N, e.axis, got_N), rung,
+            overflow, sent, main_NxL)
+

@@ -1,0 +1,284 @@
+"""All-gather with cross-iteration reuse (CIERA), bitwise equal to a plain all-gather.
+
+Call inside ``jax.shard_map``. The cache picks the mode (see :mod:`ciera_jax.collective.cache`):
+
+- exponent mode (:class:`ExponentCache`, :mod:`ciera_jax.collective.exponent_option`): sign + mantissa
+  travel, exponents that changed since the cache travel as a bitmap and a list;
+- word mode (:class:`WordCache`, :mod:`ciera_jax.collective.word_option`): a ``b``-bit code of each word's
+  move since the cached word, with escapes out of line.
+
+Phases, per tensor:
+
+1. encode: compare this rank's shard with its slice of the cache; pack what will travel at the
+   top capacity (no collective; it can run at the end of the previous step).
+2. agree: one ``pmax`` over the counts of *all* tensors gathered together, over every manual
+   mesh axis, so the rungs are the same on every rank.
+3. exchange: one unconditional all-gather of the main plane (payload or code plane, with the
+   sender's checksum), the escape section at the agreed rung (:mod:`ciera_jax.collective.transfer`), one
+   decode, one self-check. Above the top rung or on an unprimed cache, the main transfer
+   carries the head of the shard's bits instead and a ``lax.cond`` gathers the rest: a plain
+   gather of the bits, in plain's bytes, which re-primes the cache.
+
+Each compressed tensor thus has one codec in the compiled step, and its main transfer is
+outside any conditional, where XLA can overlap it with compute. Wire sizes: :mod:`ciera_jax.codec.wire`.
+
+``stats["mode"]``: what was sent (0 plain, 1 exponent, 2 word: ``MODE_*``);
+``stats["verify_failed"]``: shards that failed the self-check on this rank (per rank: a cache
+that drifted on one rank fails there only); :func:`ciera_jax.collective.heal.reset_failed` is what to do
+about a failure. Gradients: the result is attached to ``x`` with
+:func:`ciera_jax.collective.gradient.attach_gather_grad` (backward: ``psum_scatter``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ciera_jax.codec import bitfields
+from ciera_jax.collective import exponent_option, selfcheck, transfer, validation, word_option
+from ciera_jax.collective.cache import ExponentCache, WordCache, is_cache
+from ciera_jax.collective.exponent_option import Encoded
+from ciera_jax.collective.gradient import attach_gather_grad
+from ciera_jax.codec.layout import full_index, gathered_shape, rows_to_full
+from ciera_jax.runtime.varying import varying_like
+from ciera_jax.codec.wire import AGREEMENT_BYTES, DEFAULT_CODE_BITS, agreement_bytes
+from ciera_jax.collective.word_option import WordEncoded
+
+__all__ = ["AGREEMENT_BYTES", "Encoded", "IMPLS", "MODE_EXPONENT", "MODE_PLAIN", "MODE_WORD",
+           "WordEncoded", "agree", "all_gather", "all_gather_tree", "attach_gather_grad",
+           "encode", "exchange", "gathered_shape", "plain_all_gather", "priming_encoded"]
+
+# ``stats["mode"]``: what one gather sent.
+MODE_PLAIN, MODE_EXPONENT, MODE_WORD = 0, 1, 2
+
+IMPLS = validation.IMPLS
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def plain_all_gather(x: jax.Array, axis_name, *, axis: int = 0) -> jax.Array:
+    """Lossless baseline: all-gather the same-width unsigned view of ``x`` (tiled on ``axis``).
+
+    Gathering the bits keeps every bit (XLA's CPU bf16 all-gather quiets signalling NaNs) and is
+    the fast path on CPU. Differentiable: the backward is ``psum_scatter`` of the cotangent.
+    """
+    name = "plain_all_gather"
+    axis = validation.normalize_axis(x, axis, name)
+    validation.axis_size(axis_name, name)
+    full = bitfields.from_bits(
+        lax.all_gather(bitfields.to_bits(lax.stop_gradient(x)), axis_name, axis=axis, tiled=True),
+        x.dtype)
+    return attach_gather_grad(x, full, axis_name, axis)
+
+
+def all_gather(x: jax.Array, cache: ExponentCache | WordCache, axis_name, *, axis: int = 0,
+               impl: str = "auto", compress: bool | None = None,
+               code_bits: int = DEFAULT_CODE_BITS, name: str = "tensor"):
+    """All-gather ``x`` (this rank's shard) over ``axis_name``, reusing the cache (exponents or
+    words: the cache's kind picks the mode).
+
+    Returns ``(full, new_cache, stats)``: ``full`` is bitwise ``lax.all_gather(x, axis_name,
+    axis=axis, tiled=True)``; carry ``new_cache`` to the next step. ``compress=None`` compresses
+    bf16/float32 and gathers other dtypes plainly; ``True`` insists (error for other dtypes);
+    ``False`` always gathers plainly. ``code_bits`` (2, 3 or 4) is word mode's code width.
+    ``stats`` holds scalars: ``sent_bytes``, ``plain_bytes``, ``changed`` (exponents),
+    ``agreed_changed``, ``tier`` (-1: not compressed; else the escape rung, its top + 1 for the
+    plain fallback), ``capacity``, ``bitmap``, ``fallback``, ``mode``, ``code_bits``,
+    ``verify_failed``.
+    """
+    full, new_cache, stats = all_gather_tree(
+        {name: x}, {name: cache}, axis_name, axis=axis, impl=impl, compress=compress,
+        code_bits=code_bits)
+    return full[name], new_cache[name], stats[name]
+
+
+def all_gather_tree(tree, caches, axis_name, *, axis=0, impl: str = "auto",
+                    compress=None, code_bits: int = DEFAULT_CODE_BITS):
+    """:func:`all_gather` over a pytree with one agreement collective for all leaves.
+
+    ``caches`` mirrors ``tree`` with an :class:`ExponentCache` or :class:`WordCache` per leaf
+    (modes may be mixed; still one agreement collective). ``axis`` and ``compress`` are either
+    single values or pytrees with the structure of ``tree``.
+    Returns ``(full_tree, new_caches, stats_tree)``.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    cache_leaves = validation.match_tree(caches, treedef, "caches", is_leaf=is_cache)
+    axes = validation.broadcast_option(axis, treedef, "axis")
+    compresses = validation.broadcast_option(compress, treedef, "compress")
+    validation.check_impl(impl)
+
+    encoded = [encode(x, c, axis_name, axis=ax, impl=impl, code_bits=code_bits, name=path)
+               if validation.wants_compression(x, c, comp, path) else None
+               for x, c, ax, comp, path in zip(leaves, cache_leaves, axes, compresses, paths)]
+    agreed = iter(agree([e for e in encoded if e is not None], axis_name))
+    outs, new_caches, stats = [], [], []
+    for x, c, ax, e in zip(leaves, cache_leaves, axes, encoded):
+        if e is None:
+            outs.append(plain_all_gather(x, axis_name, axis=ax))
+            new_caches.append(c)
+            stats.append(_plain_stats(x))
+        else:
+            full, new_c, st = exchange(x, e, c, next(agreed), axis_name, impl=impl)
+            outs.append(full)
+            new_caches.append(new_c)
+            stats.append(st)
+    unflat = functools.partial(jax.tree.unflatten, treedef)
+    return unflat(outs), unflat(new_caches), unflat(stats)
+
+
+# --------------------------------------------------------------------------- the three phases
+
+
+def encode(x: jax.Array, cache, axis_name, *, axis: int = 0, impl: str = "auto",
+           code_bits: int = DEFAULT_CODE_BITS, name: str = "tensor"):
+    """Phase 1: compare this rank's shard with its slice of the cache and pack what travels:
+    an :class:`Encoded` (exponent cache) or a :class:`WordEncoded` (word cache)."""
+    validation.check_impl(impl)
+    axis = validation.normalize_axis(x, axis, name)
+    n_ranks = validation.axis_size(axis_name, name)
+    bitfields.word_format(x.dtype)
+    validation.check_cache(cache, x, axis, n_ranks, name)
+    x = lax.stop_gradient(x)
+    shard_len = x.shape[axis]
+    offset = lax.axis_index(axis_name).astype(jnp.int32) * shard_len
+    csum = selfcheck.shard_checksum(x, axis, axis_name)
+    if isinstance(cache, WordCache):
+        cached = lax.dynamic_slice_in_dim(cache.words, offset, shard_len, axis=axis)
+        words_flat = cache.words.reshape(-1)
+
+        def cached_at(i):  # read in place: the escapes need a few cached words, not the slice
+            return words_flat[full_index(i, x.shape, axis, n_ranks, offset)]
+
+        return word_option.encode(x, cached, cache.primed, axis, n_ranks, csum, impl,
+                                  code_bits, cached_at)
+    cached = lax.dynamic_slice_in_dim(cache.exp, offset, shard_len, axis=axis)
+    return exponent_option.encode(x, cached, cache.primed, axis, n_ranks, csum, impl)
+
+
+def priming_encoded(abstract, n_local: int):
+    """A host-side (numpy) :class:`Encoded` / :class:`WordEncoded` that asks for a priming
+    gather, shaped like ``abstract`` (one of those or its ``jax.eval_shape``, leading stacked
+    axes allowed).
+
+    Everything is zero and the demand is int32 max, so the exchange takes the plain fallback,
+    which sends the shard's own bits: nothing needs encoding, e.g. for a fresh or restored
+    cache.
+    """
+    zero = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), abstract)
+    demand = np.full(abstract.demand.shape, np.iinfo(np.int32).max, np.int32)
+    if isinstance(abstract, WordEncoded):
+        return dataclasses.replace(
+            zero, counts=np.full(abstract.counts.shape, n_local, np.int32), demand=demand)
+    return dataclasses.replace(
+        zero, count=np.full(abstract.count.shape, n_local, np.int32), demand=demand)
+
+
+def agree(encoded, axis_name):
+    """Phase 2: one ``pmax`` over every tensor's demand, over all manual mesh axes.
+
+    ``encoded`` is an :class:`Encoded` / :class:`WordEncoded` or a pytree of them (mixed modes
+    allowed); returns the same structure of int32 demands (a scalar per exponent-mode tensor,
+    a vector per word-mode tensor), identical on every rank.
+    """
+    leaves, treedef = jax.tree.flatten(
+        encoded, is_leaf=lambda e: isinstance(e, (Encoded, WordEncoded)))
+    if not leaves:
+        return jax.tree.unflatten(treedef, [])
+    mesh_axes = tuple(jax.sharding.get_abstract_mesh().manual_axes) or (axis_name,)
+    shapes = [e.demand.shape for e in leaves]
+    flat = jnp.concatenate([e.demand.reshape(-1) for e in leaves])
+    agreed = lax.pmax(flat, mesh_axes)
+    ends = np.cumsum([math.prod(sh) for sh in shapes])
+    out = [agreed[end - math.prod(sh):end].reshape(sh) for end, sh in zip(ends, shapes)]
+    return jax.tree.unflatten(treedef, out)
+
+
+def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "auto"):
+    """Phase 3: gather at the agreed rungs and rebuild; returns ``(full, new_cache, stats)``.
+
+    ``x`` must be the shard ``encoded`` was made from: the compressed path sends what was
+    encoded, the plain fallback sends ``x``'s bits; gradients flow to ``x`` as through an
+    all-gather.
+    """
+    e = encoded
+    if tuple(x.shape) != e.shard_shape:
+        raise ValueError(f"exchange: shard shape {tuple(x.shape)} differs from the encoded "
+                         f"shard {e.shard_shape}; encode and exchange the same tensor")
+    word = isinstance(cache, WordCache)
+    if word != isinstance(e, WordEncoded):
+        raise TypeError(f"exchange: a {type(cache).__name__} needs the "
+                        f"{'WordEncoded' if word else 'Encoded'} that "
+                        f"encode() made from it, got {type(e).__name__}")
+    dtype = np.dtype(x.dtype)
+    # The shard itself, not its bits, goes in: a bits copy of it would be made whole (an
+    # operand of the fallback's cond) though only the head travels on most steps.
+    shard = lax.stop_gradient(x)
+    option, cached = ((word_option, cache.words) if word else (exponent_option, cache.exp))
+    decoded, decoded_cached, failed, rung, fallback, section, main_NxL = option.exchange(
+        e, cached, agreed, shard, axis_name, dtype, impl)
+    operands = (shard, decoded, cache, main_NxL)
+
+    def plain(args):
+        shard, main, _ = args
+        rows = transfer.plain_rest(main, bitfields.to_bits(shard), axis_name)
+        bits = rows_to_full(rows, e.shard_shape, e.axis)
+        full = bitfields.from_bits(bits, dtype)
+        return tuple(varying_like(a, operands, axis_name)
+                     for a in (full, bits if word else bitfields.exponent(full)))
+
+    def compressed(args):
+        return tuple(varying_like(a, operands, axis_name) for a in args[2])
+
+    # The one conditional with a large transfer: taken only when some rank overflowed the
+    # top rung or a cache is unprimed (the agreement makes ``fallback`` rank-invariant).
+    full, new_cached = lax.cond(fallback, plain, compressed,
+                                (shard, main_NxL, (decoded, decoded_cached)))
+    wire = e.wire
+    caps = wire.caps1 if word else wire.caps
+    sent = jnp.where(fallback, wire.fallback_bytes, wire.main_bytes + section)
+    stats = dict(
+        sent_bytes=(sent + agreement_bytes("word" if word else "exponent")).astype(jnp.int32),
+        plain_bytes=jnp.int32(wire.n * dtype.itemsize),
+        changed=e.count,
+        agreed_changed=jnp.minimum(agreed[word_option.EXP_CHANGED] if word else agreed,
+                                   wire.n).astype(jnp.int32),
+        tier=jnp.where(fallback, len(caps), rung).astype(jnp.int32),
+        capacity=jnp.where(fallback, wire.n, jnp.asarray(caps, jnp.int32)[rung]),
+        bitmap=jnp.bool_(not word) & (rung > 0),
+        fallback=fallback,
+        mode=jnp.where(fallback, MODE_PLAIN, MODE_WORD if word else MODE_EXPONENT
+                       ).astype(jnp.int32),
+        code_bits=jnp.where(fallback, 0, e.code_bits if word else 0).astype(jnp.int32),
+        verify_failed=jnp.where(fallback, 0, failed).astype(jnp.int32),
+    )
+    new_cache = _refreshed(cache, new_cached)
+    # The gathered tensor differs by nothing across ranks, but lax.all_gather types it as
+    # varying; match that so callers can mix it with per-rank values as they would a gather.
+    full = varying_like(full, x, None)
+    return attach_gather_grad(x, full, axis_name, e.axis), new_cache, stats
+
+
+def _refreshed(cache, new_cached):
+    """The cache after a gather: the full tensor's words or exponents (``new_cached``),
+    primed."""
+    primed = jnp.ones_like(cache.primed)
+    if isinstance(cache, WordCache):
+        return dataclasses.replace(cache, words=new_cached, primed=primed)
+    return dataclasses.replace(cache, exp=new_cached, primed=primed)
+
+
+def _plain_stats(x) -> dict:
+    n_bytes = jnp.int32(x.size * np.dtype(x.dtype).itemsize)
+    return dict(sent_bytes=n_bytes, plain_bytes=n_bytes, changed=jnp.int32(0),
+                agreed_changed=jnp.int32(0), tier=jnp.int32(-1), capacity=jnp.int32(0),
+                bitmap=jnp.bool_(False), fallback=jnp.bool_(False),
+                mode=jnp.int32(MODE_PLAIN), code_bits=jnp.int32(0),
+                verify_failed=jnp.int32(0))

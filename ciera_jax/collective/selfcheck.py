@@ -1,0 +1,41 @@
+"""The gather that checks itself: the sender's checksum travels at the end of its main plane.
+
+Every rank appends a uint32 checksum of its true shard (:mod:`ciera_jax.codec.checksum`, at global
+positions) to the bytes it sends; every receiver checks each shard it rebuilt. A cache that
+drifted on one rank (a flipped bit, a stale restore) fails there, in the step it happens.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ciera_jax.codec import checksum as checksums
+from ciera_jax.codec.wire import CHECKSUM_BYTES
+
+
+def shard_checksum(x: jax.Array, axis: int, axis_name) -> jax.Array:
+    """This rank's shard checksum at its global positions (rank * shard size onwards)."""
+    first = lax.axis_index(axis_name).astype(jnp.uint32) * jnp.uint32(x.size)
+    return checksums.checksum(x, first, axis=axis)
+
+
+def with_checksum(wire_L: jax.Array, csum: jax.Array) -> jax.Array:
+    """A uint8 wire buffer with the checksum appended as its last CHECKSUM_BYTES."""
+    tail = lax.bitcast_convert_type(csum.astype(jnp.uint32), jnp.uint8).reshape(CHECKSUM_BYTES)
+    return jnp.concatenate([wire_L, tail])
+
+
+def split_checksums(wire_NxL: jax.Array):
+    """Gathered rows -> (rows without their checksums, every rank's checksum (N,))."""
+    sent_N = lax.bitcast_convert_type(wire_NxL[:, -CHECKSUM_BYTES:], jnp.uint32)
+    return wire_NxL[:, :-CHECKSUM_BYTES], sent_N
+
+
+def failed_shards(full: jax.Array, sent_N: jax.Array, axis: int, got_N=None) -> jax.Array:
+    """int32: shards of the rebuilt ``full`` whose checksum differs from what their rank sent
+    (``got_N``: the rebuilt shards' checksums, when the decode pass computed them already)."""
+    if got_N is None:
+        got_N = checksums.checksum_shards(full, axis, sent_N.shape[0])
+    return jnp.sum(got_N != sent_N, dtype=jnp.int32)

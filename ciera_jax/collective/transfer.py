@@ -1,0 +1,128 @@
+"""The transfers of a compressed gather: the main plane, unconditional, and escape sections
+sized by a rank-invariant rung.
+
+The main plane's all-gather sits in the step's top-level computation, so XLA can schedule it
+asynchronously and overlap it with compute. The escape section is a few max-capacity buffers;
+:func:`gather_section` all-gathers a static prefix of each, end to end in one transfer, in the
+branch of a ``lax.switch`` on the agreed rung, and its branches hold nothing but that
+transfer, slices and a pad.
+
+Shape letters: N ranks, L bytes per rank, C a capacity.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ciera_jax.codec import bitfields
+from ciera_jax.collective import selfcheck
+from ciera_jax.runtime.varying import varying_like
+
+
+def gather_rows(buf_L: jax.Array, axis_name) -> jax.Array:
+    """(L,) per rank -> (N, L), rank-major, the same on every rank."""
+    return lax.all_gather(buf_L, axis_name, axis=0, tiled=False, to="invarying")
+
+
+def gather_main(plane_L: jax.Array, shard: jax.Array, fallback: jax.Array, csum: jax.Array,
+                axis_name):
+    """The main transfer, unconditional: every rank's plane (uint8) and checksum; returns
+    (rows (N, L), every rank's checksum (N,)).
+
+    On a fallback step (``fallback``: rank-invariant) the same bytes carry the first L bytes
+    of the shard's bits instead, so the plain gather that follows sends only the rest
+    (:func:`plain_rest`) and a fallback step costs what a plain gather does.
+    """
+    head = _head_bytes(shard, plane_L.shape[0])
+    plane = jnp.where(fallback, head, plane_L)
+    return selfcheck.split_checksums(gather_rows(selfcheck.with_checksum(plane, csum),
+                                                 axis_name))
+
+
+def plain_rest(main_NxL: jax.Array, bits: jax.Array, axis_name) -> jax.Array:
+    """The fallback's transfer: the bytes of the shard's bits past what the main transfer
+    carried; returns every rank's bits (N, n) in the bits' dtype."""
+    shard_bytes = _to_bytes(bits.reshape(-1))
+    rest = gather_rows(shard_bytes[main_NxL.shape[1]:], axis_name)
+    rows = jnp.concatenate([main_NxL, rest], axis=1)
+    return _from_bytes(rows, bits.dtype, bits.size)
+
+
+def _head_bytes(shard: jax.Array, n_bytes: int) -> jax.Array:
+    """The first ``n_bytes`` bytes of the shard's words, read from only as many words."""
+    width = np.dtype(shard.dtype).itemsize
+    words = bitfields.to_bits(shard.reshape(-1)[:-(-n_bytes // width)])
+    return _to_bytes(words)[:n_bytes]
+
+
+def _to_bytes(a_N: jax.Array) -> jax.Array:
+    """A flat array's little-endian bytes, flat."""
+    return lax.bitcast_convert_type(a_N, jnp.uint8).reshape(-1)
+
+
+def _from_bytes(rows_NxB: jax.Array, dtype, count: int) -> jax.Array:
+    if np.dtype(dtype).itemsize == 1:
+        return lax.bitcast_convert_type(rows_NxB, dtype)
+    return lax.bitcast_convert_type(
+        rows_NxB.reshape(rows_NxB.shape[0], count, np.dtype(dtype).itemsize), dtype)
+
+
+def _prefixes(byte_parts, *, sizes, length, axis_name):
+    """One branch: every rank's first ``sizes[i]`` bytes of each of ``byte_parts``, end to end,
+    in ONE all-gather, zero-padded to ``length``: (N, length) uint8."""
+    pieces = [part[:size] for part, size in zip(byte_parts, sizes) if size]
+    if not pieces:
+        rows = jnp.zeros((lax.axis_size(axis_name), length), jnp.uint8)
+    else:
+        rows = gather_rows(jnp.concatenate(pieces), axis_name)
+        rows = jnp.pad(rows, ((0, 0), (0, length - rows.shape[1])))
+    return varying_like(rows, byte_parts, axis_name)  # every branch typed alike
+
+
+def gather_section(parts, sizes_per_part, rung: jax.Array, axis_name):
+    """All-gather the escape section: for the agreed ``rung``, the first
+    ``sizes_per_part[i][rung]`` entries of every rank's ``parts[i]`` (each as long as its top
+    size). Returns (N, len(part)) per part; entries past the rung's prefix are unspecified (the
+    next part's bytes: receivers read only the slots the agreement covers). ``rung`` must be
+    rank-invariant.
+
+    One ``lax.switch`` on the rung; each branch holds nothing but ONE transfer (the rung's
+    prefixes end to end, an all-gather of a static size and a pad), so the codec exists once,
+    outside it; each part is then read at its offset for the agreed rung.
+    """
+    n_ranks = lax.axis_size(axis_name)
+    if all(max(sizes) == 0 for sizes in sizes_per_part):
+        return [jnp.zeros((n_ranks, p.shape[0]), p.dtype) for p in parts]
+    widths = [np.dtype(p.dtype).itemsize for p in parts]
+    byte_parts = [_to_bytes(p) for p in parts]
+    byte_sizes = [tuple(w * s for s in sizes) for w, sizes in zip(widths, sizes_per_part)]
+    # Each part's offset per rung; the buffer holds any part's full length from any offset.
+    offsets = np.cumsum([[0] * len(byte_sizes[0])] + byte_sizes[:-1], axis=0)
+    length = int(max(offsets[i].max() + bp.shape[0] for i, bp in enumerate(byte_parts)))
+    branches = [functools.partial(_prefixes, sizes=sizes, length=length, axis_name=axis_name)
+                for sizes in zip(*byte_sizes)]
+    rows_NxB = lax.switch(rung, branches, byte_parts)
+    out = []
+    for part, bp, offset in zip(parts, byte_parts, offsets):
+        at = jnp.asarray(offset, jnp.int32)[rung]
+        piece = lax.dynamic_slice_in_dim(rows_NxB, at, bp.shape[0], axis=1)
+        out.append(_from_bytes(piece, part.dtype, part.shape[0]))
+    return out
+
+
+def pick_rung(caps: tuple[int, ...], agreed: jax.Array):
+    """(rung, overflow): the smallest capacity that holds ``agreed``, and whether even the top
+    is too small (the gather then falls back to plain, and the rung is 0: send nothing)."""
+    over = jnp.sum(agreed > jnp.asarray(caps, jnp.int32)).astype(jnp.int32)
+    overflow = over == len(caps)
+    return jnp.where(overflow, 0, over), overflow
+
+
+def section_bytes(sizes: tuple[int, ...], rung: jax.Array) -> jax.Array:
+    """int32: the bytes of the rung's prefix (``sizes``: bytes per rung)."""
+    return jnp.asarray(sizes, jnp.int32)[rung]

@@ -1,0 +1,157 @@
+"""Word mode: each element sends a ``b``-bit code of its word's move since the cached word.
+
+``d = ord(new) - ord(cached)`` (:mod:`ciera_jax.codec.wordcodec`); ``|d| <= code_limit(b)`` travels
+in the code plane, anything else is an escape (the top code) whose value travels out of line in
+position order: level 1, an int8 ``d`` (or ``LEVEL2``: see level 2), level 2, the raw word.
+
+Sender (:func:`encode`, no collective): deltas, codes, both escape levels packed at their top
+capacities, the counts the agreement needs. Receiver (:func:`exchange`): the code plane and
+checksum arrive by one unconditional all-gather, both levels in the section switch at the
+agreed rung (:mod:`ciera_jax.codec.wire`); one dense decode against the cache, one fill of the
+escapes, one self-check.
+
+Shape letters: N ranks, n elements per shard, W flag words, C a capacity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ciera_jax import kernels
+from ciera_jax.codec import bitfields, escapes, wordcodec
+from ciera_jax.collective import selfcheck, transfer
+from ciera_jax.codec.layout import full_to_rows, gathered_shape, rows_to_full
+from ciera_jax.codec.wire import WordWire
+from ciera_jax.codec.word_ladder import CODE_BITS, LEVEL1_LIMIT, LEVEL2, code_limit, escape_code
+
+INT32_MAX = np.iinfo(np.int32).max
+ESCAPES, RAW, EXP_CHANGED = 0, 1, 2  # the demand vector: escapes at b, raw words, exponents
+N_DEMANDS = 3
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class WordEncoded:
+    """What one rank sends for one word-mode tensor, made before the gather.
+
+    ``codes``: uint8, the packed ``b``-bit code plane; ``level1``: int8 (C1,), ``level2``: words
+    (C2,), both at their top capacities; ``counts``: int32 (3,): escapes, raw words (``|d| >
+    127``) and changed exponents in this shard; ``demand``: ``counts``, or int32 max when the
+    cache is unprimed; ``checksum``: uint32 of the shard's true words.
+    """
+
+    codes: jax.Array
+    level1: jax.Array
+    level2: jax.Array
+    counts: jax.Array
+    demand: jax.Array
+    checksum: jax.Array
+    axis: int = dataclasses.field(metadata=dict(static=True))
+    n_ranks: int = dataclasses.field(metadata=dict(static=True))
+    code_bits: int = dataclasses.field(metadata=dict(static=True))
+    shard_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        return gathered_shape(self.shard_shape, self.axis, self.n_ranks)
+
+    @property
+    def wire(self) -> WordWire:
+        return WordWire(int(np.prod(self.shard_shape)), self.level2.dtype.itemsize,
+                        self.code_bits)
+
+    @property
+    def count(self) -> jax.Array:
+        """Changed exponents in this shard (as :attr:`Encoded.count`)."""
+        return self.counts[..., EXP_CHANGED]
+
+
+def encode(x, cached_words, primed, axis: int, n_ranks: int, csum, impl: str,
+           code_bits: int, cached_at) -> WordEncoded:
+    """``x``: this rank's shard; ``cached_words``: its slice of the cached words;
+    ``cached_at(i)``: the cached word of the shard's flat elements ``i``, read in place (what
+    the escapes read)."""
+    wire = WordWire(x.size, x.dtype.itemsize, code_bits)
+    d, counts = kernels.word_encode(x, cached_words, impl=impl)
+    d = d.reshape(-1)
+    esc_W = escapes.pack_flags(wordcodec.beyond(d, code_limit(code_bits))[None])[0]
+    raw = wordcodec.beyond(d, LEVEL1_LIMIT)
+    # Both levels' values are computed at their escapes only, from the shard and the cache
+    # (neither the deltas nor the cached slice are made whole for them).
+    x_N = x.reshape(-1)
+    level1 = kernels.escape_pack(
+        escapes.PerElement(x.size, jnp.int8, lambda i: _level1(
+            wordcodec.delta(bitfields.to_bits(x_N[i]), cached_at(i)))),
+        esc_W, wire.caps1[-1], impl=impl)
+    level2 = kernels.escape_pack(
+        escapes.PerElement(x.size, bitfields.to_bits(x_N[:1]).dtype,
+                           lambda i: bitfields.to_bits(x_N[i])),
+        escapes.pack_flags(raw[None])[0], wire.caps2[-1], impl=impl)
+    codes = wordcodec.pack_codes(wordcodec.codes_of(d, code_bits), code_bits)
+    counts = jnp.stack([counts[CODE_BITS.index(code_bits)], counts[wordcodec.RAW],
+                        counts[wordcodec.EXP_CHANGED]])
+    demand = jnp.where(primed, counts, jnp.int32(INT32_MAX))
+    return WordEncoded(codes, level1, level2, counts, demand, csum, axis, n_ranks, code_bits,
+                       tuple(x.shape))
+
+
+def _level1(d):
+    """An escape's level-1 entry: its move as int8, or LEVEL2 (see level 2)."""
+    return jnp.where(wordcodec.beyond(d, LEVEL1_LIMIT), LEVEL2, d).astype(jnp.int8)
+
+
+def exchange(e: WordEncoded, cache_words, agreed, shard, axis_name, dtype, impl: str):
+    """Returns ``(decoded full, its words (the new cache), failed shards, rung, overflow,
+    escape bytes sent, main rows)``; on overflow the main rows carry the head of the shards'
+    bits and the caller finishes with :func:`ciera_jax.collective.transfer.plain_rest` (``decoded`` is
+    then meaningless)."""
+    wire, b = e.wire, e.code_bits
+    n = wire.n
+    rung1, over1 = transfer.pick_rung(wire.caps1, agreed[ESCAPES])
+    rung2, over2 = transfer.pick_rung(wire.caps2, agreed[RAW])
+    overflow = over1 | over2
+    rung = jnp.where(overflow, 0, jnp.maximum(rung1, rung2))
+    main_NxL, sent_N = transfer.gather_main(e.codes, shard, overflow, e.checksum, axis_name)
+    level1_NxC, level2_NxC = transfer.gather_section([e.level1, e.level2],
+                                                     [wire.caps1, wire.caps2], rung, axis_name)
+
+    codes_Nxn = wordcodec.unpack_codes(main_NxL, b, n)
+    cached_Nxn = full_to_rows(cache_words, e.shard_shape, e.axis, e.n_ranks)
+    dense_Nxn = kernels.word_decode(cached_Nxn, codes_Nxn, b, impl=impl)
+
+    # An escape's dense word is its cached word moved by the escape code's offset, so the loop
+    # over escapes reads where it writes and never touches the cache.
+    escape_offset = escape_code(b) - code_limit(b)
+
+    esc_NxW = escapes.pack_flags(codes_Nxn == escape_code(b))
+    limit = jnp.full((e.n_ranks,), jnp.asarray(wire.caps1, jnp.int32)[rung])
+    bits_Nxn = kernels.escape_fill_words(
+        dense_Nxn, esc_NxW, limit, level1_NxC, level2_NxC, escape_offset=escape_offset,
+        level2_code=LEVEL2, values_at=escape_words(level1_NxC, level2_NxC, escape_offset),
+        init=jnp.zeros((e.n_ranks,), jnp.int32), impl=impl)
+    words = rows_to_full(bits_Nxn, e.shard_shape, e.axis)
+    full = bitfields.from_bits(words, dtype)
+    sent = transfer.section_bytes(wire.section_sizes, rung)
+    return (full, words, selfcheck.failed_shards(full, sent_N, e.axis), rung, overflow, sent,
+            main_NxL)
+
+
+def escape_words(level1_NxC, level2_NxC, escape_offset: int):
+    """``values_at`` for :func:`ciera_jax.codec.escapes.fill`: the escapes' words, each row's dense
+    word moved by level 1's int8 (less the escape code's offset), or level 2's raw word (level
+    2 holds the raw words of level 1's LEVEL2 entries, in their order; the carry counts them)."""
+
+    def escaped(slot, dense, live, raw_before_N):
+        move = escapes.take(level1_NxC, slot)
+        raw = (move == LEVEL2) & live
+        raw_W = escapes.pack_flags(raw)
+        raw_rank = raw_before_N[:, None] + escapes.ranks(raw_W, slot.shape[1])
+        moved = wordcodec.apply_delta(dense, move.astype(jnp.int32) - escape_offset)
+        words = jnp.where(raw, escapes.take(level2_NxC, raw_rank), moved)
+        return words, raw_before_N + escapes.count(raw_W)
+
+    return escaped

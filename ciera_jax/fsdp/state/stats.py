@@ -1,0 +1,100 @@
+"""Gather stats as module state: each gathering module holds ``{parameter path: stats}`` in a
+:class:`GatherStats` variable (``sow``-style), so they leave ``nnx.remat``, ``nnx.scan``,
+``nnx.vmap`` and ``jit`` as values like any other state, and a recomputation in the backward
+pass does not count again. The variable is created with the caches (zeros), never on a call,
+so a step's module graph is the same on every call and ``nnx.jit`` traces it once."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from ciera_jax.fsdp.state.discovery import module_name, path_key
+
+STATS_ATTR = "ciera_gather_stats"
+STAT_KEYS = ("sent_bytes", "plain_bytes", "changed", "tier", "fallback", "verify_failed",
+             "elements")
+
+
+class GatherStats(nnx.Variable):
+    """Stats of the last gather of each parameter of one gathering module: rank-invariant
+    int32 scalars (per layer under a scan) ``sent_bytes`` and ``plain_bytes`` (what one rank
+    of the gather axis sends, summed over the other mesh axes the parameter stays split on),
+    ``changed`` (exponents changed, whole tensor), ``tier`` (-1: plain), ``fallback``,
+    ``verify_failed`` (shards whose self-check failed, summed over ranks; per rank inside a
+    prepared train step, whose norm psum sums them), ``elements``. All zero before the first
+    gather."""
+
+
+def empty_stats(keys, layers: int = 0) -> dict:
+    """Zeros for every stat of every key (``layers`` deep when nonzero)."""
+    shape = (layers,) if layers else ()
+    return {k: {s: jnp.zeros(shape, jnp.int32) for s in STAT_KEYS} for k in keys}
+
+
+def ensure_stats(module, keys, layers: int = 0, place=None) -> None:
+    """Create ``module``'s :class:`GatherStats` (zeros) for ``keys`` if it lacks any of them.
+    ``place``: puts a new value where it belongs (e.g. replicated on the mesh)."""
+    var = getattr(module, STATS_ATTR, None)
+    have = dict(var.get_value()) if isinstance(var, GatherStats) else {}
+    missing = [k for k in keys if k not in have]
+    if not missing:
+        return
+    new = empty_stats(missing, layers)
+    if place is not None:
+        new = place(new)
+    have.update(new)
+    if isinstance(var, GatherStats):
+        var.set_value(have)
+    else:
+        setattr(module, STATS_ATTR, GatherStats(have))
+
+
+def record(module, stats: dict) -> None:
+    """Leave ``{key below module: stats}`` on ``module`` (replacing the last call's). The
+    variable exists from ``attach_caches`` / ``shard`` on; creating it here, on a call,
+    would change the module's graph (``nnx.jit`` would trace the step again)."""
+    stats = {k: {s: lax.stop_gradient(jnp.asarray(v)).astype(jnp.int32) for s, v in st.items()}
+             for k, st in stats.items()}
+    var = getattr(module, STATS_ATTR, None)
+    if isinstance(var, GatherStats):
+        old = var.get_value()
+        if set(old) >= set(stats) and all(
+                jnp.shape(old[k]["tier"]) == jnp.shape(st["tier"]) for k, st in stats.items()):
+            var.set_value({**old, **stats})
+            return
+        raise ValueError(
+            f"{module_name(module)}: its gather stats were made for {sorted(old)} "
+            f"but the call gathers {sorted(stats)}; call fsdp.attach_caches(model) after "
+            f"fsdp.shard(...) and after building every layer")
+    setattr(module, STATS_ATTR, GatherStats(stats))
+
+
+def gather_stats(tree) -> dict:
+    """``{parameter path: stats}`` from a module or a state holding :class:`GatherStats`."""
+    if isinstance(tree, nnx.Module):
+        tree = nnx.state(tree, GatherStats)
+    out = {}
+    pairs = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda v: isinstance(v, GatherStats))[0]
+    for path, var in pairs:
+        if not isinstance(var, GatherStats):
+            continue
+        prefix = path_key(path).rpartition("/")[0]  # the module holding the variable
+        for k, st in var.get_value().items():
+            out[f"{prefix}/{k}" if prefix else k] = st
+    return out
+
+
+def wire_ratio(stats: dict):
+    """Bytes sent over the bytes a plain gather sends, over every tensor (and every layer of
+    stacked ones) of ``stats`` (:func:`gather_stats`, host or traced values). Before any
+    gather (all zero) it is 1."""
+    sent, plain = jnp.float32(0), jnp.float32(0)
+    for s in stats.values():
+        sent = sent + jnp.sum(jnp.asarray(s["sent_bytes"], jnp.float32))
+        plain = plain + jnp.sum(jnp.asarray(s["plain_bytes"], jnp.float32))
+    ratio = jnp.where(plain > 0, sent / jnp.maximum(plain, 1), 1.0)
+    return ratio if isinstance(ratio, jax.core.Tracer) else float(ratio)

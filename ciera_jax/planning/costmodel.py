@@ -1,0 +1,303 @@
+"""The cost formulas, in one place: the planner, the simulator and calibration all read them.
+
+A gather moves ``wire`` bytes (the full gathered tensor as it travels) over a ring of ``N``
+ranks. Every method is described by two numbers per tensor, its wire bytes and its codec
+seconds; the time is the collective's time on the link plus the codec time:
+
+    t_plain  = (N-1)*alpha + (N-1)/N * n*b / beta
+    t_ciera  = (N-1)*alpha + (N-1)/N * (n*payload + escape sections) / beta + codec
+               + agreement share
+    t_int8   = (N-1)*alpha + (N-1)/N * n*(1 + 4/256) / beta + (de)quantize at HBM rate
+    t_entropy= (N-1)*alpha + (N-1)/N * n*b/1.5 / beta + encode + decode at entropy-codec rate
+    t_word   = (N-1)*alpha + (N-1)/N * n*word_bytes_per_weight / beta + word codec
+
+Wire bytes are what the gathers send (``sent_bytes`` in their stats, tested equal): the rungs of
+:mod:`ciera_jax.codec.wire` for both CIERA modes, int8 codes in whole blocks plus one float32 scale per
+block (as ``quantized.py`` sends). Word mode gathers once per step (the backward reads the
+cache); every other method gathers twice.
+
+Codec time is counted, not assumed: the bytes each pass reads and writes per element
+(:data:`CODEC_PASS_BYTES`: the sender's encode over its shard, the receiver's decode and
+self-check over the full tensor) at :data:`CODEC_HBM_FRACTION` of the device's memory
+bandwidth, plus a launch cost per gather.
+
+``n`` is the element count of the FULL tensor, ``b`` its bytes per element. The link is a
+:class:`Profile` (one flat ring) or a :class:`Topology` (NVLink ring inside a node, then a
+ring across nodes: the standard two-level all-gather).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Union
+
+from ciera_jax.codec.wire import (CHECKSUM_BYTES, DEFAULT_CODE_BITS, ExponentWire, WordWire,
+                                  int8_wire_bytes)
+# Memory traffic of each codec pass per element of bf16 (b = 2 bytes a word), counted from
+# what it reads and writes; escapes and flags are small and counted at their steady-state size.
+#   exponent encode (shard): read word 2 + cached exponent 1; write payload 1 + flags 1/8
+#   exponent decode (full):  read payload 1 + cached exponent 1 + flags 1/8; write word 2 +
+#                            new cache 1; the self-check re-reads nothing (same pass)
+#   word encode (shard):     read word 2 + cached word 2; write codes b/8 (3-bit: 3/8)
+#   word decode (full):      read codes 3/8 + cached word 2; write word 2 + new cache 2
+CODEC_PASS_BYTES = {"ciera": (3 + 1 + 1 / 8, 2 + 1 / 8 + 3),
+                    "payload": (2 + 1, 1 + 1 + 2),  # split the shard; merge with the cache
+                    "word": (4 + DEFAULT_CODE_BITS / 8, DEFAULT_CODE_BITS / 8 + 6)}
+CODEC_HBM_FRACTION = 0.8  # of peak bandwidth: a streaming elementwise kernel (gpu_check measures it)
+ENTROPY_RATIO = 1.5  # single-pass lossless entropy coding of bf16 (ZipNN / DietGPU class)
+
+PROFILE_DIR = Path(__file__).parent / "profiles"
+# "ciera": exponent mode; "payload": its backward's second gather, sign + mantissa only (the
+# exponents are the ones its forward left in the cache)
+METHODS = ("plain", "int8", "entropy", "ciera", "word", "payload")
+
+
+@dataclasses.dataclass
+class Profile:
+    """One link and one device: what a calibration run measures, or a documented default.
+
+    alpha_s     latency per ring hop (s)
+    beta_Bps    bytes/s per link per direction as a ring collective achieves it (bus bandwidth)
+    codec_Bps   CIERA encode+decode rate a calibration measured, bytes of bf16 input per second
+                (reported; the cost model counts the codec's bytes at hbm_Bps instead)
+    agreement_s one tiny pmax over the mesh (s)
+    hbm_Bps     achievable device-memory bandwidth (int8 quantize/dequantize run at this rate)
+    entropy_Bps encode+decode rate of a single-pass entropy codec, bytes of input per second
+    codec_launch_s fixed cost of the codec kernels (encode + decode launches) per gather
+    memory_gb   device memory (GB, 1e9 bytes) the planner may fill; None: unlimited
+    """
+
+    name: str
+    alpha_s: float
+    beta_Bps: float
+    codec_Bps: float
+    agreement_s: float
+    hbm_Bps: float = 3.0e12
+    entropy_Bps: float = 4.0e11
+    codec_launch_s: float = 5e-6
+    memory_gb: float | None = None
+    sources: dict = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def load(cls, path_or_name: Union[str, Path]) -> "Profile":
+        """A profile from a JSON file, or a built-in one by name (see :func:`builtin_profiles`)."""
+        p = Path(path_or_name)
+        if not p.suffix and not p.exists():
+            p = PROFILE_DIR / f"{path_or_name}.json"
+            if not p.exists():
+                raise KeyError(f"unknown profile {str(path_or_name)!r}; built-in profiles: "
+                               f"{', '.join(builtin_profiles())}, or a path to a JSON file")
+        if not p.exists():
+            raise FileNotFoundError(f"profile file not found: {p}")
+        d = json.loads(p.read_text())
+        fields = {f.name for f in dataclasses.fields(cls)}
+        missing = {"alpha_s", "beta_Bps", "codec_Bps", "agreement_s"} - set(d)
+        if missing:
+            raise ValueError(f"profile {p} lacks {', '.join(sorted(missing))}")
+        d.setdefault("name", p.stem)
+        return cls(**{k: v for k, v in d.items() if k in fields})
+
+    def save(self, path: Union[str, Path]) -> None:
+        Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n")
+
+
+def builtin_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
+
+
+def get_profile(p: Union[str, Path, Profile]) -> Profile:
+    return p if isinstance(p, Profile) else Profile.load(p)
+
+
+def get_link(p: Union[str, Path, "Link"]) -> "Link":
+    """A Profile or Topology as given, or a profile loaded by name or path."""
+    return p if isinstance(p, (Profile, Topology)) else Profile.load(p)
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """``gpus_per_node`` GPUs on NVLink (``intra``), nodes joined by ``inter`` (one NIC per GPU)."""
+
+    intra: Profile
+    inter: Profile
+    gpus_per_node: int = 8
+
+    # Device-side rates come from the GPU, i.e. the intra-node profile.
+    @property
+    def codec_Bps(self) -> float:
+        return self.intra.codec_Bps
+
+    @property
+    def hbm_Bps(self) -> float:
+        return self.intra.hbm_Bps
+
+    @property
+    def entropy_Bps(self) -> float:
+        return self.intra.entropy_Bps
+
+    @property
+    def codec_launch_s(self) -> float:
+        return self.intra.codec_launch_s
+
+    @property
+    def memory_gb(self) -> float | None:
+        return self.intra.memory_gb
+
+    def agreement(self, N: int) -> float:
+        return self.intra.agreement_s if N <= self.gpus_per_node else self.inter.agreement_s
+
+
+Link = Union[Profile, Topology]
+
+
+# ----------------------------------------------------------------------------- collectives
+
+def ring_allgather_time(wire_bytes: float, N: int, alpha_s: float, beta_Bps: float) -> float:
+    """Ring all-gather of a tensor that is ``wire_bytes`` in full: N-1 hops, each rank
+    receives (N-1)/N of it. A ring reduce-scatter moves the same bytes and costs the same."""
+    if N <= 1:
+        return 0.0
+    return (N - 1) * alpha_s + (N - 1) / N * wire_bytes / beta_Bps
+
+
+def hierarchical_allgather_time(wire_bytes: float, N: int, gpus_per_node: int,
+                                intra: Profile, inter: Profile) -> float:
+    """Two-level all-gather: a ring across nodes among GPUs of equal local rank (each moves
+    1/gpus_per_node of the tensor on its own NIC), then a ring inside each node over NVLink
+    of the full tensor. Single node: just the NVLink ring."""
+    G = min(gpus_per_node, N)
+    M = math.ceil(N / G)
+    t = ring_allgather_time(wire_bytes, G, intra.alpha_s, intra.beta_Bps)
+    if M > 1:
+        t += ring_allgather_time(wire_bytes / G, M, inter.alpha_s, inter.beta_Bps)
+    return t
+
+
+def gather_time(wire_bytes: float, N: int, link: Link) -> float:
+    """All-gather (or reduce-scatter) time on a flat ring (Profile) or two levels (Topology)."""
+    if isinstance(link, Topology):
+        return hierarchical_allgather_time(wire_bytes, N, link.gpus_per_node, link.intra, link.inter)
+    return ring_allgather_time(wire_bytes, N, link.alpha_s, link.beta_Bps)
+
+
+reduce_scatter_time = gather_time
+
+
+def agreement_time(N: int, link: Link) -> float:
+    if N <= 1:
+        return 0.0
+    return link.agreement(N) if isinstance(link, Topology) else link.agreement_s
+
+
+# ----------------------------------------------------------------------------- codec
+
+def expected_change_count(n_local: int, change_rate: float) -> int:
+    """Changed exponents in one shard per step (the agreed max is rounded up to a rung)."""
+    return math.ceil(max(change_rate, 0.0) * n_local)
+
+
+def codec_time(method: str, n: int, N: int, bytes_per_elem: int, link) -> float:
+    """Encode of one shard + decode of the full tensor, from the bytes each pass moves (scaled
+    by the word width: float32 moves twice bf16's bytes) at a fraction of HBM bandwidth."""
+    enc, dec = CODEC_PASS_BYTES[method]
+    scale = bytes_per_elem / 2
+    moved = scale * (enc * n / max(N, 1) + dec * n)
+    return moved / (link.hbm_Bps * CODEC_HBM_FRACTION) + link.codec_launch_s
+
+
+# ----------------------------------------------------------------------------- methods
+
+@dataclasses.dataclass(frozen=True)
+class GatherCost:
+    """One method on one tensor: bytes on the wire (full tensor), codec seconds on the device,
+    whether CIERA fell back to plain, and the patch capacity it used."""
+
+    method: str
+    wire_bytes: float
+    codec_s: float
+    fallback: bool = False
+    patch_capacity: int = 0
+
+
+def gather_cost(method: str, n: int, N: int, bytes_per_elem: int, link: Link,
+                change_rate: float = 0.0, *, word_bpw: float | None = None,
+                word_rates: tuple[float, float] | None = None) -> GatherCost:
+    """Wire bytes and codec time of ``method`` for a tensor of ``n`` elements on ``N`` ranks.
+
+    ``ciera`` (exponent mode) takes its rung from ``change_rate``;
+    ``word`` takes either a measured ``word_bpw`` (bytes per weight, a trace's figure for a
+    phase, fallbacks included) or ``word_rates``: the shares of elements that escape the code
+    and that travel raw, priced exactly as :class:`ciera_jax.codec.wire.WordWire` sends them.
+    """
+    b = bytes_per_elem
+    n_local = math.ceil(n / max(N, 1))
+    if method == "plain":
+        return GatherCost("plain", n * b, 0.0)
+    if method == "payload":
+        return GatherCost("payload", n * (b - 1), codec_time("payload", n, N, b, link))
+    if method == "int8":
+        wire_per_elem = int8_wire_bytes(n_local) / max(n_local, 1)
+        # quantize the local shard (read b, write ~1), dequantize the full tensor (read ~1, write b)
+        q = (n / N) * (b + wire_per_elem) / link.hbm_Bps
+        dq = n * (wire_per_elem + b) / link.hbm_Bps
+        return GatherCost("int8", N * int8_wire_bytes(n_local), q + dq + link.codec_launch_s)
+    if method == "entropy":
+        enc = (n / N) * b / link.entropy_Bps
+        dec = n * b / link.entropy_Bps
+        return GatherCost("entropy", n * b / ENTROPY_RATIO, enc + dec + link.codec_launch_s)
+    if method == "ciera":
+        wire = ExponentWire(n_local, b)
+        changed = expected_change_count(n_local, change_rate)
+        fallback = changed > wire.caps[-1]
+        cap = 0 if fallback else next(c for c in wire.caps if c >= changed)
+        return GatherCost("ciera", N * wire.sent_bytes(changed),
+                          codec_time("ciera", n, N, b, link), fallback=fallback,
+                          patch_capacity=cap)
+    if method == "word":
+        codec = codec_time("word", n, N, b, link)
+        if word_rates is not None:
+            escape_rate, raw_rate = word_rates
+            wire = WordWire(n_local, b)
+            escapes, raw = math.ceil(escape_rate * n_local), math.ceil(raw_rate * n_local)
+            fallback = escapes > wire.caps1[-1] or raw > wire.caps2[-1]
+            return GatherCost("word", N * wire.sent_bytes(escapes, raw), codec,
+                              fallback=fallback)
+        if word_bpw is None or word_bpw <= 0:
+            raise ValueError("word mode is priced from escape rates (word_rates=) or a measured "
+                             f"bytes-per-weight (word_bpw= > 0), got word_bpw={word_bpw!r}")
+        return GatherCost("word", n * word_bpw + N * CHECKSUM_BYTES, codec)
+    raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
+
+
+def _time(c: GatherCost, N: int, link: Link) -> float:
+    return gather_time(c.wire_bytes, N, link) + c.codec_s
+
+
+def t_plain(n: int, N: int, bytes_per_elem: int, p: Link) -> float:
+    return _time(gather_cost("plain", n, N, bytes_per_elem, p), N, p)
+
+
+def t_ciera(n: int, N: int, payload_bytes_per_elem: int, change_rate: float, p: Link,
+            agreement_share_s: float | None = None) -> float:
+    """Compressed gather: payload + rung-rounded escape sections + codec + agreement share.
+    Above the top rung it is the plain gather (the implementation's fallback) plus the
+    agreement share."""
+    share = agreement_time(N, p) if agreement_share_s is None else agreement_share_s
+    c = gather_cost("ciera", n, N, payload_bytes_per_elem + 1, p, change_rate)
+    return _time(c, N, p) + share
+
+
+def t_payload(n: int, N: int, bytes_per_elem: int, p: Link) -> float:
+    """An exponent-cache tensor's backward gather: its payload bytes, merged with the
+    exponents its forward gather left in the cache (no escapes, no agreement)."""
+    return _time(gather_cost("payload", n, N, bytes_per_elem, p), N, p)
+
+
+def t_word(n: int, N: int, bytes_per_elem: int, word_bpw: float, p: Link,
+           agreement_share_s: float | None = None) -> float:
+    """Word-mode gather (forward only: the backward reads the cache) + agreement share."""
+    share = agreement_time(N, p) if agreement_share_s is None else agreement_share_s
+    return _time(gather_cost("word", n, N, bytes_per_elem, p, word_bpw=word_bpw), N, p) + share
