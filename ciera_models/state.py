@@ -92,6 +92,7 @@ class Trainer:
     prepare_fn: Callable | None = None
     cache_modes: dict = dataclasses.field(default_factory=dict)  # key -> exponent, word, none
     cache_shapes: object = None  # the abstract cache state (every tensor's, exponent mode)
+    param_shapes: object = None  # the abstract params (``ciera aot`` lowers the step on them)
     compiled: bool = False  # a step has run (so the next one does not compile)
 
     @property
@@ -170,7 +171,7 @@ def build_trainer(tc, mesh: Mesh) -> Trainer:
                                     compress)
     return Trainer(tc, mesh, graphdef, param_specs, opt_specs, tx, tensor_kinds(cfg, tensors),
                    step_fn, tensors, compress, plan_summary, prepare_fn, modes,
-                   cache_shapes=caches)
+                   cache_shapes=caches, param_shapes=params)
 
 
 def tensor_kinds(cfg: configs.ModelConfig, tensors: dict) -> dict[str, str]:

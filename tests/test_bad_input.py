@@ -53,6 +53,12 @@ ROWS = [
     (["simulate", "--mfu", "1.5"], "--mfu must be a fraction in (0, 1], got 1.5"),
     (["simulate", "--json", "{tmp}"], "--json {tmp} is a directory"),
     (["simulate", "--png", "{ro}/speedup.png"], "--png {ro}/speedup.png is not writable"),
+    (["aot", "--gpus", "12"], "--gpus 12: use 1 to 8 GPUs or a multiple of 8 (hosts of 8)"),
+    (["aot", "--gpus", "0"], "--gpus 0: use 1 to 8 GPUs"),
+    (["aot", "--gpu", "h101"], "unknown GPU 'h101'; choose one of: h100-80gb, h200-141gb"),
+    (["aot", "--config", "tiny", "--tokens-per-gpu", "100"],
+     "--tokens-per-gpu 100 must be a multiple of the sequence length 64"),
+    (["aot", "--json", "{tmp}"], "--json {tmp} is a directory"),
 ]
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from ciera_jax.cli.main import main
 
-COMMANDS = ("calibrate", "demo", "plan", "simulate", "train")
+COMMANDS = ("aot", "calibrate", "demo", "plan", "simulate", "train")
 
 
 def test_help_lists_every_subcommand(capsys):

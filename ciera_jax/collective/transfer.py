@@ -44,6 +44,12 @@ def gather_main(plane_L: jax.Array, shard: jax.Array, fallback: jax.Array, csum:
                                                  axis_name))
 
 
+# The functions whose transfers run only on a fallback step (an overflow, a fresh cache): a
+# compiled program's collectives under them are off the steady path (``ciera aot`` tells them
+# apart by their stack).
+FALLBACK_FUNCTIONS = ("plain_rest",)
+
+
 def plain_rest(main_NxL: jax.Array, bits: jax.Array, axis_name) -> jax.Array:
     """The fallback's transfer: the bytes of the shard's bits past what the main transfer
     carried; returns every rank's bits (N, n) in the bits' dtype."""

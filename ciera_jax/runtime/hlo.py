@@ -62,30 +62,43 @@ def _ids(line: str) -> dict[str, int]:
     return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", line)}
 
 
-def fusion_sources(hlo: str, package: str = "ciera_jax") -> collections.Counter:
-    """``{"file:function": fusions}``: each fusion of a compiled module's text (``compile().
-    as_text()``) counted at the innermost frame of its stack that lies in ``package``;
-    ``"(outside <package>)"`` and ``"(no source)"`` for the rest."""
+def stack_sources(hlo: str, package: str = "ciera_jax"):
+    """A function from an instruction's text to the ``"file:function"`` frames of its stack
+    that lie in ``package``, innermost first (the module's ``StackFrames`` tables: a frame's
+    location and its caller)."""
     files = {int(line.split()[0]): line.split('"')[1] for line in _table(hlo, "FileNames")}
     funcs = {int(line.split()[0]): line.split('"')[1] for line in _table(hlo, "FunctionNames")}
     locs = {int(line.split()[0]): _ids(line) for line in _table(hlo, "FileLocations")}
     frames = {int(line.split()[0]): _ids(line) for line in _table(hlo, "StackFrames")}
 
-    def source(frame: int) -> str:
-        seen = set()
-        while frame and frame not in seen:  # innermost first
+    def sources(instruction: str) -> tuple[str, ...]:
+        m = re.search(r"stack_frame_id=(\d+)", instruction)
+        frame, seen, out = (int(m.group(1)) if m else 0), set(), []
+        while frame and frame not in seen and frame in frames:
             seen.add(frame)
             loc = locs[frames[frame]["file_location_id"]]
             path = files[loc["file_name_id"]]
             if f"/{package}/" in path:
-                return f"{path.split(f'/{package}/')[-1]}:{funcs[loc['function_name_id']]}"
-            frame = frames[frame].get("parent_frame_id", 0)
-        return f"(outside {package})"
+                out.append(f"{path.split(f'/{package}/')[-1]}:{funcs[loc['function_name_id']]}")
+            # the table prints a frame's caller as its id + 1 (1: no caller)
+            frame = frames[frame].get("parent_frame_id", 1) - 1
+        return tuple(out)
 
+    return sources
+
+
+def fusion_sources(hlo: str, package: str = "ciera_jax") -> collections.Counter:
+    """``{"file:function": fusions}``: each fusion of a compiled module's text (``compile().
+    as_text()``) counted at the innermost frame of its stack that lies in ``package``;
+    ``"(outside <package>)"`` and ``"(no source)"`` for the rest."""
+    sources = stack_sources(hlo, package)
     counts: collections.Counter = collections.Counter()
     for line in hlo.splitlines():
         if " fusion(" not in line or "calls=" not in line:
             continue
-        m = re.search(r"stack_frame_id=(\d+)", line)
-        counts[source(int(m.group(1))) if m else "(no source)"] += 1
+        if not re.search(r"stack_frame_id=\d+", line):
+            counts["(no source)"] += 1
+            continue
+        chain = sources(line)
+        counts[chain[0] if chain else f"(outside {package})"] += 1
     return counts

@@ -1,0 +1,157 @@
+"""GPUs that are not there: target descriptions of shipped GPU models, and compile-only meshes of
+a cluster of them, so XLA:GPU compiles (fusion, latency-hiding scheduling, async collectives,
+buffer assignment) on a machine without a GPU. MaxText's ``train_compile.py`` does the same for
+TPU slices; this is what ``ciera aot`` compiles on.
+
+Needs JAX's CUDA plugin (``pip install -e ".[gpu-aot]"``: the plugin equal to the installed
+jaxlib). :func:`prepare_environment` must run before JAX starts its backends: the plugin's
+version check reads cuPTI, which needs a driver, so it is skipped, and no device is looked for.
+CPU devices keep working in the same process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import importlib.util
+import os
+
+# The XLA flags NVIDIA's JAX-Toolbox recommends for FSDP training on GPUs (rosetta/docs/
+# GPU_performance.md): the latency-hiding scheduler; pipelined (loop-hoisted) all-gather,
+# reduce-scatter and all-reduce; while-loop double buffering, so a layer loop's gather of layer
+# l+1 can run under layer l; no combining across dimensions (it serializes FSDP's gathers); the
+# collectives' stream first. Both modes of a comparison compile with the same flags: a plain
+# step that is poorly scheduled is no baseline.
+FSDP_XLA_FLAGS: dict[str, bool] = {
+    "xla_gpu_enable_latency_hiding_scheduler": True,
+    "xla_gpu_enable_pipelined_all_gather": True,
+    "xla_gpu_enable_pipelined_reduce_scatter": True,
+    "xla_gpu_enable_pipelined_all_reduce": True,
+    "xla_gpu_enable_while_loop_double_buffering": True,
+    "xla_gpu_enable_all_gather_combine_by_dim": False,
+    "xla_gpu_enable_reduce_scatter_combine_by_dim": False,
+    "xla_gpu_enable_highest_priority_async_stream": True,
+}
+FLAG_SETS = {"fsdp": FSDP_XLA_FLAGS, "default": {}}
+GPUS_PER_HOST = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuTarget:
+    """One GPU model as XLA:GPU's ``GpuDeviceInfoProto`` describes it. ``source`` says where
+    each number comes from."""
+
+    name: str
+    description: str  # what the CUDA driver calls the device
+    memory_bytes: int
+    memory_bandwidth_Bps: int
+    sm_count: int
+    compute_capability: tuple[int, int]
+    clock_ghz: float
+    l2_bytes: int
+    shared_per_sm: int
+    shared_per_block_optin: int
+    source: str
+    shared_per_block: int = 48 * 1024
+    threads_per_block: int = 1024
+    threads_per_sm: int = 2048
+    registers_per_sm: int = 64 * 1024
+    registers_per_block: int = 64 * 1024
+    fp32_per_sm: int = 128
+
+    @property
+    def memory_gb(self) -> float:
+        return self.memory_bytes / 1e9
+
+
+_HOPPER = dict(sm_count=132, compute_capability=(9, 0), clock_ghz=1.98, l2_bytes=50 * 1024**2,
+               shared_per_sm=228 * 1024, shared_per_block_optin=227 * 1024)
+_HOPPER_SOURCE = ("NVIDIA H100 Tensor Core GPU Architecture whitepaper (SXM5: 132 SMs, 50 MB "
+                  "L2, 228 KB shared memory per SM, 227 KB per block opt-in, 64K registers per "
+                  "SM, 1.98 GHz boost) and CUDA's per-compute-capability limits for 9.0")
+TARGETS: dict[str, GpuTarget] = {t.name: t for t in (
+    GpuTarget("h100-80gb", "NVIDIA H100 80GB HBM3", memory_bytes=81559 * 1024**2,
+              memory_bandwidth_Bps=3_350_000_000_000, **_HOPPER,
+              source=_HOPPER_SOURCE + "; memory: 81,559 MiB as nvidia-smi reports an H100 SXM5 "
+              "80GB; bandwidth 3.35 TB/s (H100 datasheet, SXM)"),
+    GpuTarget("h200-141gb", "NVIDIA H200", memory_bytes=143771 * 1024**2,
+              memory_bandwidth_Bps=4_800_000_000_000, **_HOPPER,
+              source=_HOPPER_SOURCE + "; memory: 143,771 MiB as nvidia-smi reports an H200 SXM "
+              "141GB; bandwidth 4.8 TB/s (H200 datasheet)"),
+)}
+
+
+def get_target(name: str) -> GpuTarget:
+    if name not in TARGETS:
+        raise KeyError(f"unknown GPU {name!r}; choose one of: {', '.join(TARGETS)}")
+    return TARGETS[name]
+
+
+def _installed_version(dist: str, default: tuple[int, int, int]) -> tuple[int, int, int]:
+    try:
+        parts = importlib.metadata.version(dist).split(".")
+        return tuple(int(p) for p in (parts + ["0", "0"])[:3])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return default
+
+
+def target_config(t: GpuTarget) -> str:
+    """The ``GpuTargetConfigProto`` text the CUDA plugin compiles for. cuDNN and the CUDA
+    runtime are the installed ones (what a GPU machine with this install would run)."""
+    dnn = _installed_version("nvidia-cudnn-cu13", (9, 8, 0))
+    runtime = _installed_version("nvidia-cuda-runtime", (13, 0, 0))
+    info = {
+        "threads_per_block_limit": t.threads_per_block, "threads_per_warp": 32,
+        "shared_memory_per_block": t.shared_per_block, "shared_memory_per_core": t.shared_per_sm,
+        "threads_per_core_limit": t.threads_per_sm, "core_count": t.sm_count,
+        "fpus_per_core": t.fp32_per_sm, "block_dim_limit_x": 2**31 - 1,
+        "block_dim_limit_y": 65535, "block_dim_limit_z": 65535,
+        "memory_bandwidth": t.memory_bandwidth_Bps, "l2_cache_size": t.l2_bytes,
+        "clock_rate_ghz": t.clock_ghz, "device_memory_size": t.memory_bytes,
+        "shared_memory_per_block_optin": t.shared_per_block_optin,
+        "registers_per_core_limit": t.registers_per_sm,
+        "registers_per_block_limit": t.registers_per_block,
+    }
+    major, minor = t.compute_capability
+    lines = ["gpu_device_info {", *(f"  {k}: {v}" for k, v in info.items()),
+             f"  cuda_compute_capability {{ major: {major} minor: {minor} }}", "}",
+             'platform_name: "CUDA"',
+             f"dnn_version_info {{ major: {dnn[0]} minor: {dnn[1]} patch: {dnn[2]} }}",
+             f"runtime_version {{ major: {runtime[0]} minor: {runtime[1]} }}",
+             f'device_description_str: "{t.description}"']
+    return "\n".join(lines) + "\n"
+
+
+def plugin_installed() -> bool:
+    return any(importlib.util.find_spec(m) is not None
+               for m in ("jax_cuda13_plugin", "jax_cuda12_plugin"))
+
+
+def prepare_environment() -> None:
+    """Before JAX starts: no GPU is looked for, and the plugin's driver check is skipped."""
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def check_cluster(gpus: int) -> None:
+    """One-line errors, before anything compiles: the cluster's shape, and the plugin."""
+    if gpus < 1 or (gpus > GPUS_PER_HOST and gpus % GPUS_PER_HOST):
+        raise ValueError(f"--gpus {gpus}: use 1 to {GPUS_PER_HOST} GPUs or a multiple of "
+                         f"{GPUS_PER_HOST} (hosts of {GPUS_PER_HOST})")
+    if not plugin_installed():
+        raise ValueError("compiling for a GPU needs JAX's CUDA plugin, equal to the installed "
+                         'jaxlib: pip install -e ".[gpu-aot]"')
+
+
+def compile_only_mesh(t: GpuTarget, gpus: int, axis_names: tuple[str, ...] = ("fsdp",)):
+    """A mesh of ``gpus`` compile-only devices of ``t``, hosts of :data:`GPUS_PER_HOST`, all
+    on the first of ``axis_names``."""
+    check_cluster(gpus)
+    from jax.experimental import topologies
+
+    hosts, per_host = max(1, gpus // GPUS_PER_HOST), min(gpus, GPUS_PER_HOST)
+    topo = topologies.get_topology_desc(platform="cuda", target_config=target_config(t),
+                                        topology=f"1x{hosts}x{per_host}")
+    shape = (gpus,) + (1,) * (len(axis_names) - 1)
+    return topologies.make_mesh(topo, shape, tuple(axis_names))

@@ -1,0 +1,144 @@
+"""Compile the train step for a GPU cluster without a GPU, and report the program it would run.
+
+``ciera aot --config olmoe-1b-7b --gpus 16 --gpu h100-80gb --compare plain`` builds the trainer
+on a compile-only mesh of 16 H100s (hosts of 8), lowers its step from abstract state (nothing
+is allocated) and compiles it with XLA:GPU and the FSDP flags GPU users run. It prints compile
+time, HLO size, kernels, conditionals, every collective (bytes, in a conditional branch or not,
+what is scheduled between its start and its done) and XLA's memory per GPU against the GPU's
+memory, beside the plan and memory model the trainer used. Needs the CUDA plugin equal to the
+installed jaxlib (``pip install -e ".[gpu-aot]"``). How to read it: docs/aot.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from ciera_jax.runtime.units import fmt_bytes
+from ciera_models.train_config import TrainConfig, add_fields, from_args
+
+GB = 1e9
+
+
+def _size(b: float) -> str:
+    return fmt_bytes(b) if abs(b) < 0.1 * GB else f"{b / GB:.1f} GB"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("the cluster")
+    g.add_argument("--gpus", type=int, default=16, help="GPUs on the fsdp axis, hosts of 8 "
+                   "(default: 16)")
+    g.add_argument("--gpu", default="h100-80gb", help="target GPU: h100-80gb, h200-141gb "
+                   "(default: h100-80gb)")
+    g.add_argument("--tokens-per-gpu", type=int, default=4096, help="tokens each GPU trains "
+                   "on per step; the global batch follows (default: 4096)")
+    g.add_argument("--xla-flags", default="fsdp", choices=("fsdp", "default"),
+                   help="fsdp: NVIDIA JAX-Toolbox's FSDP flags (latency-hiding scheduler, "
+                   "pipelined collectives, loop double buffering); default: XLA's defaults "
+                   "(default: fsdp)")
+    g.add_argument("--compare", choices=("plain",), default=None,
+                   help="also compile --gather plain and print the two side by side")
+    out = p.add_argument_group("output")
+    out.add_argument("--json", metavar="PATH", default=None, help="write the report(s) as JSON")
+    out.add_argument("--hlo-out", metavar="DIR", default=None,
+                     help="write each compiled program's scheduled HLO text here")
+    out.add_argument("--collectives", action="store_true",
+                     help="list every collective, not only the counts")
+    add_fields(p.add_argument_group("what to train (the trainer's flags)"), TrainConfig)
+    p.set_defaults(config="olmoe-1b-7b")
+
+
+def run(args) -> int:
+    from ciera_jax.runtime import gpu_targets, outputs
+
+    gpu_targets.prepare_environment()  # before JAX starts its backends
+    target = gpu_targets.get_target(args.gpu)
+    gpu_targets.check_cluster(args.gpus)
+    if args.json:
+        outputs.check_output_file(args.json, "--json")
+    tc = from_args(TrainConfig, args)
+    if tc.schedule_steps is None:  # the cosine horizon is a constant of the step: any will do
+        tc = dataclasses.replace(tc, schedule_steps=TrainConfig.schedule_steps)
+    from ciera_models import configs
+
+    configs.get_config(tc.config)  # unknown config: one line with the choices
+    from ciera_models.aot import batch_for, compile_step
+
+    batch_for(tc, args.gpus, args.tokens_per_gpu)  # a batch that does not divide: one line
+
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    runs = [tc] + ([dataclasses.replace(tc, gather="plain")] if args.compare else [])
+    reports = [compile_step(t, target, args.gpus, args.tokens_per_gpu, args.xla_flags,
+                            args.hlo_out, log) for t in runs]
+    print(render(reports, target, show_collectives=args.collectives))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"target": dataclasses.asdict(target), "reports": reports}, f, indent=1)
+    return 0
+
+
+def summary_rows(r: dict) -> dict[str, str]:
+    """The report's headline figures, by row name."""
+    colls = r["collectives"]
+    in_branch = [c for c in colls if c["in_branch"]]
+    exposed = [c for c in colls if not c["in_branch"] and c["overlap"] in ("nothing", "sync")]
+    mem, tr = r["memory"], r["trainer"]
+    modes: dict[str, int] = {}
+    for m in tr["cache_modes"].values():
+        modes[m] = modes.get(m, 0) + 1
+    return {
+        "XLA:GPU compile (after lowering)": f"{r['compile_s']:.1f} s ({r['compile_cpu_s']:.1f} s CPU)",
+        "lowering": f"{r['lower_s']:.1f} s",
+        "scheduled HLO": f"{r['hlo_bytes'] / 1e6:.2f} MB",
+        "fusions (kernels)": f"{r['fusions']:,}",
+        "custom calls": f"{r['custom_calls']:,}",
+        "conditionals": f"{r['conditionals']:,}",
+        "collectives": f"{len(colls):,}",
+        "  inside conditional branches": f"{len(in_branch)} ({sum(c['steady'] for c in in_branch)}"
+                                         " on the steady path)",
+        "  outside, nothing between start and done": f"{len(exposed)}",
+        "all-gather bytes overlapped (outside branches)":
+            f"{100 * r['all_gather_overlap_share']:.0f}%",
+        "XLA memory: arguments + temporaries": f"{_size(mem['argument'])} + "
+                                               f"{_size(mem['temp'])}",
+        "XLA memory: total per GPU": f"{_size(mem['total'])} of {_size(mem['capacity'])} ("
+                                     + ("fits" if mem["headroom"] >= 0 else "does NOT fit")
+                                     + f", {mem['headroom'] / GB:+.1f} GB)",
+        "memory model total": _size(tr["memory_model"]["total"]),
+        "caches per GPU": f"{_size(tr['cache_bytes'])} ("
+                          + ", ".join(f"{n} {m}" for m, n in sorted(modes.items())) + ")",
+    }
+
+
+def render(reports: list[dict], target, show_collectives: bool = False) -> str:
+    r0 = reports[0]
+    head = (f"{r0['config']} on {r0['gpus']} x {target.name} ({target.description}, "
+            f"{target.memory_gb:.1f} GB), {r0['tokens_per_gpu']} tokens per GPU, "
+            f"batch {r0['batch'][0]}x{r0['batch'][1]}")
+    cols = [summary_rows(r) for r in reports]
+    names = [f"--gather {r['gather']}" for r in reports]
+    width = max(len(k) for k in cols[0])
+    lines = [head, f"XLA flags: {' '.join(f'--{k}={v}' for k, v in r0['flags'].items()) or 'defaults'}",
+             "", f"{'':<{width}}  " + "  ".join(f"{n:>28}" for n in names)]
+    for k in cols[0]:
+        lines.append(f"{k:<{width}}  " + "  ".join(f"{c[k]:>28}" for c in cols))
+    if len(reports) == 2:
+        a, b = reports
+        lines.append("")
+        lines.append("ratios (ciera / plain): "
+                     f"compile {a['compile_s'] / b['compile_s']:.2f}x "
+                     f"({a['compile_cpu_s'] / b['compile_cpu_s']:.2f}x CPU), "
+                     f"fusions {a['fusions'] / max(b['fusions'], 1):.2f}x, "
+                     f"HLO {a['hlo_bytes'] / b['hlo_bytes']:.2f}x, "
+                     f"memory {a['memory']['total'] / b['memory']['total']:.2f}x")
+    for r in reports:
+        lines += ["", f"plan ({r['gather']}): {r['trainer']['plan']}"]
+        if show_collectives:
+            lines.append(f"{'kind':<16}{'MB':>9}{'runs':>6}  {'branch':<7}{'overlap':<9}source")
+            for c in r["collectives"]:
+                src = c["sources"][0] if c["sources"] else "-"
+                lines.append(f"{c['kind']:<16}{c['bytes'] / 1e6:>9.2f}{c['runs']:>6}  "
+                             f"{'yes' if c['in_branch'] else 'no':<7}{c['overlap']:<9}{src}")
+    return "\n".join(lines)
