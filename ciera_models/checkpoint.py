@@ -35,7 +35,7 @@ import orbax.checkpoint as ocp
 
 from ciera_models.failures import NoGoodCheckpoint, WriteFailed, describe_os_error
 from ciera_models.params_hash import host_array, params_sha256
-from ciera_models.preemption import agree
+from ciera_models.preemption import agree, agree_steps
 
 # A resumed run must agree on these, or the checkpoint does not fit (shapes, data) or is not
 # the run it claims to continue.
@@ -227,15 +227,20 @@ class Checkpointer:
         return sorted(self._mgr.all_steps())
 
     def read_meta(self, step: int) -> dict:
-        """Step ``step``'s metadata, checked (:class:`Damaged` if it is not intact)."""
+        """Step ``step``'s metadata, checked (:class:`Damaged` if it is not intact). Read by
+        the handler, not the manager: no barrier, so a process that fails here cannot leave
+        the others waiting in one (the callers agree on the outcome instead)."""
         try:
             with _orbax_quiet():
-                got = self._mgr.restore(step, args=ocp.args.Composite(
-                    meta=ocp.args.JsonRestore()))
-            meta = got["meta"]
+                meta = ocp.JsonCheckpointHandler().restore(self._item(step, "meta"))
         except Exception as e:  # noqa: BLE001 - a missing or cut file: each its own error
             raise Damaged(f"its metadata cannot be read ({_why(e)})") from None
         return check_meta(dict(meta) if isinstance(meta, dict) else meta)
+
+    def _item(self, step: int, item: str):
+        from etils import epath
+
+        return epath.Path(self.directory / str(step) / item)
 
     def latest_meta(self) -> dict | None:
         """The metadata of the newest checkpoint whose metadata is intact (None if none);
@@ -251,7 +256,7 @@ class Checkpointer:
         """The metadata of the newest checkpoint whose metadata is intact; each newer one whose
         metadata is not is reported and set aside. None if there is no checkpoint;
         :class:`NoGoodCheckpoint` if there are some, none intact."""
-        return self._newest_intact(self.read_meta, log)
+        return self._newest_intact([self.read_meta], log)
 
     def restore(self, params, opt_state, log=print):
         """The newest intact ``(params, opt_state, meta)``, into the shapes and shardings of the
@@ -261,34 +266,50 @@ class Checkpointer:
         abstract = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
             {"params": params, "opt_state": opt_state})
-        return self._newest_intact(lambda step: self._restore_checked(step, abstract, log), log)
+        return self._newest_intact(
+            [self.read_meta, lambda step, meta: (meta, self._read_arrays(step, abstract)),
+             lambda step, got: self._check_digests(step, *got, log)], log)
 
-    def _newest_intact(self, read, log):
-        """``read(step)`` of the newest step it does not find damaged (the processes agree
-        on which are), setting each damaged newer one aside; None if there are no steps."""
-        steps = self.all_steps()
+    def _newest_intact(self, phases, log):
+        """The newest step that passes every phase on every process, setting each newer one
+        aside; None if there are no steps. The processes walk the same steps (the union of
+        what each sees) in lockstep: they agree after every phase (the first takes the step,
+        each next one what the last returned), so a checkpoint that is damaged on one process
+        only -- say, in the file of arrays it alone reads -- is skipped by all, and no
+        process enters a collective (the digests gather the arrays) that another skips."""
+        steps = agree_steps(self.all_steps())
         for i, step in enumerate(reversed(steps)):
-            try:
-                got, why = read(step), None
-            except Damaged as e:
-                got, why = None, str(e)
-            if self._agree_bad(why):
-                self._set_aside(step, why, steps[: len(steps) - i - 1], log)
-                continue
-            return got
+            got, why, here = None, None, step in self.all_steps()
+            for k, phase in enumerate(phases):
+                try:
+                    if not here:
+                        raise Damaged("it is not in the folder as this process sees it")
+                    got = phase(step) if k == 0 else phase(step, got)
+                except Damaged as e:
+                    got, why = None, str(e)
+                if self._agree_bad(why):
+                    break
+            else:
+                return got
+            self._set_aside(step, why, steps[: len(steps) - i - 1], log)
         if steps:
             raise self._none_good(steps)
         return None
 
-    def _restore_checked(self, step: int, abstract, log):
-        meta = self.read_meta(step)
+    def _read_arrays(self, step: int, abstract):
+        """Step ``step``'s arrays, read by the handler (no barrier, as in :meth:`read_meta`)."""
         try:
             with _orbax_quiet():
-                got = self._mgr.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract)))["state"]
+                got = ocp.StandardCheckpointHandler().restore(
+                    self._item(step, "state"), args=ocp.args.StandardRestore(abstract))
         except Exception as e:  # noqa: BLE001 - a cut or garbled array file: tensorstore's
             raise Damaged(f"its arrays cannot be read ({_why(e)})") from None
-        params, opt_state = got["params"], got["opt_state"]
+        return got["params"], got["opt_state"]
+
+    def _check_digests(self, step: int, meta: dict, arrays, log):
+        """``(params, opt_state, meta)`` if the arrays match their digests (collective: every
+        process hashes the whole arrays); :class:`Damaged` if not."""
+        params, opt_state = arrays
         if "params_sha256" not in meta:
             log(f"note: checkpoint step {step} in {self.directory} predates digests: its "
                 "arrays are not verified")
@@ -312,7 +333,7 @@ class Checkpointer:
         while dest.exists():
             n += 1
             dest = self.directory / DAMAGED / f"{step}-{n}"
-        if jax.process_index() == 0:
+        if jax.process_index() == 0 and src.exists():
             dest.parent.mkdir(exist_ok=True)
             os.replace(src, dest)
         agree(False)  # a barrier: nobody looks at the folder while it changes

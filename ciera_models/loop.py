@@ -22,7 +22,7 @@ from typing import Callable
 from ciera_jax.runtime.devices import make_mesh
 from ciera_jax.runtime.outputs import check_output_file
 from ciera_models import checkpoint as ckpt
-from ciera_models import faults, metrics, peers, run_lock
+from ciera_models import faults, metrics, peers, run_lock, supervisor
 from ciera_models.failures import WriteFailed, describe_os_error
 from ciera_models.data import load_dataset
 from ciera_models.params_hash import params_sha256
@@ -108,6 +108,7 @@ def train(tc: TrainConfig, run: RunConfig | None = None, *, mesh=None,
                 state = faults.inject(tr, state, fault, log)
             rec, state = _one_step(tr, state, dataset, run, retried=retries > 0)
             peers.progress["step"] = state.step
+            supervisor.report_step(state.step)
             history.append(rec)
             _report(rec, out, run, tc, log, saver)
             if rec["verify_failed"]:

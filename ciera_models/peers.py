@@ -30,8 +30,9 @@ from pathlib import Path
 from ciera_models.failures import EXIT_PEER_LOST, PeerLost
 
 DEFAULT_TIMEOUT_S = 60
-# set by the training loop: the last finished step and the checkpoint folder, for the line
-progress: dict = {"step": None, "checkpoint_dir": None}
+# set by the training loop: the last finished step, the checkpoint folder and (under the
+# supervisor) the full log's path, for the line
+progress: dict = {"step": None, "checkpoint_dir": None, "log": None}
 _said = threading.Lock()
 
 
@@ -60,7 +61,7 @@ def lost_line(process_id: int, num_processes: int, text: str) -> str:
     tasks = [t for t in lost_tasks(text) if t != process_id]
     if tasks:
         who = "lost process " + ", ".join(map(str, tasks))
-    elif process_id != 0 and re.search(r"coordination service unavailable", text):
+    elif process_id != 0 and coordinator_gone(text):
         who = "lost process 0 (the coordinator)"
     else:
         who = "lost a peer process"
@@ -71,9 +72,17 @@ def lost_line(process_id: int, num_processes: int, text: str) -> str:
              "processes with --resume" if newest is not None else
              "no checkpoint was saved: restart all processes" if ck else
              "nothing was saved (no --checkpoint-dir): restart all processes")
+    log = progress.get("log")
     return (f"ciera train (process {process_id}): {who} of {num_processes}"
             + (f" after step {step}" if step is not None else " before training started")
-            + f"; {where}")
+            + f"; {where}" + (f"; full log: {log}" if log else ""))
+
+
+def coordinator_gone(text: str) -> bool:
+    """Whether ``text`` (the watcher's error, or a client's abort) says the coordination
+    service itself stopped answering: process 0, which hosts it, is gone."""
+    return bool(re.search(r"coordination service unavailable|UNAVAILABLE|Socket closed|"
+                          r"grpc_status:14", text))
 
 
 def _say_and_exit(process_id: int, num_processes: int, text: str) -> None:

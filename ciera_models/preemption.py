@@ -63,3 +63,17 @@ def agree(*flags: bool) -> tuple[bool, ...]:
         return tuple(bool(f) for f in flags)
     got = multihost_utils.process_allgather(np.asarray(flags, np.int32))
     return tuple(bool(v) for v in np.asarray(got).reshape(-1, len(flags)).max(axis=0))
+
+
+def agree_steps(steps: list[int]) -> list[int]:
+    """Every step any process lists, sorted, the same on every process (one process: as is)."""
+    if jax.process_count() == 1:
+        return sorted(steps)
+    longest = int(np.asarray(multihost_utils.process_allgather(
+        np.asarray(len(steps), np.int64))).max())
+    if not longest:
+        return []
+    padded = np.full(longest, -1, np.int64)
+    padded[: len(steps)] = steps
+    got = np.asarray(multihost_utils.process_allgather(padded)).reshape(-1)
+    return sorted({int(s) for s in got if s >= 0})

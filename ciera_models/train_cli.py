@@ -15,7 +15,8 @@ import dataclasses
 import os
 import sys
 
-from ciera_models.train_config import RunConfig, TrainConfig, add_fields, from_args, option
+from ciera_models.train_config import (RunConfig, TrainConfig, add_fields, from_args, option,
+                                       to_argv)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_fields(p.add_argument_group("processes"), LaunchConfig)
 
 
+def _check_launch(launch: LaunchConfig) -> None:
+    if launch.coordinator:
+        if launch.num_processes is None or launch.process_id is None:
+            raise ValueError("--coordinator needs --num-processes and --process-id")
+        if launch.peer_timeout < 1:
+            raise ValueError(f"--peer-timeout must be a positive number of seconds, got "
+                             f"{launch.peer_timeout}")
+
+
 def _init_distributed(launch: LaunchConfig) -> None:
     import jax
 
@@ -45,11 +55,6 @@ def _init_distributed(launch: LaunchConfig) -> None:
         # CPU processes exchange collectives over gloo sockets (GPUs use NCCL regardless).
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if launch.coordinator:
-        if launch.num_processes is None or launch.process_id is None:
-            raise ValueError("--coordinator needs --num-processes and --process-id")
-        if launch.peer_timeout < 1:
-            raise ValueError(f"--peer-timeout must be a positive number of seconds, got "
-                             f"{launch.peer_timeout}")
         from ciera_models import peers
 
         peers.initialize(launch.coordinator, launch.num_processes, launch.process_id,
@@ -82,12 +87,20 @@ def run(args) -> int:
     tc, run_cfg = from_args(TrainConfig, args), from_args(RunConfig, args)
     configs.get_config(tc.config)  # unknown config -> KeyError with the choices
     check_inputs(tc, run_cfg)  # bad input fails here, before JAX starts
-    setup_devices(run_cfg.devices)  # before JAX creates its backends
     launch = from_args(LaunchConfig, args)
-    from ciera_models import peers
+    _check_launch(launch)
+    from ciera_models import peers, supervisor
     from ciera_models.failures import PeerLost, RunFailure
 
+    if (launch.num_processes or 1) > 1 and launch.coordinator and not supervisor.is_child():
+        # the job runs in a child, so that a lost coordinator's C++ abort is one line here
+        return supervisor.supervise(supervisor.train_command(
+            [a for cls in (TrainConfig, RunConfig, LaunchConfig) for a in to_argv(cls, args)]),
+            launch.process_id, launch.num_processes, run_cfg.checkpoint_dir,
+            run_cfg.metrics_out)
+    setup_devices(run_cfg.devices)  # before JAX creates its backends
     peers.progress["checkpoint_dir"] = run_cfg.checkpoint_dir
+    peers.progress["log"] = os.environ.get(supervisor.LOG_ENV) if supervisor.is_child() else None
     try:
         _init_distributed(launch)
     except PeerLost as e:

@@ -163,6 +163,20 @@ def add_fields(parser: argparse.ArgumentParser, cls) -> None:
                             metavar=metavar if "metavar" in meta or not choices else None)
 
 
+def to_argv(cls, args: argparse.Namespace) -> list[str]:
+    """The flags of ``cls``'s fields in ``args`` that differ from their defaults, as a command
+    line that parses back to the same values (the supervisor starts its child with it)."""
+    argv: list[str] = []
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("flag") is False or not hasattr(args, f.name):
+            continue
+        value = getattr(args, f.name)
+        if value == f.metadata.get("cli_default", f.default) or value is None:
+            continue
+        argv += [_flag(f.name)] if value is True else [_flag(f.name), str(value)]
+    return argv
+
+
 def from_args(cls, args: argparse.Namespace, **overrides):
     """``cls`` from the parsed flags (fields that are not flags keep their defaults)."""
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)

@@ -71,3 +71,19 @@ def test_rate_fit_slope_intercept_and_noise_fallback():
 def test_calibrate_cli_rejects_zero_devices(tmp_path, capsys):
     assert main(["calibrate", "--out", str(tmp_path / "p.json"), "--devices", "0"]) == 2
     assert "--devices 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where, said", [("dir", "is a directory"),
+                                         ("nofolder", "does not exist")])
+def test_calibrate_cli_checks_out_before_measuring(tmp_path, capsys, monkeypatch, where, said):
+    from ciera_jax import calibrate as cal
+
+    def never(*a, **k):  # the check comes before any measuring
+        raise AssertionError("calibrate ran")
+
+    monkeypatch.setattr(cal, "calibrate", never)
+    out = tmp_path if where == "dir" else tmp_path / "missing" / "p.json"
+    assert main(["calibrate", "--out", str(out), "--devices", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ciera calibrate: error: --out ") and said in err, err
+    assert err.strip().count("\n") == 0

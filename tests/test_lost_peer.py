@@ -77,3 +77,104 @@ def test_a_killed_peer_ends_the_survivor_in_one_line(tmp_path):
     assert m, err
     assert int(m.group(2)) <= int(m.group(1)) and (ck / m.group(2)).is_dir()  # intact, there
     assert waited < timeout_s + 60
+
+
+# --- the lost coordinator and the cross-process fallback (slow: several 2-process runs) ---
+
+STEPS = 12  # every run below trains towards the same 12-step schedule
+
+
+def _start(ck, port: int, *extra: str, steps: int = STEPS):
+    return [subprocess.Popen(
+        [*TRAIN, "--steps", str(steps), "--checkpoint-dir", str(ck), "--coordinator",
+         f"127.0.0.1:{port}", "--process-id", str(i), *extra], env={**ENV, "JAX_PLATFORMS": "cpu"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+
+
+def _finish(procs, timeout: float = 400) -> list[tuple[int, str, str]]:
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+
+
+def _sha(out: str) -> str:
+    m = re.search(r"params_sha256=([0-9a-f]{64})", out)
+    assert m, out[-2000:]
+    return m.group(1)
+
+
+@pytest.fixture(scope="module")
+def straight_sha(tmp_path_factory):
+    """params_sha256 of a straight 2-process run of STEPS steps."""
+    (rc0, out, err), (rc1, _, err1) = _finish(_start(tmp_path_factory.mktemp("straight"),
+                                                     free_port()))
+    assert rc0 == rc1 == 0, err[-2000:] + err1[-2000:]
+    return _sha(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("killed", [0, 1])
+def test_either_lost_process_is_one_line_and_resume_is_bitwise(killed, tmp_path, straight_sha):
+    """Kill process ``killed`` (its ``ciera train``: the job dies with it) at step 5: the other
+    prints the one line, exits 69, shows no C++ dump and keeps its full log where the line
+    says; a resume of both ends bitwise on the straight run."""
+    ck, timeout_s = tmp_path / "ck", 10
+    procs = _start(ck, free_port(), "--checkpoint-every", "2", "--peer-timeout", str(timeout_s))
+    survivor = procs[1 - killed]
+    try:
+        for line in procs[0].stdout:
+            if re.search(rf"step +5/{STEPS}\b", line):
+                procs[killed].send_signal(signal.SIGKILL)
+                killed_at = time.monotonic()
+                break
+        out, err = survivor.communicate(timeout=timeout_s + 120)
+        waited = time.monotonic() - killed_at
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    s = 1 - killed
+    assert survivor.returncode == EXIT_PEER_LOST, err[-3000:]
+    assert err.strip().count("\n") == 0, err[-3000:]
+    assert "Check failure" not in out + err and "client.h" not in out + err
+    log = ck / f"ciera-train-process-{s}.log"
+    who = "lost process 0 (the coordinator)" if killed == 0 else "lost process 1"
+    m = re.fullmatch(rf"ciera train \(process {s}\): {re.escape(who)} of 2 after step (\d+); "
+                     rf"the newest checkpoint is step (\d+) in {re.escape(str(ck))}: restart "
+                     rf"all 2 processes with --resume; full log: {re.escape(str(log))}",
+                     err.strip())
+    assert m, err
+    assert (ck / m.group(2)).is_dir() and log.is_file()
+    if killed == 0:  # the abort reached the log, not the terminal
+        assert "Terminating process because the JAX distributed service" in log.read_text()
+    assert waited < timeout_s + 30
+    (rc0, out0, e0), (rc1, _, e1) = _finish(_start(ck, free_port(), "--resume"))
+    assert rc0 == rc1 == 0, e0[-2000:] + e1[-2000:]
+    assert "resumed from" in out0
+    assert _sha(out0) == straight_sha
+
+
+@pytest.mark.slow
+def test_a_checkpoint_damaged_on_one_process_falls_back_on_both(tmp_path, straight_sha):
+    """Step 8's array file of process 1 (which only process 1 reads) is cut short, as a
+    process killed between its writes would leave it: both processes set step 8 aside,
+    restore step 4 and end bitwise on the straight run."""
+    ck = tmp_path / "ck"
+    (rc0, _, e0), (rc1, _, e1) = _finish(_start(ck, free_port(), "--checkpoint-every", "4",
+                                                steps=8))
+    assert rc0 == rc1 == 0, e0[-2000:] + e1[-2000:]
+    data = sorted(p for p in (ck / "8" / "state" / "ocdbt.process_1").rglob("*") if p.is_file())
+    assert data, sorted(p.name for p in (ck / "8" / "state").iterdir())
+    for f in data:
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    (rc0, out0, e0), (rc1, _, e1) = _finish(_start(ck, free_port(), "--resume"))
+    assert rc0 == rc1 == 0, e0[-2000:] + e1[-2000:]
+    assert re.search(rf"checkpoint step 8 in {re.escape(str(ck))} is damaged \(.*\): set aside "
+                     r"as .*damaged/8; trying step 4", out0), out0[-3000:]
+    assert f"resumed from {ck} at step 4" in out0
+    assert (ck / "damaged" / "8").is_dir() and not (ck / "8").exists()
+    assert _sha(out0) == straight_sha

@@ -36,7 +36,9 @@ def run(args: argparse.Namespace) -> int:
     # Imported here, not at the top: the device count must be set before JAX starts, and
     # building the `ciera` parser must not pay for JAX.
     from ciera_jax.runtime.devices import setup_devices
+    from ciera_jax.runtime.outputs import check_output_file
 
+    check_output_file(args.out, "--out")  # before minutes of measuring, not after
     if args.devices is not None and args.devices < 1:
         raise ValueError(f"--devices {args.devices}: use a positive device count")
     if "jax" not in sys.modules or not _backends_ready():

@@ -1,0 +1,139 @@
+"""The supervising parent of a multi-process ``ciera train`` (models/supervisor.py), fast: a
+stand-in child that aborts like JAX's client ends in the lost-peer line and 69; other exits and
+signals pass through; the child's whole output is kept in the log. The real drills (a killed
+coordinator or worker) are in test_lost_peer.py's slow lane."""
+
+import argparse
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from ciera_models import peers, supervisor, train_cli
+from ciera_models.failures import EXIT_PEER_LOST
+from ciera_models.train_config import RunConfig, TrainConfig, to_argv
+
+# what process 1 printed when process 0 was killed (jaxlib 0.10.2), abridged
+ABORT = textwrap.dedent("""\
+    W1201 20:56:04.503986   18767 preemption_sync_manager.cc:147] Failed to retrieve preemption notice from coordination service: UNAVAILABLE: Socket closed
+    Additional GRPC error information from remote target coordination_service while calling /xla.coordination.CoordinationService/GetKeyValue:
+    :UNKNOWN:Error received from peer  {grpc_status:14, grpc_message:"Socket closed"}. This is only expected if one of the tasks is unhealthy.
+    E1201 20:56:04.504097   18767 coordination_service_agent.cc:289] Polled an error from coordination service (this can be an error from this or another task).
+    F1201 20:56:04.504104   18767 client.h:80] Terminating process because the JAX distributed service detected fatal errors. This most likely indicates that another task died
+    Additional GRPC error information from remote target coordination_service while calling /xla.coordination.CoordinationService/PollForError:
+    :UNKNOWN:Error received from peer  {grpc_message:"Socket closed", grpc_status:14}
+    *** Check failure stack trace: ***
+        @     0x7f2778340634  absl::lts_20260107::log_internal::LogMessage::SendToLog()
+        @     0x7f27870a71f5  (unknown)
+    """)
+
+
+def _child(code: str) -> list[str]:
+    return [sys.executable, "-c", textwrap.dedent(code)]
+
+
+def _supervise(tmp_path, code: str, process_id: int = 1, timeout: float = 60, signal_at=None):
+    """Run the supervisor in a fresh Python over a stand-in child; (rc, stdout, stderr)."""
+    driver = (f"import sys; from ciera_models import supervisor as s; "
+              f"sys.exit(s.supervise({_child(code)!r}, {process_id}, 2, {str(tmp_path)!r}, "
+              f"None))")
+    p = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    if signal_at:
+        time.sleep(signal_at)
+        p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=timeout)
+    return p.returncode, out, err
+
+
+def test_the_coordination_abort_is_the_lost_peer_line_and_69(tmp_path):
+    rc, out, err = _supervise(tmp_path, f"""
+        import os, sys
+        from ciera_models import supervisor
+        print("step line", flush=True)
+        supervisor.report_step(7)
+        sys.stderr.write({ABORT!r}); sys.stderr.flush()
+        os.abort()
+        """)
+    log = tmp_path / "ciera-train-process-1.log"
+    assert rc == EXIT_PEER_LOST, err
+    assert out == "step line\n"
+    assert err.strip().count("\n") == 0, err  # one line, no C++ dump
+    assert err.strip() == (
+        "ciera train (process 1): lost process 0 (the coordinator) of 2 after step 7; no "
+        f"checkpoint was saved: restart all processes; full log: {log}")
+    kept = log.read_text()
+    assert "client.h:80] Terminating process" in kept and "Check failure stack trace" in kept
+    assert "step line" in kept
+
+
+def test_other_exits_pass_through_with_their_output(tmp_path):
+    rc, out, err = _supervise(tmp_path, """
+        import sys
+        print("hello", flush=True)
+        sys.stderr.write("W1201 20:56:04.503986   18767 foo.cc:1] a C++ warning\\n")
+        sys.stderr.write("ciera train: something in one line\\n")
+        sys.exit(74)
+        """)
+    assert (rc, out) == (74, "hello\n")
+    assert err == "W1201 20:56:04.503986   18767 foo.cc:1] a C++ warning\n" \
+                  "ciera train: something in one line\n"  # held C++ lines are released
+
+
+def test_a_held_cxx_line_reaches_the_terminal_without_an_abort(tmp_path):
+    rc, _, err = _supervise(tmp_path, f"""
+        import sys, time
+        sys.stderr.write("E1201 20:56:04.503986   18767 foo.cc:1] alone\\n"); sys.stderr.flush()
+        time.sleep({supervisor.HOLD_S + 1.5})
+        sys.stderr.write("I1201 20:56:09.000000   18767 foo.cc:2] later\\n"); sys.stderr.flush()
+        import os; os._exit(0)
+        """)
+    assert rc == 0 and "alone" in err and "later" in err
+
+
+def test_sigterm_reaches_the_child_once_and_its_code_passes(tmp_path):
+    rc, out, err = _supervise(tmp_path, """
+        import signal, sys, time
+        got = []
+        signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
+        print("ready", flush=True)
+        t = time.monotonic()
+        while not got and time.monotonic() - t < 30:
+            time.sleep(0.05)
+        time.sleep(0.5)  # a second signal would arrive now
+        print(f"signals {len(got)}", flush=True)
+        sys.exit(75)
+        """, signal_at=3)
+    assert rc == 75, err
+    assert out == "ready\nsignals 1\n"
+
+
+def test_death_by_a_signal_is_128_plus_it(tmp_path):
+    rc, _, _ = _supervise(tmp_path, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    assert rc == 128 + signal.SIGKILL
+
+
+def test_the_child_gets_the_flags_back():
+    p = argparse.ArgumentParser()
+    train_cli.add_arguments(p)
+    argv = ("--gather plain --steps 60 --devices 4 --checkpoint-dir /x --checkpoint-minutes "
+            "2.5 --resume --coordinator 127.0.0.1:5 --num-processes 2 --process-id 0").split()
+    args = p.parse_args(argv)
+    back = [a for c in (TrainConfig, RunConfig, train_cli.LaunchConfig) for a in to_argv(c, args)]
+    assert vars(p.parse_args(back)) == vars(args)
+    assert sorted(back) == sorted(argv)
+
+
+@pytest.mark.parametrize("text, who", [
+    (ABORT, "lost process 0 (the coordinator)"),
+    ("Task 1 heartbeat timeout", "lost process 1"),
+    ("something else", "lost a peer process")])
+def test_the_line_says_who_from_the_abort(monkeypatch, text, who):
+    monkeypatch.setitem(peers.progress, "step", None)
+    monkeypatch.setitem(peers.progress, "checkpoint_dir", None)
+    monkeypatch.setitem(peers.progress, "log", "/l.log")
+    line = peers.lost_line(2 if "Task 1" in text else 1, 3, text)
+    assert f"{who} of 3 before training started" in line and line.endswith("; full log: /l.log")
