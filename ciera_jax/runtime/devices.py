@@ -47,6 +47,10 @@ def setup_devices(n: int | None) -> None:
     platforms = os.environ.get("JAX_PLATFORMS", "")
     if platforms in ("", "cpu") and not has_accelerator():
         emulate_cpu_devices(n or 8)
+        # No GPU: say so, or an installed CUDA plugin (``ciera aot``'s) tries to start one and
+        # prints a cuPTI traceback before JAX falls back to the CPU.
+        os.environ["JAX_PLATFORMS"] = "cpu"  # for child processes
+        jax.config.update("jax_platforms", "cpu")  # this one read the variable at import
     elif platforms != "cpu" and has_gpu():
         apply_gpu_flags()
 
