@@ -5,11 +5,13 @@ next to the cost model's prediction, and the crossover rates, measured and predi
 process's RESULT) and returns ``points``, ``crossovers``, ``calibrations``, ``passes`` and
 ``link_fits`` for the JSON, printing their tables on the way. The prediction is the planner's
 (``ciera_jax.planning.crossover.predict``) on the launch's calibrated profile with the link's
-fitted alpha and beta, so a miss here is a miss of the planner.
+fitted alpha and beta, so a miss here is a miss of the planner; ``counted_s`` is the same with
+every codec priced as its counted bytes (the model before this sweep).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from common import print_table  # benchmarks/common.py, beside this script
@@ -77,6 +79,8 @@ def launch_points(launch: dict) -> tuple[list[dict], dict]:
         fit = fit_link(results, link, N)
         fits[link] = fit
         prof = xo.link_profile(base, fit["alpha_s"], fit["beta_Bps"]) if base and fit else None
+        # the model before the sweep: every codec priced as its counted bytes
+        counted = dataclasses.replace(prof, codec_pricing="counted") if prof else None
         for (series, shape), modes in measured(results, link).items():
             plain_s = modes["plain"][0]
             pred_plain = predict_point("plain", shape, N, prof, None) if prof else None
@@ -87,6 +91,7 @@ def launch_points(launch: dict) -> tuple[list[dict], dict]:
                     mb=math.prod(shape) * 2 / 2**20, measured_s=t, ratio=t / plain_s,
                     wire_ratio=(stats["sent_bytes"] / stats["plain_bytes"] if stats else 1.0),
                     predicted_s=pred,
+                    counted_s=(predict_point(mode, shape, N, counted, stats) if prof else None),
                     predicted_ratio=(pred / pred_plain if pred is not None else None),
                     error=(t / pred - 1 if pred else None)))
     return points, fits
@@ -121,6 +126,7 @@ POINT_COLUMNS = [
     ("series", 10, "series"), ("link", 8, "link"), ("procs", 5, "procs"), ("mode", 8, "mode"),
     ("meas ms", 8, _ms("measured_s")), ("pred ms", 8, _ms("predicted_s")),
     ("meas/pred", 9, lambda r: "-" if r["error"] is None else f"{r['error'] + 1:.2f}"),
+    ("counted ms", 10, _ms("counted_s")),
     ("x plain", 7, _x("ratio")), ("pred x", 6, _x("predicted_ratio")),
     ("wire", 5, _x("wire_ratio", ".3f")),
 ]
