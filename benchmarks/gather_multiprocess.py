@@ -1,33 +1,40 @@
-"""Plain-bits vs CIERA all-gather across real processes over sockets (gloo), optionally through
-a bandwidth-limited link between network namespaces.
+"""Where CIERA pays: plain-bits vs CIERA all-gathers across real processes over sockets (gloo),
+through bandwidth-limited links between network namespaces, swept over link rates, each point
+next to the cost model's prediction.
 
 For 2 and 4 processes (each with ``--local-devices`` CPU devices, default 1) it gathers OLMoE
-expert up-projections ``(E, 2048, 1024)`` bf16 on the d_model axis, at each churn level, with
-the plain bits gather and CIERA (steady state: primed cache carried, two weight versions that
-differ in ``churn`` of their exponents alternate) timed interleaved in the same run. Links:
+expert up-projections ``(E, 2048, 1024)`` bf16 on the d_model axis. Two series, every mode
+timed interleaved in the same run:
 
-* ``loopback``  processes on 127.0.0.1 (``ciera_jax.runtime.launch.run_local``): gloo over the kernel's
-                loopback, no bandwidth limit;
-* ``10gbit``, ``1gbit`` (any tc rate): every process in its own network namespace, joined by
-                veth links to a bridge, each link shaped with ``tc tbf`` in both directions
-                (``ciera_jax.runtime.netns``), standing in for an inter-node network. Needs root,
-                iproute2 and tc; where they are missing it says why and skips those links.
+* churn: plain bits and CIERA exponent mode (steady state: primed cache carried, two weight
+  versions that differ in ``churn`` of their exponents alternate);
+* word (``--word-experts``, default 4 experts = 16 MB): plain bits, exponent mode and word mode
+  on a weight pair whose words differ by moves drawn from the measured steady-state
+  distribution of word deltas (``ciera_jax.calibrate.kit.word_pair``).
 
-A second series (``--word-experts``, default 4 experts = 16 MB) gathers a weight pair whose
-words differ by moves drawn from the measured steady-state distribution of word deltas
-(``shared/studies/word_delta``) three ways, interleaved: plain bits, exponent mode and word mode
-(``mp_gather_bench_worker.word_pair``). Targets: word <= 0.55x plain, exponent <= 0.75x plain.
+Links: ``loopback`` (processes on 127.0.0.1, no limit), or tc rates (default the sweep
+50mbit..10gbit): every process in its own network namespace, joined by veth links to a bridge,
+each link shaped with ``tc tbf`` in both directions (``ciera_jax.runtime.netns``). One launch per
+process count serves every rate: each process reshapes its own link, all wait for each other,
+then time. Needs root, iproute2 and tc; where they are missing it says why and skips them.
 
-Per row: median seconds per gather (the slowest process's median), ``time ciera/plain`` next to
-``wire ciera/plain`` (bytes one rank sends, from CIERA's stats), and the plain gather's achieved
-rate (bytes each rank receives per second). The self-checking gather's cost is timed as in
-``gather_bench.py``: ``chk/ciera`` (the sender's and receiver's checksums as a separate call, over
-the CIERA gather's time) and ``fused +`` (the gather with both checksums in one jit, over the
-gather alone, less one).
+The prediction: each launch first calibrates (``ciera_jax.calibrate.calibrate``, what ``ciera
+calibrate`` measures, over the unshaped sockets: codec rates, escape cost, agreement), times
+each codec pass alone (``--passes-mb``: where the codec's time goes), and at each rate fits the
+link's alpha and beta from plain gathers of ``--link-sizes`` (the calibration's own fit, at
+sizes other than the series'). Every measured point is then priced by the planner's cost model
+(``ciera_jax.planning.crossover.predict``) and printed as measured, predicted and their ratio;
+per series, mode and process count the crossover rate below which the mode beats plain, measured
+and predicted (``sweep_report.py``). ``--png`` draws it (``crossover_plot.py``).
 
-    python benchmarks/gather_multiprocess.py [--procs 2 4] [--links loopback 10gbit 1gbit]
-        [--experts 1 4] [--churn 0 0.01] [--word-experts 4] [--series churn word]
-        [--reps 5] [--out PATH]
+Per rate row: median seconds per gather (the slowest process's median), time and wire ratios
+to plain. ``--checks`` also times the self-check as in ``gather_bench.py``.
+
+    python benchmarks/gather_multiprocess.py [--procs 2 4] [--links 50mbit ... 10gbit]
+        [--experts 4] [--churn 0.01] [--word-experts 4] [--series churn word]
+        [--reps 5] [--out PATH] [--png PATH]
+    python benchmarks/gather_multiprocess.py --out benchmarks/results/crossover.json \
+        --png docs/crossover.png                                    # the sweep of docs/results.md
 """
 
 from __future__ import annotations
@@ -47,33 +54,44 @@ D_MODEL, D_FF = 2048, 1024
 METHODS = ("plain", "ciera", "checksum", "ciera_checked")
 
 
+SWEEP = ["50mbit", "100mbit", "300mbit", "1gbit", "3gbit", "10gbit"]  # log-spaced, ~3.2x
+
+
 def parse_args(argv=None):
-    p = parser(__doc__, "gather_multiprocess")
+    p = parser(__doc__, "gather_multiprocess", png=True)
     p.add_argument("--procs", type=int, nargs="+", default=[2, 4])
     p.add_argument("--local-devices", type=int, default=1, help="CPU devices per process")
-    p.add_argument("--links", nargs="+", default=["loopback", "10gbit", "1gbit"],
-                   help="loopback and/or tc rates (e.g. 10gbit 1gbit); 'veth' = namespaces "
-                        "without shaping")
-    p.add_argument("--experts", type=int, nargs="+", default=[1, 4],
+    p.add_argument("--links", nargs="+", default=SWEEP,
+                   help="tc rates (default the sweep: %(default)s) and/or loopback; 'veth' = "
+                        "namespaces without shaping")
+    p.add_argument("--experts", type=int, nargs="+", default=[4],
                    help=f"experts per tensor: (E, {D_MODEL}, {D_FF}) bf16 = 4 MB per expert")
-    p.add_argument("--churn", type=float, nargs="+", default=[0.0, 0.01])
+    p.add_argument("--churn", type=float, nargs="+", default=[0.01])
     p.add_argument("--word-experts", type=int, nargs="+", default=[4],
                    help="experts per tensor of the word-delta series (4 = 16 MB)")
     p.add_argument("--series", nargs="+", choices=("churn", "word"), default=["churn", "word"],
                    help="churn: plain vs CIERA at exponent churn levels; word: plain vs "
                         "exponent vs word mode on word deltas")
+    p.add_argument("--checks", action="store_true",
+                   help="also time the self-check (checksum alone, and fused into the gather)")
+    p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                   help="skip the calibration (then nothing is predicted)")
+    p.add_argument("--link-sizes", nargs="+", default=["1M", "8M", "32M"],
+                   help="plain gathers that fit each link's alpha and beta (none: no fit)")
+    p.add_argument("--passes-mb", type=float, default=16,
+                   help="size at which each codec pass is timed alone (0: not timed)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--timeout", type=float, default=300, help="seconds per launch")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per link of a launch")
     return p.parse_args(argv)
 
 
 def aggregate(results: list[dict], link: str, procs: int) -> list[dict]:
-    """One row per (shape, churn): the slowest process's median for each method."""
+    """One row per (shape, churn) at ``link``: the slowest process's median for each method."""
     by_key: dict[tuple, dict] = {}
     for res in results:
         for r in res["records"]:
-            if r.get("series") == "word_delta":
+            if r.get("series") == "word_delta" or r.get("link", link) != link:
                 continue
             key = (tuple(r["shape"]), r["target_change_rate"])
             row = by_key.setdefault(key, dict(link=link, procs=procs, devices=r["N"],
@@ -88,8 +106,9 @@ def aggregate(results: list[dict], link: str, procs: int) -> list[dict]:
     rows = []
     for row in by_key.values():
         row["time_ratio"] = row["ciera_s"] / row["plain_s"]
-        row["checksum_vs_ciera"] = row["checksum_s"] / row["ciera_s"]
-        row["checked_vs_ciera"] = row["ciera_checked_s"] / row["ciera_s"] - 1
+        if "checksum_s" in row:
+            row["checksum_vs_ciera"] = row["checksum_s"] / row["ciera_s"]
+            row["checked_vs_ciera"] = row["ciera_checked_s"] / row["ciera_s"] - 1
         N = row["devices"]
         row["plain_recv_GBps"] = (N - 1) / N * row["mb"] * 2**20 / row["plain_s"] / 1e9
         rows.append(row)
@@ -97,11 +116,12 @@ def aggregate(results: list[dict], link: str, procs: int) -> list[dict]:
 
 
 def aggregate_word(results: list[dict], link: str, procs: int) -> list[dict]:
-    """One row per shape of the word-delta series: slowest process's median per mode."""
+    """One row per shape of the word-delta series at ``link``: slowest process's median per
+    mode."""
     by_shape: dict[tuple, dict] = {}
     for res in results:
         for r in res["records"]:
-            if r.get("series") != "word_delta":
+            if r.get("series") != "word_delta" or r.get("link", link) != link:
                 continue
             row = by_shape.setdefault(tuple(r["shape"]), dict(
                 series="word_delta", link=link, procs=procs, devices=r["N"],
@@ -136,9 +156,10 @@ COLUMNS = [
     ("churn", 6, ("churn", ".2%")), ("plain ms", 9, _ms("plain_s")),
     ("ciera ms", 9, _ms("ciera_s")), ("t ciera/plain", 13, ("time_ratio", ".2f")),
     ("wire c/p", 8, ("wire_ratio", ".3f")), ("plain GB/s", 10, ("plain_recv_GBps", ".3f")),
-    ("chk/ciera", 9, ("checksum_vs_ciera", ".1%")), ("fused +", 8, ("checked_vs_ciera", ".1%")),
     ("fb", 2, lambda r: "y" if r["fallback"] else "-"),
 ]
+CHECK_COLUMNS = [("chk/ciera", 9, ("checksum_vs_ciera", ".1%")),
+                 ("fused +", 8, ("checked_vs_ciera", ".1%"))]
 
 
 def parse_results(outs: list[str]) -> list[dict]:
@@ -151,76 +172,101 @@ def parse_results(outs: list[str]) -> list[dict]:
     return res
 
 
+def launch(link_names: list[str], procs: int, spec: dict, args, env) -> list[dict]:
+    """One process group for every link of ``link_names``: shaped ones in namespaces (each
+    process reshapes its own link between rates), or loopback."""
+    from ciera_jax.runtime import netns
+    from ciera_jax.runtime.launch import run_local
+
+    spec = json.dumps(dict(spec, links=link_names))
+    timeout = args.timeout * (len(link_names) + (2 if args.calibrate else 0))
+    if link_names == ["loopback"]:
+        outs = run_local(WORKER, [spec], num_processes=procs, local_devices=args.local_devices,
+                         timeout_s=timeout, env=env)
+    else:
+        first = None if link_names[0] == "veth" else link_names[0]
+        with netns.LimitedLink(procs, first) as lk:
+            outs = netns.run_in_namespaces(lk, WORKER, [spec], local_devices=args.local_devices,
+                                           timeout_s=timeout, env=env)
+    return parse_results(outs)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     # SIGTERM unwinds like Ctrl-C: the workers are killed and the namespaces torn down.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     from ciera_jax.runtime import netns
-    from ciera_jax.runtime.launch import run_local
+    from sweep_report import report  # benchmarks/, beside this script
 
     churn = "churn" in args.series
-    spec = json.dumps(dict(shapes=[[e, D_MODEL, D_FF] for e in args.experts] if churn else [],
-                           axis=1, churn=args.churn, reps=args.reps, warmup=args.warmup,
-                           methods=METHODS,
-                           word_shapes=([[e, D_MODEL, D_FF] for e in args.word_experts]
-                                        if "word" in args.series else [])))
+    methods = METHODS if args.checks else ("plain", "ciera")
+    spec = dict(shapes=[[e, D_MODEL, D_FF] for e in args.experts] if churn else [],
+                axis=1, churn=args.churn, reps=args.reps, warmup=args.warmup, methods=methods,
+                word_shapes=([[e, D_MODEL, D_FF] for e in args.word_experts]
+                             if "word" in args.series else []),
+                link_sizes=args.link_sizes, calibrate=args.calibrate,
+                calibrate_reps=max(3, args.reps), passes_mb=args.passes_mb)
     env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     shaped = [lk for lk in args.links if lk != "loopback"]
     ns_ok, ns_why = (netns.available() if shaped else (False, "no namespace links asked for"))
     if shaped and not ns_ok:
         print(f"bandwidth-limited links skipped ({', '.join(shaped)}): {ns_why}", flush=True)
     print(f"gather_multiprocess: {args.local_devices} CPU device(s) per process, bf16 "
-          f"(E, {D_MODEL}, {D_FF}) on axis 1, median of {args.reps}, slowest process",
-          flush=True)
+          f"(E, {D_MODEL}, {D_FF}) on axis 1, median of {args.reps}, slowest process; "
+          f"load {os.getloadavg()[0]:.1f}", flush=True)
 
-    rows, word_rows, skipped, failures = [], [], [], []
+    groups = ([["loopback"]] if "loopback" in args.links else []) + ([shaped] if ns_ok and
+                                                                      shaped else [])
+    rows, word_rows, launches, failures = [], [], [], []
+    skipped = [dict(link=lk, reason=ns_why) for lk in shaped if not ns_ok]
     t0 = time.perf_counter()
-    for link in args.links:
-        if link != "loopback" and not ns_ok:
-            skipped.append(dict(link=link, reason=ns_why))
-            continue
+    for link_names in groups:
         for procs in args.procs:
             t_launch = time.perf_counter()
             try:
-                if link == "loopback":
-                    outs = run_local(WORKER, [spec], num_processes=procs,
-                                     local_devices=args.local_devices, timeout_s=args.timeout,
-                                     env=env)
-                else:
-                    rate = None if link == "veth" else link
-                    with netns.LimitedLink(procs, rate) as lk:
-                        outs = netns.run_in_namespaces(lk, WORKER, [spec],
-                                                       local_devices=args.local_devices,
-                                                       timeout_s=args.timeout, env=env)
-                results = parse_results(outs)
-                new = aggregate(results, link, procs)
-                new_word = aggregate_word(results, link, procs)
+                results = launch(link_names, procs, spec, args, env)
             except (RuntimeError, OSError) as e:
-                print(f"{link} x {procs} processes failed: {str(e)[:1500]}", flush=True)
-                failures.append(dict(link=link, procs=procs, error=str(e)[-3000:]))
+                print(f"{' '.join(link_names)} x {procs} processes failed: {str(e)[:1500]}",
+                      flush=True)
+                failures.append(dict(links=link_names, procs=procs, error=str(e)[-3000:]))
                 continue
-            for r in new:
-                r["launch_s"] = time.perf_counter() - t_launch
-            if new:
-                print_table(new, COLUMNS, header=not rows)
-            if new_word:
-                print_table(new_word, WORD_COLUMNS)
-            rows += new
-            word_rows += new_word
+            launches.append(dict(links=link_names, procs=procs, results=results,
+                                 seconds=time.perf_counter() - t_launch))
+            for link in link_names:
+                new, new_word = aggregate(results, link, procs), aggregate_word(results, link,
+                                                                                  procs)
+                if new:
+                    print_table(new, COLUMNS + (CHECK_COLUMNS if args.checks else []))
+                if new_word:
+                    print_table(new_word, WORD_COLUMNS)
+                rows += new
+                word_rows += new_word
+    sweep = report(launches)
     elapsed = time.perf_counter() - t0
-    write_results(args.out, dict(
+    print(f"sweep: {elapsed:.0f} s, load {' '.join(f'{x:.1f}' for x in os.getloadavg())}",
+          flush=True)
+    doc = write_results(args.out, dict(
         local_devices=args.local_devices, reps=args.reps, seconds=elapsed,
-        rows=rows, word_rows=word_rows, skipped=skipped, failures=failures,
+        rows=rows, word_rows=word_rows, **sweep, skipped=skipped, failures=failures,
         notes=["time_ratio = ciera / plain bits; wire_ratio = bytes one rank sends, "
                "ciera / plain",
                "shaped links: per-process namespace, veth to a bridge, tc tbf at the "
-               "rate in both directions (ciera_jax.runtime.netns)",
+               "rate in both directions (ciera_jax.runtime.netns); one launch per process "
+               "count serves every rate, each process reshaping its own link",
                "times are the slowest process's median per method",
-               "checksum_vs_ciera = checksum_s / ciera_s; checked_vs_ciera = "
-               "ciera_checked_s / ciera_s - 1 (see gather_bench.py)",
+               "points: every (series, link, procs, mode) measured next to the cost model's "
+               "prediction (ciera_jax.planning.crossover.predict: the planner's t_plain, "
+               "t_ciera, t_word) on the calibrated profile of that process count with the "
+               "link's alpha and beta fitted from plain gathers of --link-sizes",
+               "crossovers: the link rate below which a mode beats plain, log-interpolated "
+               "(ciera_jax.planning.crossover.log_crossover)",
                "word_rows: plain bits, exponent mode, word mode on a pair of weights whose "
-               "words differ by steady-state word deltas; targets word <= 0.55x, exponent "
-               "<= 0.75x plain time"]))
+               "words differ by steady-state word deltas"]))
+    if args.png and sweep["points"]:
+        from crossover_plot import draw  # benchmarks/, beside this script
+
+        draw(doc, args.png)
+        print(f"wrote {args.png}")
     return 1 if failures and not (rows or word_rows) else 0
 
 

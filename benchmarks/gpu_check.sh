@@ -9,8 +9,12 @@
 #      the receiver's decode+checksum unfused vs fused, the escapes (jnp loops vs Triton
 #      kernels), and a block-size sweep;
 #   3. a one-GPU gather_bench (the codec's overhead per gathered byte: 1 device, so the
-#      "all-gather" is a copy and everything else is codec).
-# Step timeouts sum to 470 s (< 8 minutes). Exits non-zero if the kernel tests fail.
+#      "all-gather" is a copy and everything else is codec);
+#   4. gpu_crossover: each mode's codec as a measured fraction of a copy (encode + decode at
+#      their counted bytes, from step 2) and the cost model's crossover bandwidth at that
+#      fraction against NVLink 4, NDR 400/200, RoCE 100 and 25 GbE (docs/results.md, "Where
+#      CIERA pays"). The links themselves need two or more GPUs: not measured here.
+# Step timeouts sum to 490 s (< 9 minutes). Exits non-zero if the kernel tests fail.
 #
 #   OUT=/tmp/out bash benchmarks/gpu_check.sh      # default OUT: results/gpu
 #   CIERA_CHECK_PLATFORMS=cpu CIERA_CHECK_QUICK=1 bash benchmarks/gpu_check.sh   # CPU dry run
@@ -85,6 +89,11 @@ for r in rows:
         print(f"{r['dtype']:>5} {r['mb']:>6g} MB {r['impl']:>14} {r['op']:>16} "
               f"{r['gbps']:8.1f} GB/s  {r['ratio']:5.2f} x copy")
 PY
+
+step "crossover at the measured codec fraction (cost model; the links are not measured here)"
+timeout 20 python benchmarks/gpu_crossover.py --kernels "$OUT/kernel_throughput.json" \
+  --out "$OUT/gpu_crossover.json" 2>&1 | tee -a "$LOG"
+echo "crossover exit code: ${PIPESTATUS[0]}" | tee -a "$LOG"
 
 step "done: kernel tests exit code $TEST_RC; outputs in $OUT"
 exit "$TEST_RC"

@@ -1,5 +1,5 @@
-"""The gather timing kit: weight pairs with controlled exponent churn, jitted gathers of them,
-and interleaved timing. Calibration, the gather benchmarks and the simulator tests share it, so
+"""The gather timing kit: weight pairs with controlled exponent churn or steady-state word moves,
+jitted gathers of them, and interleaved timing. Calibration, the gather benchmarks and the simulator tests share it, so
 every figure they quote is timed the same way."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ciera_jax.codec import bitfields
+from ciera_jax.codec import bitfields, wordcodec
 from ciera_jax.collective.cache import init_cache
 from ciera_jax.collective.gather import all_gather, plain_all_gather
 from ciera_jax.runtime.partition import AXIS, spec_for
@@ -46,6 +46,34 @@ def weight_pair(mesh, shape, axis: int, change_rate: float, dtype=None, seed: in
         flip = jax.random.uniform(k2, shape) < change_rate
         exp_bit = jnp.where(flip, one << fmt.mantissa_bits, jnp.zeros_like(one))
         return xa, bitfields.from_bits(bits ^ one ^ exp_bit, dtype)
+
+    return gen()
+
+
+# P(|d| <= k) at steady state, small 1e-3 (shared/studies/word_delta/report.md): |d| in ulps.
+STEADY_CDF = ((0, 0.43), (1, 0.74), (3, 0.88), (7, 0.94), (127, 0.997))
+RAW_MAX = 4096  # |d| of the remaining 0.3%: up to 32 binades of bf16 ulps
+
+
+def word_pair(mesh, shape, axis: int, seed: int = 0):
+    """``(xa, xb)`` bf16 on the devices: xa ~ normal(0, 0.02), xb = xa with every word moved
+    by d ulps (in the monotone order), |d| drawn from :data:`STEADY_CDF` (uniform inside each
+    band), random sign. Alternating them is word mode's steady state."""
+    sharding = NamedSharding(mesh, spec_for(axis, len(shape)))
+    edges = [0] + [k for k, _ in STEADY_CDF] + [RAW_MAX]
+    cdf = [p for _, p in STEADY_CDF] + [1.0]
+
+    @functools.partial(jax.jit, out_shardings=(sharding, sharding))
+    def gen():
+        k1, k2, k3, k4 = jax.random.split(jax.random.key(seed), 4)
+        xa = (0.02 * jax.random.normal(k1, shape, jnp.float32)).astype(jnp.bfloat16)
+        band = jnp.searchsorted(jnp.asarray(cdf), jax.random.uniform(k2, shape))
+        lo = jnp.asarray([0] + [e + 1 for e in edges[1:-1]])[band]
+        hi = jnp.asarray([0] + edges[2:])[band]
+        mag = lo + jnp.floor(jax.random.uniform(k3, shape) * (hi - lo + 1)).astype(jnp.int32)
+        d = jnp.where(jax.random.bernoulli(k4, 0.5, shape), mag, -mag)
+        bits = wordcodec.apply_delta(bitfields.to_bits(xa), d)
+        return xa, bitfields.from_bits(bits, jnp.bfloat16)
 
     return gen()
 
@@ -81,9 +109,9 @@ def gather_fns(mesh, ndim: int, axis: int) -> dict[str, Callable]:
     }
 
 
-def replicated_cache(mesh, shape, dtype):
-    """A fresh (unprimed) cache for a tensor of ``shape``, replicated on ``mesh``."""
-    return jax.jit(lambda: init_cache(shape, dtype),
+def replicated_cache(mesh, shape, dtype, mode: str = "exponent"):
+    """A fresh (unprimed) cache of ``mode`` for a tensor of ``shape``, replicated on ``mesh``."""
+    return jax.jit(lambda: init_cache(shape, dtype, mode),
                    out_shardings=NamedSharding(mesh, P()))()
 
 

@@ -17,8 +17,9 @@ from jax.sharding import PartitionSpec as P
 from ciera_jax import kernels
 from ciera_jax.codec import bitfields
 from ciera_jax.planning import costmodel as cm
-from ciera_jax.calibrate.kit import (gather_fns, jit_shard_map, measure_gathers, median_call,
-                                     weight_pair)
+from ciera_jax.calibrate.kit import (CieraStepper, gather_fns, jit_shard_map, measure_gathers,
+                                     median, median_call, replicated_cache, time_interleaved,
+                                     weight_pair, word_pair)
 from ciera_jax.runtime.devices import make_mesh
 from ciera_jax.runtime.partition import AXIS
 from ciera_jax.runtime.units import fmt_bytes
@@ -95,6 +96,48 @@ def measure_ciera_overhead(mesh, sizes: Sequence[int], reps: int, alpha: float, 
         rows.append(dict(n_bytes=r["n_bytes"], seconds=r["seconds"], extra_s=extra))
         if log:
             log(f"  ciera N={N} {fmt_bytes(r['n_bytes']):>9}: {r['seconds'] * 1e3:8.3f} ms "
+                f"(beyond the wire: {extra * 1e3:.3f} ms)")
+    return rows
+
+
+def measure_escape_cost(mesh, size: int, churn: float, reps: int, alpha: float, beta: float,
+                        agreement: float, base_extra_s: float, log=None) -> dict:
+    """Exponent-mode gathers at ``churn`` of ``size`` bytes: ``escape_s``, what each escaped
+    exponent of the full tensor adds beyond the wire (``base_extra_s``: the same size at churn
+    0), i.e. the sender's pack and every receiver's fill walking the escapes."""
+    N = mesh.devices.size
+    r = measure_gathers(mesh, (n_elements(size, N),), 0, churn, ("ciera",), reps=reps)[0]
+    wire = r["stats"]["sent_bytes"] * N
+    extra = r["seconds"] - cm.ring_allgather_time(wire, N, alpha, beta) - agreement
+    escapes = N * r["stats"]["changed"]
+    escape_s = max(extra - base_extra_s, 0.0) / max(escapes, 1)
+    if log:
+        log(f"  escapes N={N} {fmt_bytes(r['n_bytes']):>9} at {churn:.0%}: "
+            f"{r['seconds'] * 1e3:8.3f} ms ({escape_s * 1e9:.2f} ns per escape)")
+    return dict(n_bytes=r["n_bytes"], seconds=r["seconds"], extra_s=extra, escapes=escapes,
+                escape_s=escape_s, tier=r["stats"]["tier"], fallback=bool(r["stats"]["fallback"]))
+
+
+def measure_word_overhead(mesh, sizes: Sequence[int], reps: int, alpha: float, beta: float,
+                          agreement: float, log=None) -> list[dict]:
+    """Word-mode gathers in steady state (:func:`~ciera_jax.calibrate.kit.word_pair`: the
+    measured word moves, escapes included) and their time beyond the wire and agreement."""
+    N = mesh.devices.size
+    fn = gather_fns(mesh, 1, 0)["ciera"]
+    rows = []
+    for size in sizes:
+        shape = (n_elements(size, N),)
+        xa, xb = word_pair(mesh, shape, 0)
+        step = CieraStepper(fn, xa, xb, replicated_cache(mesh, shape, jnp.bfloat16, "word"))
+        t = median(time_interleaved({"word": step}, reps=reps)["word"])
+        stats = step.stats()
+        wire = stats["sent_bytes"] * N
+        extra = t - cm.ring_allgather_time(wire, N, alpha, beta) - agreement
+        rows.append(dict(n_bytes=2 * shape[0], seconds=t, extra_s=extra,
+                         fallback=bool(stats["fallback"]),
+                         wire_ratio=stats["sent_bytes"] / stats["plain_bytes"]))
+        if log:
+            log(f"  word N={N} {fmt_bytes(2 * shape[0]):>9}: {t * 1e3:8.3f} ms "
                 f"(beyond the wire: {extra * 1e3:.3f} ms)")
     return rows
 

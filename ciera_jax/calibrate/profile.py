@@ -13,9 +13,13 @@ from ciera_jax.calibrate.defaults import (CPU_CODEC_SIZES, CPU_SIZES, GPU_CODEC_
                                           mesh_sizes_for)
 from ciera_jax.calibrate.fit import fit_alpha_beta, fit_rate
 from ciera_jax.calibrate.measure import (empty_call_s, measure_agreement, measure_ciera_overhead,
-                                         measure_codec, measure_hbm, measure_plain_gathers)
+                                         measure_codec, measure_escape_cost, measure_hbm,
+                                         measure_plain_gathers, measure_word_overhead)
 from ciera_jax.runtime.devices import make_mesh
 from ciera_jax.runtime.units import fmt_bytes, parse_size
+
+
+ESCAPE_CHURN = 0.05  # exponent churn of the escape-cost measurement (word moves' steady state)
 
 
 def base_profile(platform_name: str, device_kind: str) -> str:
@@ -84,8 +88,24 @@ def calibrate(mesh_sizes: Sequence[int] | None = None, sizes: Sequence | None = 
             " less their modelled wire time and agreement, slope vs bytes (everything the "
             f"compressed path adds: encode, patch compaction, decode); {kernel_src}")
         sources["codec_launch_s"] = f"{src}: intercept of that line"
+        big = max(e2e_rows, key=lambda r: r["n_bytes"])
+        esc_row = measure_escape_cost(full_mesh, big["n_bytes"], ESCAPE_CHURN, reps, alpha,
+                                      beta, agreement, big["extra_s"], log)
+        escape_s = esc_row["escape_s"]
+        sources["escape_s"] = (f"{src}: exponent-mode gathers of {fmt_bytes(big['n_bytes'])} "
+                               f"at {ESCAPE_CHURN:.0%} churn less the same at 0%, per escaped "
+                               "exponent of the full tensor")
+        word_rows = measure_word_overhead(full_mesh, codec_sizes, reps, alpha, beta, agreement,
+                                          log)
+        word_Bps, _ = fit_rate([r["n_bytes"] for r in word_rows],
+                               [r["extra_s"] for r in word_rows])
+        sources["word_codec_Bps"] = (
+            f"{src}: end to end, word-mode gathers of steady-state word moves (escapes "
+            f"included) of {[fmt_bytes(s) for s in codec_sizes]} less their modelled wire "
+            "time and agreement, slope vs bytes")
     else:
         agreement, e2e_rows = 0.0, []
+        esc_row, escape_s, word_rows, word_Bps = None, 0.0, [], None
         codec_Bps, launch_s = kernel_Bps, kernel_launch_s
         sources["agreement_s"] = "one device: no agreement collective"
         sources["codec_Bps"] = f"{src}: {kernel_src}"
@@ -95,11 +115,14 @@ def calibrate(mesh_sizes: Sequence[int] | None = None, sizes: Sequence | None = 
     sources["entropy_Bps"] = f"not measured; carried over from built-in profile {base.name}"
     prof = cm.Profile(name=name or f"calibrated-{plat}-{N_max}", alpha_s=alpha, beta_Bps=beta,
                       codec_Bps=codec_Bps, agreement_s=agreement, hbm_Bps=hbm,
-                      entropy_Bps=base.entropy_Bps, codec_launch_s=launch_s, sources=sources)
+                      entropy_Bps=base.entropy_Bps, codec_launch_s=launch_s,
+                      codec_pricing="measured", word_codec_Bps=word_Bps, escape_s=escape_s,
+                      sources=sources)
     details = dict(platform=plat, device_kind=kind, devices=len(devs), mesh_sizes=mesh_sizes,
                    empty_call_s=empty_s, gathers=[{k: v for k, v in r.items() if k != "times"}
                                                   for r in gather_recs],
                    codec=codec_rows, ciera_overhead=e2e_rows, kernel_codec_Bps=kernel_Bps,
+                   escape=esc_row, word_overhead=word_rows,
                    host=platform.node(), date=date)
     return prof, details
 
@@ -111,6 +134,10 @@ def profile_table(p: cm.Profile) -> str:
             ("codec_Bps", f"{p.codec_Bps / 1e9:.3f} GB/s", "CIERA's extra work, bf16 bytes/s"),
             ("codec_launch_s", f"{p.codec_launch_s * 1e6:.1f} us", "fixed codec cost per gather"),
             ("agreement_s", f"{p.agreement_s * 1e6:.1f} us", "one pmax of int32 counts"),
+            ("word_codec_Bps", "-" if p.word_codec_Bps is None else
+             f"{p.word_codec_Bps / 1e9:.3f} GB/s", "word mode's extra work, bf16 bytes/s"),
+            ("escape_s", f"{p.escape_s * 1e9:.2f} ns", "per escaped exponent"),
+            ("codec_pricing", p.codec_pricing, "counted bytes, or measured rates"),
             ("hbm_Bps", f"{p.hbm_Bps / 1e9:.3f} GB/s", "memory copy rate"),
             ("entropy_Bps", f"{p.entropy_Bps / 1e9:.3f} GB/s", "not measured (carried over)")]
     w = max(len(r[1]) for r in rows)

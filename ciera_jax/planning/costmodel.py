@@ -19,7 +19,12 @@ cache); every other method gathers twice.
 Codec time is counted, not assumed: the bytes each pass reads and writes per element
 (:data:`CODEC_PASS_BYTES`: the sender's encode over its shard, the receiver's decode and
 self-check over the full tensor) at :data:`CODEC_HBM_FRACTION` of the device's memory
-bandwidth, plus a launch cost per gather.
+bandwidth, plus a launch cost per gather. A calibrated profile (``codec_pricing="measured"``)
+prices what was measured where it is slower than the counted bytes: on a CPU the codec is
+bound by its ops, not its bytes (about 10x its counted time; ``docs/results.md``, "Where CIERA
+pays"). Its dense passes then run at the measured end-to-end rate of each mode
+(``codec_Bps``, ``word_codec_Bps``), and each escaped exponent costs ``escape_s`` more (the
+sender's pack and every receiver's fill walk the escapes one by one).
 
 ``n`` is the element count of the FULL tensor, ``b`` its bytes per element. The link is a
 :class:`Profile` (one flat ring) or a :class:`Topology` (NVLink ring inside a node, then a
@@ -68,6 +73,12 @@ class Profile:
     entropy_Bps encode+decode rate of a single-pass entropy codec, bytes of input per second
     codec_launch_s fixed cost of the codec kernels (encode + decode launches) per gather
     memory_gb   device memory (GB, 1e9 bytes) the planner may fill; None: unlimited
+    codec_pricing  "counted": the codec's bytes per pass at a fraction of ``hbm_Bps`` (built-in
+                GPU profiles); "measured": a calibration's rates where they are slower
+    word_codec_Bps word mode's measured end-to-end codec rate at its steady-state escapes
+                (bytes of bf16 full tensor per second); None: not measured
+    escape_s    seconds per escaped exponent of the full tensor, beyond the dense passes
+                (measured pricing only)
     """
 
     name: str
@@ -79,6 +90,9 @@ class Profile:
     entropy_Bps: float = 4.0e11
     codec_launch_s: float = 5e-6
     memory_gb: float | None = None
+    codec_pricing: str = "counted"
+    word_codec_Bps: float | None = None
+    escape_s: float = 0.0
     sources: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
@@ -146,6 +160,18 @@ class Topology:
     def memory_gb(self) -> float | None:
         return self.intra.memory_gb
 
+    @property
+    def codec_pricing(self) -> str:
+        return self.intra.codec_pricing
+
+    @property
+    def word_codec_Bps(self) -> float | None:
+        return self.intra.word_codec_Bps
+
+    @property
+    def escape_s(self) -> float:
+        return self.intra.escape_s
+
     def agreement(self, N: int) -> float:
         return self.intra.agreement_s if N <= self.gpus_per_node else self.inter.agreement_s
 
@@ -199,13 +225,31 @@ def expected_change_count(n_local: int, change_rate: float) -> int:
     return math.ceil(max(change_rate, 0.0) * n_local)
 
 
-def codec_time(method: str, n: int, N: int, bytes_per_elem: int, link) -> float:
+def codec_time(method: str, n: int, N: int, bytes_per_elem: int, link,
+               escapes: int = 0) -> float:
     """Encode of one shard + decode of the full tensor, from the bytes each pass moves (scaled
-    by the word width: float32 moves twice bf16's bytes) at a fraction of HBM bandwidth."""
+    by the word width: float32 moves twice bf16's bytes) at a fraction of HBM bandwidth.
+
+    With measured pricing the dense passes take the longer of that and the mode's measured
+    rate, and ``escapes`` (escaped elements of the full tensor) cost ``escape_s`` each."""
     enc, dec = CODEC_PASS_BYTES[method]
     scale = bytes_per_elem / 2
     moved = scale * (enc * n / max(N, 1) + dec * n)
-    return moved / (link.hbm_Bps * CODEC_HBM_FRACTION) + link.codec_launch_s
+    t = moved / (link.hbm_Bps * CODEC_HBM_FRACTION)
+    if link.codec_pricing == "measured":
+        rate = measured_codec_Bps(method, link)
+        if rate:
+            t = max(t, n * bytes_per_elem / rate)
+        t += escapes * link.escape_s
+    elif link.codec_pricing != "counted":
+        raise ValueError(f"codec_pricing {link.codec_pricing!r}: use 'counted' or 'measured'")
+    return t + link.codec_launch_s
+
+
+def measured_codec_Bps(method: str, link) -> float | None:
+    """The calibrated end-to-end rate of ``method``'s codec (exponent mode: ``codec_Bps``, word
+    mode: ``word_codec_Bps``); None where nothing was measured for it."""
+    return {"ciera": link.codec_Bps, "word": link.word_codec_Bps}.get(method)
 
 
 # ----------------------------------------------------------------------------- methods
@@ -253,8 +297,10 @@ def gather_cost(method: str, n: int, N: int, bytes_per_elem: int, link: Link,
         changed = expected_change_count(n_local, change_rate)
         fallback = changed > wire.caps[-1]
         cap = 0 if fallback else next(c for c in wire.caps if c >= changed)
+        # a fallback gathers plain bits: no escapes walked
+        escapes = 0 if fallback else N * changed
         return GatherCost("ciera", N * wire.sent_bytes(changed),
-                          codec_time("ciera", n, N, b, link), fallback=fallback,
+                          codec_time("ciera", n, N, b, link, escapes), fallback=fallback,
                           patch_capacity=cap)
     if method == "word":
         codec = codec_time("word", n, N, b, link)

@@ -101,11 +101,7 @@ class LimitedLink:
                     self._shape(where, dev)
 
     def _shape(self, ns: str, dev: str) -> None:
-        rate_bps = _rate_bits(self.rate)
-        burst = max(64 * 1024, rate_bps // 8 // 250)  # ~4 ms at line rate, >= one jumbo frame
-        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root",
-                        "tbf", "rate", self.rate, "burst", str(burst), "latency", "20ms"],
-                       capture_output=True, text=True, check=True, timeout=30)
+        shape_link(ns, dev, self.rate)
 
     def close(self) -> None:
         for ns in reversed(self._made):
@@ -116,7 +112,31 @@ class LimitedLink:
         return ["ip", "netns", "exec", self.namespaces[i]]
 
 
-def _rate_bits(rate: str) -> int:
+def shape_link(ns: str, dev: str, rate: str | None) -> None:
+    """Shape ``dev`` in namespace ``ns`` to ``rate`` with tc tbf (``replace``: whether or not it
+    was shaped before); ``rate`` None removes the shaping."""
+    if rate is None:
+        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"],
+                       capture_output=True, text=True, check=False, timeout=30)
+        return
+    burst = max(64 * 1024, rate_bits(rate) // 8 // 250)  # ~4 ms at line rate, >= a jumbo frame
+    subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root",
+                    "tbf", "rate", rate, "burst", str(burst), "latency", "20ms"],
+                   capture_output=True, text=True, check=True, timeout=30)
+
+
+def set_own_rate(rate: str | None) -> None:
+    """In a child of :func:`run_in_namespaces`: shape this process's link (its veth and the
+    hub's end of it) to ``rate``, or unshape it (None). The other processes set theirs; a
+    barrier after it is the caller's."""
+    hub, i = os.environ["CIERA_NETNS_HUB"], int(os.environ["CIERA_PROCESS_ID"])
+    own = os.environ["CIERA_NETNS_SELF"]
+    shape_link(own, "eth0", rate)
+    shape_link(hub, f"h{i}", rate)
+
+
+def rate_bits(rate: str) -> int:
+    """Bits per second of a tc rate such as ``1gbit`` or ``300mbit``."""
     r = rate.lower().strip()
     for suffix, mult in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3), ("bit", 1)):
         if r.endswith(suffix):
@@ -149,7 +169,9 @@ def run_in_namespaces(link: LimitedLink, module: str, args: list[str], *, local_
     coordinator = f"{link.ips[0]}:{port}"
     procs = [subprocess.Popen([*link.exec_prefix(pid), sys.executable, "-m", module, *args],
                               env=child_env(coordinator, link.num, pid, local_devices, env,
-                                            CIERA_GLOO_HOSTNAME=link.ips[pid]),
+                                            CIERA_GLOO_HOSTNAME=link.ips[pid],
+                                            CIERA_NETNS_HUB=link.hub,
+                                            CIERA_NETNS_SELF=link.namespaces[pid]),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for pid in range(link.num)]
     outs, codes = collect(procs, timeout_s)

@@ -1,0 +1,168 @@
+"""The link-rate sweep of gather_multiprocess.py turned into its answer: every measured point
+next to the cost model's prediction, and the crossover rates, measured and predicted.
+
+:func:`report` takes the launches (each: the links it swept, its process count and every
+process's RESULT) and returns ``points``, ``crossovers``, ``calibrations``, ``passes`` and
+``link_fits`` for the JSON, printing their tables on the way. The prediction is the planner's
+(``ciera_jax.planning.crossover.predict``) on the launch's calibrated profile with the link's
+fitted alpha and beta, so a miss here is a miss of the planner; ``counted_s`` is the same with
+every codec priced as its counted bytes (the model before this sweep).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from common import print_table  # benchmarks/common.py, beside this script
+
+from ciera_jax.calibrate.fit import fit_alpha_beta
+from ciera_jax.planning import costmodel as cm
+from ciera_jax.planning import crossover as xo
+from ciera_jax.runtime.netns import rate_bits
+
+MODE_OF = {"plain": "plain", "ciera": "exponent", "exponent": "exponent", "word": "word"}
+
+
+def link_rate(link: str) -> float | None:
+    """Bits per second of a shaped link's name; None for loopback / unshaped veth."""
+    return None if link in ("loopback", "veth") else float(rate_bits(link))
+
+
+def series_name(r: dict) -> str:
+    return "word" if r.get("series") == "word_delta" else f"churn {r['target_change_rate']:g}"
+
+
+def fit_link(results: list[dict], link: str, N: int) -> dict | None:
+    """alpha and beta of ``link`` from every process's plain gathers of the fit sizes (the
+    slowest process per size, as the series take it)."""
+    fits = [res["links"].get(link, {}).get("gathers") for res in results]
+    if not all(fits):
+        return None
+    recs = [dict(N=N, n_bytes=g[0]["n_bytes"], seconds=max(x["seconds"] for x in g))
+            for g in zip(*fits)]
+    alpha, beta = fit_alpha_beta(recs)
+    return dict(alpha_s=alpha, beta_Bps=beta, gathers=recs)
+
+
+def measured(results: list[dict], link: str) -> dict:
+    """``(series, shape) -> {mode: (slowest median seconds, rank-0 stats)}`` at ``link``."""
+    out: dict = {}
+    for res in results:
+        for r in res["records"]:
+            if r.get("link") != link or r["method"] not in MODE_OF:
+                continue
+            key = (series_name(r), tuple(r["shape"]))
+            m = MODE_OF[r["method"]]
+            t, st = out.setdefault(key, {}).get(m, (0.0, None))
+            out[key][m] = (max(t, r["seconds"]), st if st is not None else r.get("stats"))
+    return out
+
+
+def predict_point(mode: str, shape, N: int, prof: cm.Profile, stats: dict | None) -> float:
+    """The planner's time for this point, at the escapes / bytes the gather reported."""
+    n = math.prod(shape)
+    if mode == "exponent":
+        return xo.predict(mode, n, N, prof, change_rate=stats["agreed_changed"] / (n // N))
+    if mode == "word":
+        return xo.predict(mode, n, N, prof, word_bpw=stats["sent_bytes"] * N / n)
+    return xo.predict(mode, n, N, prof)
+
+
+def launch_points(launch: dict) -> tuple[list[dict], dict]:
+    """Every (series, link, mode) of one launch, measured and predicted; and its link fits."""
+    results, N = launch["results"], launch["procs"]
+    calib = results[0].get("calibration")
+    base = cm.Profile(**calib["profile"]) if calib else None
+    points, fits = [], {}
+    for link in launch["links"]:
+        fit = fit_link(results, link, N)
+        fits[link] = fit
+        prof = xo.link_profile(base, fit["alpha_s"], fit["beta_Bps"]) if base and fit else None
+        # the model before the sweep: every codec priced as its counted bytes
+        counted = dataclasses.replace(prof, codec_pricing="counted") if prof else None
+        for (series, shape), modes in measured(results, link).items():
+            plain_s = modes["plain"][0]
+            pred_plain = predict_point("plain", shape, N, prof, None) if prof else None
+            for mode, (t, stats) in modes.items():
+                pred = predict_point(mode, shape, N, prof, stats) if prof else None
+                points.append(dict(
+                    series=series, link=link, rate_bps=link_rate(link), procs=N, mode=mode,
+                    mb=math.prod(shape) * 2 / 2**20, measured_s=t, ratio=t / plain_s,
+                    wire_ratio=(stats["sent_bytes"] / stats["plain_bytes"] if stats else 1.0),
+                    predicted_s=pred,
+                    counted_s=(predict_point(mode, shape, N, counted, stats) if prof else None),
+                    predicted_ratio=(pred / pred_plain if pred is not None else None),
+                    error=(t / pred - 1 if pred else None)))
+    return points, fits
+
+
+def crossovers(points: list[dict]) -> list[dict]:
+    """Per series, mode and process count: the rate below which the mode beats plain."""
+    out = []
+    keys = sorted({(p["series"], p["procs"], p["mode"]) for p in points if p["mode"] != "plain"
+                   and p["rate_bps"]})
+    for series, procs, mode in keys:
+        pts = sorted((p for p in points if (p["series"], p["procs"], p["mode"]) ==
+                      (series, procs, mode) and p["rate_bps"]), key=lambda p: p["rate_bps"])
+        rates = [p["rate_bps"] for p in pts]
+        row = dict(series=series, procs=procs, mode=mode,
+                   measured=xo.log_crossover(rates, [p["ratio"] for p in pts]))
+        if all(p["predicted_ratio"] for p in pts):
+            row["predicted"] = xo.log_crossover(rates, [p["predicted_ratio"] for p in pts])
+        out.append(row)
+    return out
+
+
+def _ms(key):
+    return lambda r: "-" if r.get(key) is None else f"{r[key] * 1e3:.1f}"
+
+
+def _x(key, fmt=".2f"):
+    return lambda r: "-" if r.get(key) is None else format(r[key], fmt)
+
+
+POINT_COLUMNS = [
+    ("series", 10, "series"), ("link", 8, "link"), ("procs", 5, "procs"), ("mode", 8, "mode"),
+    ("meas ms", 8, _ms("measured_s")), ("pred ms", 8, _ms("predicted_s")),
+    ("meas/pred", 9, lambda r: "-" if r["error"] is None else f"{r['error'] + 1:.2f}"),
+    ("counted ms", 10, _ms("counted_s")),
+    ("x plain", 7, _x("ratio")), ("pred x", 6, _x("predicted_ratio")),
+    ("wire", 5, _x("wire_ratio", ".3f")),
+]
+CROSS_COLUMNS = [
+    ("series", 10, "series"), ("procs", 5, "procs"), ("mode", 8, "mode"),
+    ("measured", 16, lambda r: xo.describe(r["measured"])),
+    ("predicted", 16, lambda r: xo.describe(r["predicted"]) if "predicted" in r else "-"),
+]
+PASS_COLUMNS = [("op", 16, "op"), ("ms", 8, _ms("seconds")), ("GB/s", 6, _x("gbps")),
+                ("x copy", 6, _x("ratio"))]
+
+
+def report(launches: list[dict]) -> dict:
+    """Points, crossovers, calibrations, per-pass times and link fits of the sweep, printed."""
+    points, calibrations, passes, link_fits = [], [], [], []
+    for launch in launches:
+        pts, fits = launch_points(launch)
+        points += pts
+        res0 = launch["results"][0]
+        if res0.get("calibration"):
+            from ciera_jax.calibrate.profile import profile_table
+
+            calibrations.append(dict(procs=launch["procs"], **res0["calibration"]))
+            print(f"calibration, {launch['procs']} processes over the unshaped sockets:")
+            print(profile_table(cm.Profile(**res0["calibration"]["profile"])), flush=True)
+        if res0.get("passes"):
+            passes.append(dict(procs=launch["procs"], rows=res0["passes"]))
+            print(f"each codec pass alone, process 0 of {launch['procs']} (all running it):")
+            print_table(res0["passes"], PASS_COLUMNS)
+        link_fits += [dict(procs=launch["procs"], link=k, **(v or {})) for k, v in fits.items()]
+    if points:
+        print("every point, measured and predicted (the planner's cost model):")
+        print_table(points, POINT_COLUMNS)
+    cross = crossovers(points)
+    if cross:
+        print("crossover: the link rate below which a mode beats plain")
+        print_table(cross, CROSS_COLUMNS)
+    return dict(points=points, crossovers=cross, calibrations=calibrations, passes=passes,
+                link_fits=link_fits)
