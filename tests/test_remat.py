@@ -1,5 +1,6 @@
 """Remat policies of the prepared layer scan (``fsdp.prepare(..., remat=)``, ``ciera train
---remat``): the saved VJP is the VJP, keeps no weight, saves what the policy names."""
+--remat``): the saved VJP is the VJP, keeps no weight, saves what the policy names; and a train
+step under each policy stays bitwise plain FSDP's, in both cache modes."""
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,10 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ciera_jax import fsdp
 from ciera_jax.fsdp import remat
+from ciera_models.train import TrainConfig, make_mesh, train
+
+STEPS = 3
+
 
 def _layer(w, inputs):
     """A toy layer: two weights, tagged projections, an untagged nonlinearity."""
@@ -58,3 +63,16 @@ def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="unknown remat policy"):
         fsdp.Plan(remat="some")
     assert set(fsdp.REMAT_POLICIES) == {"none", "save_dot_except_mlp", "full"}
+
+
+@pytest.mark.parametrize("policy", [p for p in fsdp.REMAT_POLICIES
+                                    if p != TrainConfig().remat])
+def test_each_policy_trains_bitwise_plain_in_both_cache_modes(policy):
+    """The default policy is the session's ``tiny_run`` (tests/test_train.py)."""
+    def sha(**kw):
+        tc = TrainConfig(config="tiny", schedule_steps=STEPS, remat=policy, **kw)
+        return train(tc, steps=STEPS, seed=0, mesh=make_mesh(8), log=None).sha256
+
+    plain = sha(gather="plain")
+    assert sha(gather="ciera") == plain  # --cache auto: word caches on every tensor on CPU
+    assert sha(gather="ciera", cache="exponent") == plain
