@@ -10,6 +10,11 @@ stream, norms, softmaxes and losses are float32.
 
 Activation names carry shapes too: B batch, L sequence, D model, H heads, K kv heads,
 Q head dim, E experts, F expert hidden, T tokens (B*L), A assignments (T*top_k).
+
+The attention's projections are tagged with MaxText's checkpoint names (``query_proj``,
+``key_proj``, ``value_proj``, ``out_proj``), which a remat policy may save
+(:mod:`ciera_jax.fsdp.remat`); the attention itself is ``jax.nn.dot_product_attention``
+with the implementation the trainer names (:data:`ATTENTIONS`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from ciera_jax import fsdp
 from ciera_jax.fsdp import gathered
@@ -26,6 +32,9 @@ from ciera_models.sharding import RULES
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 INIT_STD = 0.02
+# jax.nn.dot_product_attention's implementations: XLA's (any platform: materializes the
+# B x H x L x L scores) or cuDNN's fused flash attention (GPU only).
+ATTENTIONS = ("xla", "cudnn")
 
 
 def rms_norm(x, scale, eps: float = 1e-6):
@@ -79,13 +88,26 @@ class Head(nnx.Module):
         return mm(rms_norm(x_BxLxD, self.final_norm[...]), self.head_DxV[...])
 
 
-class Attention(nnx.Module):
-    """Pre-norm multi-head / grouped-query attention with RoPE; returns the residual update."""
+def attention(q_BxLxHxQ, k_BxLxKxQ, v_BxLxKxQ, implementation: str):
+    """Causal (grouped-query) attention of bf16 operands: ``jax.nn.dot_product_attention``,
+    scores and softmax in float32 (both implementations), output bf16."""
+    if implementation not in ATTENTIONS:
+        raise ValueError(f"unknown attention {implementation!r}; choose one of: "
+                         f"{', '.join(ATTENTIONS)}")
+    return jax.nn.dot_product_attention(
+        q_BxLxHxQ.astype(BF16), k_BxLxKxQ.astype(BF16), v_BxLxKxQ.astype(BF16),
+        is_causal=True, implementation=implementation)
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+
+class Attention(nnx.Module):
+    """Pre-norm multi-head / grouped-query attention with RoPE; returns the residual update.
+    ``implementation``: :data:`ATTENTIONS` (a static field: part of the graph definition)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, implementation: str = "xla"):
         D, K = cfg.d_model, cfg.kv_dim
         out_std = INIT_STD / (2 * cfg.n_layers) ** 0.5
         self.cfg = cfg
+        self.implementation = implementation
         self.attn_norm = _ones((D,))
         self.wq_DxD = _param(rngs, (D, D))
         self.wk_DxK = _param(rngs, (D, K))
@@ -101,7 +123,9 @@ class Attention(nnx.Module):
         B, L, _ = x_BxLxD.shape
         H, K, Q = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         h = rms_norm(x_BxLxD, self.attn_norm[...])
-        q, k, v = mm(h, self.wq_DxD[...]), mm(h, self.wk_DxK[...]), mm(h, self.wv_DxK[...])
+        q = checkpoint_name(mm(h, self.wq_DxD[...]), "query_proj")
+        k = checkpoint_name(mm(h, self.wk_DxK[...]), "key_proj")
+        v = checkpoint_name(mm(h, self.wv_DxK[...]), "value_proj")
         if cfg.qkv_bias:
             q, k, v = q + self.bq_D[...], k + self.bk_K[...], v + self.bv_K[...]
         if cfg.qk_norm:
@@ -109,16 +133,8 @@ class Attention(nnx.Module):
         q_BxLxHxQ = rope(q.reshape(B, L, H, Q), positions_L, cfg.rope_theta)
         k_BxLxKxQ = rope(k.reshape(B, L, K, Q), positions_L, cfg.rope_theta)
         v_BxLxKxQ = v.reshape(B, L, K, Q)
-        if K != H:
-            k_BxLxKxQ = jnp.repeat(k_BxLxKxQ, H // K, axis=2)
-            v_BxLxKxQ = jnp.repeat(v_BxLxKxQ, H // K, axis=2)
-        s_BxHxLxL = jnp.einsum("bqhd,bkhd->bhqk", q_BxLxHxQ.astype(BF16), k_BxLxKxQ.astype(BF16),
-                               preferred_element_type=F32) / jnp.sqrt(F32(Q))
-        causal = jnp.tril(jnp.ones((L, L), bool))
-        p = jax.nn.softmax(jnp.where(causal, s_BxHxLxL, -1e30), axis=-1)
-        o_BxLxHxQ = jnp.einsum("bhqk,bkhd->bqhd", p.astype(BF16), v_BxLxKxQ.astype(BF16),
-                               preferred_element_type=F32)
-        return mm(o_BxLxHxQ.reshape(B, L, H * Q), self.wo_DxD[...])
+        o_BxLxHxQ = attention(q_BxLxHxQ, k_BxLxKxQ, v_BxLxKxQ, self.implementation)
+        return checkpoint_name(mm(o_BxLxHxQ.reshape(B, L, H * Q), self.wo_DxD[...]), "out_proj")
 
 
 def swiglu(h, w_gate, w_up, w_down):
@@ -205,8 +221,9 @@ class Block(nnx.Module):
     The layer is the unit that gathers, as FSDP wraps a transformer block: its small tensors
     (norms, attention, router) travel as one bucket, its large ones alone."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dense: bool = False):
-        self.attn = Attention(cfg, rngs)
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dense: bool = False,
+                 attention: str = "xla"):
+        self.attn = Attention(cfg, rngs, attention)
         self.mlp = DenseMLP(cfg, rngs) if dense else MoE(cfg, rngs)
 
     @gathered(rules=RULES)
@@ -223,15 +240,17 @@ class Transformer(nnx.Module):
     A stacked parameter is the per-layer tensor of ``configs.tensor_inventory`` with the layer
     axis first (``layers/mlp/w_gate_ExDxF``: (L, E, D, F)); the stack runs under ``lax.scan``
     (:func:`ciera_jax.fsdp.scan_layers`), so one layer body is traced and compiled.
+    ``attention``: the attention's implementation (:data:`ATTENTIONS`).
     """
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, attention: str = "xla"):
         self.cfg = cfg
         self.embed = Embed(cfg, rngs)
         n_dense = cfg.n_dense_layers
-        self.dense_layers = (fsdp.stack(lambda r: Block(cfg, r, dense=True), n_dense, rngs)
-                             if n_dense else None)
-        self.layers = fsdp.stack(lambda r: Block(cfg, r), cfg.n_layers - n_dense, rngs)
+        self.dense_layers = (fsdp.stack(lambda r: Block(cfg, r, dense=True, attention=attention),
+                                        n_dense, rngs) if n_dense else None)
+        self.layers = fsdp.stack(lambda r: Block(cfg, r, attention=attention),
+                                 cfg.n_layers - n_dense, rngs)
         self.head = Head(cfg, rngs)
 
     def stacks(self) -> list[tuple[int, nnx.Module]]:

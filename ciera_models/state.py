@@ -94,6 +94,7 @@ class Trainer:
     cache_shapes: object = None  # the abstract cache state (every tensor's, exponent mode)
     param_shapes: object = None  # the abstract params (``ciera aot`` lowers the step on them)
     compiled: bool = False  # a step has run (so the next one does not compile)
+    attention: str = "xla"  # the attention's implementation (tc.attention resolved)
 
     @property
     def n(self) -> int:
@@ -129,7 +130,8 @@ class Trainer:
         return TrainState(state.step + done, params, caches, opt_state, ahead), m
 
     def init_state(self, seed: int) -> TrainState:
-        _, params, _ = nnx.split(Transformer(self.tc.model, nnx.Rngs(seed)), nnx.Param, ...)
+        model = Transformer(self.tc.model, nnx.Rngs(seed), self.attention)
+        _, params, _ = nnx.split(model, nnx.Param, ...)
         params = fsdp.put(params, self.param_specs, self.mesh)
         caches = fsdp.put(fresh_caches(self.cache_shapes, self.tensors, self.cache_modes), P(),
                           self.mesh)
@@ -150,7 +152,9 @@ def build_trainer(tc, mesh: Mesh) -> Trainer:
     if tc.gather not in fsdp.GATHER_MODES:
         raise ValueError(f"unknown gather {tc.gather!r}; choose one of: "
                          f"{', '.join(fsdp.GATHER_MODES)}")
-    abstract = nnx.eval_shape(lambda: fsdp.attach_caches(Transformer(cfg, nnx.Rngs(0))))
+    attention = tc.attention_on(mesh.devices.flat[0].platform)
+    abstract = nnx.eval_shape(lambda: fsdp.attach_caches(Transformer(cfg, nnx.Rngs(0),
+                                                                     attention)))
     graphdef, params, caches = nnx.split(abstract, nnx.Param, GatherCacheVar)
     # The rule table's specs; raises if the mesh does not divide a split dimension.
     param_specs = fsdp.state_specs(abstract, params, AXIS, n=n)
@@ -171,7 +175,7 @@ def build_trainer(tc, mesh: Mesh) -> Trainer:
                                     compress)
     return Trainer(tc, mesh, graphdef, param_specs, opt_specs, tx, tensor_kinds(cfg, tensors),
                    step_fn, tensors, compress, plan_summary, prepare_fn, modes,
-                   cache_shapes=caches, param_shapes=params)
+                   cache_shapes=caches, param_shapes=params, attention=attention)
 
 
 def tensor_kinds(cfg: configs.ModelConfig, tensors: dict) -> dict[str, str]:

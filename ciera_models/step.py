@@ -7,11 +7,12 @@
         +-- forward (``fsdp.prepare``): embed; each layer stack under ``lax.scan``, the body
         |          gathering layer l+1 (exchange: switch on the agreed tier + decode; or the
         |          plain / int8 gather) next to the compute of layer l; head. Tensors the plan
-        |          leaves plain use the plain gather. Gathered computes are rematerialized:
-        |          the backward reads word-cache tensors' full weights from their caches (no
-        |          second gather), gathers exponent-cache tensors' sign + mantissa bytes only
-        |          (their caches hold the exponents), the rest plainly; psum_scatters the
-        |          cotangents
+        |          leaves plain use the plain gather. The layers' forward saves what the
+        |          remat policy keeps (``--remat``; never a gathered weight), the backward
+        |          recomputes the rest: it reads word-cache tensors' full weights from their
+        |          caches (no second gather), gathers exponent-cache tensors' sign + mantissa
+        |          bytes only (their caches hold the exponents), the rest plainly;
+        |          psum_scatters the cotangents
         +-- grads: the loss is divided by the rank count, so these are grads of the global mean;
         |          replicated params (norms) are psummed by shard_map's autodiff
         +-- global-norm clipping (psum of sharded squares + replicated counted once), AdamW
@@ -126,7 +127,7 @@ def make_step(tc, mesh, graphdef, param_specs, opt_specs, tx, tensors, compress)
 
     def loss_fn(params, caches, encoded, agreed, tokens):
         model = fsdp.prepare(fsdp.merge(graphdef, params, caches), encoded, agreed, tc.gather,
-                             word_backward=tc.word_backward)
+                             word_backward=tc.word_backward, remat=tc.remat)
         loss, parts = model.loss(tokens, tc.lb_coef, tc.z_coef)
         # The gathers' new caches and stats are the model's state after the forward.
         new_caches = fsdp.cache_dict(nnx.state(model, fsdp.GatherCacheVar))

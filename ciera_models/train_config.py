@@ -97,6 +97,16 @@ class TrainConfig:
         "exponents: only sign + mantissa are gathered again) or regather (the same exact "
         "compressed gather again); both give params bitwise equal to --gather plain",
         choices=LazyChoices("ciera_jax.fsdp.state.plan", "WORD_BACKWARDS"), metavar="HOW")
+    remat: str = option(
+        "full", "what the layer scan's forward saves for the backward (MaxText's "
+        "remat_policy): full (each layer's input alone; the backward recomputes the layer), "
+        "save_dot_except_mlp (also the attention's q, k, v and output projections), none "
+        "(all that autodiff keeps); never a gathered weight",
+        choices=LazyChoices("ciera_jax.fsdp.state.plan", "REMAT_POLICIES"), metavar="POLICY")
+    attention: str = option(
+        "auto", "jax.nn.dot_product_attention's implementation: auto (cudnn when the mesh's "
+        "devices are GPUs, xla otherwise), xla (materializes the L x L scores), cudnn "
+        "(cuDNN's fused flash attention, GPU only)", choices=("auto", "xla", "cudnn"))
 
     @property
     def model(self) -> configs.ModelConfig:
@@ -105,6 +115,12 @@ class TrainConfig:
     @property
     def length(self) -> int:
         return self.seq_len or self.model.seq_len
+
+    def attention_on(self, platform: str) -> str:
+        """The attention implementation on devices of ``platform``: ``auto`` resolved."""
+        if self.attention != "auto":
+            return self.attention
+        return "cudnn" if platform in ("gpu", "cuda") else "xla"
 
 
 @dataclasses.dataclass(frozen=True)

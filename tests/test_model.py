@@ -8,7 +8,8 @@ import pytest
 from flax import nnx
 
 from ciera_models import configs, data
-from ciera_models.model import MoE, Transformer, abstract_model, param_count, rms_norm, swiglu
+from ciera_models.model import (MoE, Transformer, abstract_model, attention, param_count,
+                                rms_norm, swiglu)
 
 BIG = [n for n, c in configs.CONFIGS.items() if c.published_total_params]
 
@@ -57,6 +58,35 @@ def test_stacked_forward_is_the_layer_by_layer_forward():
     scanned = jax.jit(lambda t: Transformer(cfg, nnx.Rngs(0))(t)[0])
     np.testing.assert_allclose(np.asarray(scanned(toks)),
                                np.asarray(jax.jit(by_hand)(toks)), rtol=1e-5, atol=1e-5)
+
+
+def _einsum_attention(q, k, v):
+    """The attention before ``jax.nn.dot_product_attention``: bf16 einsums accumulating in
+    float32, scores scaled after the product, GQA by repeating the kv heads."""
+    bf, f32 = jnp.bfloat16, jnp.float32
+    H, Q, L = q.shape[2], q.shape[3], q.shape[1]
+    k, v = (jnp.repeat(t, H // t.shape[2], axis=2) for t in (k, v))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(bf), k.astype(bf),
+                   preferred_element_type=f32) / jnp.sqrt(f32(Q))
+    p = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((L, L), bool)), s, -1e30), axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", p.astype(bf), v.astype(bf), preferred_element_type=f32)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+def test_attention_is_the_einsum_attention(heads, kv_heads):
+    # XLA's implementation, causal and grouped-query: the einsum attention's output rounded to
+    # bf16 (where the output projection rounded it before), gradients within bf16 rounding.
+    ks = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(ks[0], (2, 64, heads, 16))
+    k, v = (jax.random.normal(r, (2, 64, kv_heads, 16)) for r in ks[1:])
+    new = jax.jit(lambda *a: attention(*a, "xla").astype(jnp.float32))
+    np.testing.assert_allclose(new(q, k, v), _einsum_attention(q, k, v).astype(jnp.bfloat16)
+                               .astype(jnp.float32), rtol=1e-2, atol=1e-2)
+    loss = lambda f: jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), argnums=(0, 1, 2))  # noqa: E731
+    for a, b in zip(jax.jit(loss(new))(q, k, v), jax.jit(loss(_einsum_attention))(q, k, v)):
+        np.testing.assert_allclose(a, b, atol=2e-2 * float(jnp.max(jnp.abs(b))))
+    with pytest.raises(ValueError, match="unknown attention"):
+        attention(q, k, v, "flash")
 
 
 def test_moe_dropless_matches_per_token_reference():

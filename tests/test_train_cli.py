@@ -38,6 +38,8 @@ def test_every_field_is_a_flag_with_help_and_its_default():
     assert tuple(actions["plan"].choices) == PLANS
     assert tuple(actions["cache"].choices) == (*cache.MODES, "auto")
     assert tuple(actions["data_dtype"].choices) == TOKEN_DTYPES
+    assert tuple(actions["remat"].choices) == fsdp.REMAT_POLICIES
+    assert tuple(actions["attention"].choices) == ("auto", "xla", "cudnn")
 
 
 def test_flags_build_the_configs():
@@ -53,6 +55,11 @@ def test_flags_build_the_configs():
     assert from_args(train_cli.LaunchConfig, args).coordinator == "h:1"
     with pytest.raises(SystemExit):
         p.parse_args(["--gather", "fp8"])
+    tc = from_args(TrainConfig, p.parse_args(["--remat", "none", "--attention", "xla"]))
+    assert (tc.remat, tc.attention) == ("none", "xla")
+    assert TrainConfig().attention_on("gpu") == "cudnn"
+    assert TrainConfig().attention_on("cpu") == "xla"
+    assert TrainConfig(attention="xla").attention_on("gpu") == "xla"
 
 
 def _one_line_error(argv, capsys) -> str:

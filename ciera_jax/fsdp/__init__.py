@@ -31,8 +31,8 @@ placement), :mod:`.clipping`, :mod:`.inventory` (the one walk over a model: its 
 modules and tensors), :mod:`.plan` (a module's static gather mode), :mod:`.gather` (the one
 gather: shards, caches and plan in; fulls, new caches and stats out), :mod:`.percall` (a call
 gathering on its own), :mod:`.phases` and :mod:`.prepared` (a train step's encode, one
-agreement, and gathers with prefetch and the one custom VJP), :mod:`.layer_stack`,
-:mod:`.decorator`, :mod:`.wrap` (by instance).
+agreement, and gathers with prefetch and the one custom VJP), :mod:`.remat` (what that VJP's
+forward saves), :mod:`.layer_stack`, :mod:`.decorator`, :mod:`.wrap` (by instance).
 """
 
 from ciera_jax.fsdp.state.axes import AXIS, invariant
@@ -46,8 +46,8 @@ from ciera_jax.fsdp.state.inventory import (GatheredTensor, Gatherer, gathered_t
                                             param_dict)
 from ciera_jax.fsdp.layer_stack import scan_layers
 from ciera_jax.fsdp.phases import agree_tensors, encode_tensors, priming_inputs
-from ciera_jax.fsdp.state.plan import (GATHER_MODES, WORD_BACKWARDS, Plan, gather_mode, plan_of,
-                                       set_gather_mode)
+from ciera_jax.fsdp.state.plan import (GATHER_MODES, REMAT_POLICIES, WORD_BACKWARDS, Plan,
+                                       gather_mode, plan_of, set_gather_mode)
 from ciera_jax.fsdp.prepared import GatherInputs, prepare
 from ciera_jax.runtime.partition import check_divisible, d_axis, rule_axis, spec_for
 from ciera_jax.fsdp.state.specs import merge, param_specs, put, split_axes, state_specs
@@ -56,9 +56,10 @@ from ciera_jax.fsdp.state.stats import GatherStats, gather_stats, wire_ratio
 from ciera_jax.fsdp.wrap import is_sharded, shard
 
 __all__ = [
-    "AXIS", "CACHE_MODES", "GATHER_MODES", "WORD_BACKWARDS", "ExponentCacheVar",
-    "GatherCacheVar", "GatherInputs", "GatherSpec", "GatherStats", "GatheredTensor", "Gatherer",
-    "Plan", "agree_tensors", "attach_caches", "cache_dict", "check_divisible",
+    "AXIS", "CACHE_MODES", "GATHER_MODES", "REMAT_POLICIES", "WORD_BACKWARDS",
+    "ExponentCacheVar", "GatherCacheVar", "GatherInputs", "GatherSpec", "GatherStats",
+    "GatheredTensor", "Gatherer", "Plan", "agree_tensors", "attach_caches", "cache_dict",
+    "check_divisible",
     "clip_by_global_norm", "d_axis", "encode_tensors", "gather", "gather_mode", "gather_stats",
     "gathered", "gathered_tensors", "gatherers", "global_sq_norm", "invariant", "is_sharded",
     "merge", "param_dict", "param_specs", "plan_of", "prepare", "priming_inputs", "put",

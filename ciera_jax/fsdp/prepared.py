@@ -12,7 +12,8 @@ beside a gather of its sign + mantissa bytes alone (:mod:`~ciera_jax.fsdp.regath
 gathers every other tensor again (the same exact, pure function). Either way the compute sees
 its weights through one ``optimization_barrier``, forward and backward, so XLA compiles the
 same matmuls whichever path delivered them and the parameters stay bitwise those of a plain
-gather.
+gather. What the forward keeps for the backward besides each layer's input is the plan's
+``remat`` policy (:mod:`~ciera_jax.fsdp.remat`); never a gathered weight.
 """
 
 from __future__ import annotations
@@ -26,13 +27,14 @@ from flax import nnx
 from jax import lax
 
 import ciera_jax.collective.cache as cache_lib
-from ciera_jax.fsdp import buckets
+from ciera_jax.fsdp import buckets, remat as remat_lib
 from ciera_jax.fsdp.state.axes import AXIS, axis_size, varying_axes
 from ciera_jax.fsdp.state.caches import GatherCacheVar, cache_attr
 from ciera_jax.fsdp.state.discovery import gather_spec, iter_modules, module_path, path_key
 from ciera_jax.fsdp.gather import gather
 from ciera_jax.fsdp.state.inventory import GatheredTensor, gatherers
-from ciera_jax.fsdp.state.plan import DEFAULT_WORD_BACKWARD, Plan, plan_of, set_plan
+from ciera_jax.fsdp.state.plan import (DEFAULT_REMAT, DEFAULT_WORD_BACKWARD, Plan, plan_of,
+                                       set_plan)
 from ciera_jax.fsdp.regather import regather
 from ciera_jax.fsdp.state.stacking import stack_size
 from ciera_jax.fsdp.state.stats import GatherStats, record
@@ -46,18 +48,23 @@ class GatherInputs(nnx.Variable):
 
 
 def prepare(model: nnx.Module, encoded: dict, agreed: dict, mode: str = "ciera", *,
-            word_backward: str = DEFAULT_WORD_BACKWARD, impl: str = "auto") -> nnx.Module:
+            word_backward: str = DEFAULT_WORD_BACKWARD, impl: str = "auto",
+            remat: str = DEFAULT_REMAT) -> nnx.Module:
     """Hand every gathering module of ``model`` the step's gather inputs (``encoded`` and
     ``agreed``: ``{tensor key: ...}``, from :func:`~ciera_jax.fsdp.encode_tensors` and
     :func:`~ciera_jax.fsdp.agree_tensors`) and a prepared plan; returns ``model``. Call it
     inside the step's ``shard_map`` on the model merged there; read the new caches and
-    stats from the model's state after the forward."""
+    stats from the model's state after the forward. ``remat``: what a layer stack's forward
+    saves for its backward (:data:`~ciera_jax.fsdp.state.plan.REMAT_POLICIES`: ``full``, each
+    layer's input alone; ``save_dot_except_mlp``, the attention's projections too; ``none``,
+    all that autodiff keeps), never a gathered weight."""
     missing = [k for k in encoded if k not in agreed]
     if missing:
         raise ValueError(f"no agreement for {missing}: run agree_tensors once per step")
     encoded = encoded if mode == "ciera" else {}
     for g in gatherers(model):
-        set_plan(g.module, Plan(mode, impl, prepared=True, word_backward=word_backward))
+        set_plan(g.module, Plan(mode, impl, prepared=True, word_backward=word_backward,
+                                remat=remat))
         local = {g.key(p): p.key for p in g.params}
         mine = {p.key: (encoded[g.key(p)], agreed[g.key(p)]) for p in g.params
                 if g.key(p) in encoded}
@@ -161,8 +168,12 @@ def _scan(module, x, args, plan: Plan, layers: int, body):
     others = {k: v for k, v in values.items() if k not in tensors}
 
     def compute(fulls, others, call_args):
+        return compute_on(lax.optimization_barrier(fulls), others, call_args)
+
+    def compute_on(fulls, others, call_args):
+        """The layer on ``fulls`` as they come: :func:`_run` passes them through the
+        barrier when it takes the layer's VJP in the forward."""
         rest, (x, *args) = call_args
-        fulls = lax.optimization_barrier(fulls)
         copy = nnx.merge(graphdef, jax.tree.unflatten(
             treedef, [fulls[k] if k in fulls else others[k] for k in keys]), dummy, rest)
         for _, m in iter_modules(copy):  # they hold full weights: their calls only run
@@ -173,7 +184,7 @@ def _scan(module, x, args, plan: Plan, layers: int, body):
     held = _cached(inputs, plan, cache_lib.WordCache)  # bucket members too: own caches
     axis_name = gather_spec(members[0][1]).axis_name if members else AXIS
     regathered = _payload_groups(inputs, _cached(inputs, plan, cache_lib.ExponentCache))
-    run = _run(compute, tensors, held, regathered, layers, plan, axis_name)
+    run = _run(compute, tensors, held, regathered, layers, plan, axis_name, compute_on)
     x, ys, cs, ss = run(shards, others, rest, x, tuple(args), inputs)
     _leave(members, cs, ss)
     return x, ys
@@ -202,7 +213,7 @@ def _payload_groups(inputs: dict, keys: tuple) -> tuple:
 
 
 def _run(compute, tensors: dict, held: tuple, regathered: tuple, n: int, plan: Plan,
-         axis_name: str):
+         axis_name: str, compute_on=None):
     """``run(shards, others, rest, x, args, inputs) -> (x, ys, new caches, stats)`` over
     ``n`` stacked layers (0: one call, nothing stacked), with its own backward.
 
@@ -214,7 +225,15 @@ def _run(compute, tensors: dict, held: tuple, regathered: tuple, n: int, plan: P
     new caches the backward reads (no gathered weights). Backward: the layers in reverse,
     each recomputed on its full weights and its cotangents ``psum_scatter``-ed; ``held``
     keys' full weights are their new word caches, ``regathered`` (exponent-cache keys, grouped
-    into the backward's payload transfers) come from :func:`~ciera_jax.fsdp.regather.regather`."""
+    into the backward's payload transfers) come from :func:`~ciera_jax.fsdp.regather.regather`.
+
+    ``plan.remat`` other than ``full``: the forward takes each layer's VJP (``compute_on``
+    under the policy, :func:`~ciera_jax.fsdp.remat.vjp_saving`) and keeps its residuals but
+    the weights; the backward rebuilds it on the weights it got again."""
+    saving = remat_lib.saves_activations(plan.remat)
+    layout = remat_lib.Layout()
+    if saving:
+        layer_fn = remat_lib.under_policy(lambda w, inputs: compute_on(w, *inputs), plan.remat)
     def at(tree, i):
         if i is None:
             return tree
@@ -258,7 +277,7 @@ def _run(compute, tensors: dict, held: tuple, regathered: tuple, n: int, plan: P
         return {k: lax.psum_scatter(ct_fulls[k], axis_name, scatter_dimension=tensors[k].axis,
                                     tiled=True).astype(shards[k].dtype) for k in shards}
 
-    def forward(shards, others, rest, x, args, inputs):
+    def forward(shards, others, rest, x, args, inputs, keep=True):
         frozen = lax.stop_gradient(shards)
         stacks = {k: inputs[k][1] for k in held}  # old words in; new words out, in place
 
@@ -271,63 +290,74 @@ def _run(compute, tensors: dict, held: tuple, regathered: tuple, n: int, plan: P
             return fulls, {k: c for k, c in new.items() if k not in held}, stats, stacks
 
         def layer(i, fulls, x):
-            return compute(fulls, at(others, i), (at(rest, i), (x, *args)))
+            """``((x, y), residuals the policy keeps)``."""
+            call = (at(others, i), (at(rest, i), (x, *args)))
+            if not (saving and keep):
+                return compute(fulls, *call), []
+            return remat_lib.vjp_saving(layout, layer_fn, lax.optimization_barrier(fulls), call)
 
         fulls, c0, s0, stacks = fetch(0 if n else None, stacks)
         if n <= 1:
             x_in = x[None] if n else x
-            x, y = layer(0 if n else None, fulls, x)
-            ys, cs, ss = (first(y), first(c0), first(s0)) if n else (y, c0, s0)
+            (x, y), sv = layer(0 if n else None, fulls, x)
+            ys, cs, ss, saved = ((first(y), first(c0), first(s0), first(sv)) if n
+                                 else (y, c0, s0, sv))
         else:
             def body(carry, i):
                 x, fulls, stacks = carry
                 nxt, c, s, stacks = fetch(i + 1, stacks)  # independent of layer i
-                x_next, y = layer(i, fulls, x)
-                return (x_next, nxt, stacks), (y, c, s, x)
+                (x_next, y), sv = layer(i, fulls, x)
+                return (x_next, nxt, stacks), (y, c, s, x, sv)
 
-            (x_last, fulls, stacks), (ys, cs, ss, x_in) = lax.scan(
+            (x_last, fulls, stacks), (ys, cs, ss, x_in, saved) = lax.scan(
                 body, (x, fulls, stacks), jnp.arange(n - 1))
-            x, y = layer(n - 1, fulls, x_last)
+            (x, y), sv = layer(n - 1, fulls, x_last)
             x_in = cat(x_in, x_last[None])
             ys = jax.tree.map(lambda a, b: cat(a, b[None]), ys, y)
+            saved = jax.tree.map(lambda a, b: cat(a, b[None]), saved, sv)
             cs = jax.tree.map(lambda a, b: cat(a[None], b), c0, cs)
             ss = jax.tree.map(lambda a, b: cat(a[None], b), s0, ss)
         cs = {**cs, **stacks}
-        res = (shards, others, rest, args, inputs, {k: cs[k] for k in from_cache}, x_in)
+        res = (shards, others, rest, args, inputs, {k: cs[k] for k in from_cache}, x_in, saved)
         return (x, ys, cs, ss), res
 
     def backward(res, cts):
-        shards, others, rest, args, inputs, new_caches, x_in = res
+        shards, others, rest, args, inputs, new_caches, x_in, saved = res
         ct_x, ct_ys = cts[0], cts[1]
 
-        def layer_bwd(i, x, ct_x, ct_y):
+        def layer_bwd(i, x, ct_x, ct_y, saved):
             fulls = backward_fulls(at(shards, i), at(inputs, i), at(new_caches, i))
-            _, vjp = jax.vjp(compute, fulls, at(others, i), (at(rest, i), (x, *args)))
-            ct_fulls, ct_others, (ct_rest, (ct_x, *ct_args)) = vjp((ct_x, ct_y))
+            call = (at(others, i), (at(rest, i), (x, *args)))
+            if saving:  # the forward's VJP, on the weights got again
+                vjp = remat_lib.vjp_rebuilt(layout, lax.optimization_barrier(fulls), call, saved)
+                ct_fulls, (ct_others, (ct_rest, (ct_x, *ct_args))) = vjp((ct_x, ct_y))
+            else:
+                _, vjp = jax.vjp(compute, fulls, *call)
+                ct_fulls, ct_others, (ct_rest, (ct_x, *ct_args)) = vjp((ct_x, ct_y))
             # float0 cotangents (integer state, integer args) cannot ride in a scan
             return ct_x, (scatter(ct_fulls, at(shards, i)), ct_others,
                           _drop_float0(ct_rest), _drop_float0(tuple(ct_args)))
 
         if not n:
-            ct_x, (*grads, ct_args) = layer_bwd(None, x_in, ct_x, ct_ys)
+            ct_x, (*grads, ct_args) = layer_bwd(None, x_in, ct_x, ct_ys, saved)
         else:
             # Every layer in the one scan (none peeled off): the backward's gathers and the
             # layer's VJP are compiled once.
             def body(carry, xs):
                 ct_x, ct_args = carry
-                i, x, ct_y = xs
-                ct_x, (g_shards, g_others, g_rest, g_args) = layer_bwd(i, x, ct_x, ct_y)
+                i, x, ct_y, saved = xs
+                ct_x, (g_shards, g_others, g_rest, g_args) = layer_bwd(i, x, ct_x, ct_y, saved)
                 ct_args = jax.tree.map(jnp.add, ct_args, g_args)
                 return (ct_x, ct_args), (g_shards, g_others, g_rest)
 
             (ct_x, ct_args), grads = lax.scan(
-                body, (ct_x, _zero_cotangents(args)), (jnp.arange(n), x_in, ct_ys),
+                body, (ct_x, _zero_cotangents(args)), (jnp.arange(n), x_in, ct_ys, saved),
                 reverse=True)
         g_shards, g_others, g_rest = grads
         return (g_shards, g_others, _with_float0(rest, g_rest), ct_x,
                 _with_float0(args, ct_args), _float0_like(inputs))
 
-    run = jax.custom_vjp(lambda *a: forward(*a)[0])
+    run = jax.custom_vjp(lambda *a: forward(*a, keep=False)[0])
     run.defvjp(forward, backward)
     return run
 

@@ -25,7 +25,20 @@ GATHER_MODES = ("ciera", "plain", "int8")
 WORD_BACKWARDS = ("cache", "regather")
 DEFAULT_WORD_BACKWARD = "cache"
 
+# What a prepared layer stack's forward saves for its backward, named like MaxText's
+# ``remat_policy`` (:mod:`~ciera_jax.fsdp.remat`): everything autodiff keeps, the attention's
+# projections too, or each layer's input alone.
+REMAT_POLICIES = ("none", "save_dot_except_mlp", "full")
+DEFAULT_REMAT = "full"
+
 PLAN_ATTR = "ciera_plan"  # on a gathering module: its Plan (static, in the graphdef)
+
+
+def check_policy(policy: str) -> str:
+    if policy not in REMAT_POLICIES:
+        raise ValueError(f"unknown remat policy {policy!r}; choose one of: "
+                         f"{', '.join(REMAT_POLICIES)}")
+    return policy
 
 
 def check_mode(mode: str) -> str:
@@ -42,8 +55,9 @@ class Plan:
     the bits; ``int8``: blockwise absmax int8, lossy). ``impl``: the codec implementation.
     ``prepared``: a train step encoded and agreed for the whole step (the module holds the
     step's gather inputs, :func:`~ciera_jax.fsdp.prepare`); ``word_backward``: how its
-    backward gets word-mode weights. ``held``: the module's values are full already (a
-    prepared layer stack gathered them): its calls only run.
+    backward gets word-mode weights; ``remat``: what a prepared layer stack's forward saves
+    for its backward (:mod:`~ciera_jax.fsdp.remat`). ``held``: the module's values are full
+    already (a prepared layer stack gathered them): its calls only run.
     """
 
     mode: str = "ciera"
@@ -51,12 +65,14 @@ class Plan:
     prepared: bool = False
     word_backward: str = DEFAULT_WORD_BACKWARD
     held: bool = False
+    remat: str = DEFAULT_REMAT
 
     def __post_init__(self):
         check_mode(self.mode)
         if self.word_backward not in WORD_BACKWARDS:
             raise ValueError(f"word_backward must be one of {WORD_BACKWARDS}, got "
                              f"{self.word_backward!r}")
+        check_policy(self.remat)
 
 
 DEFAULT = Plan()
