@@ -54,7 +54,8 @@ def abstract_step_args(tr):
                                                          tr.cache_modes)), P(), mesh)
     opt = _placed(jax.eval_shape(tr.tx.init, params), tr.opt_specs, mesh)
     ahead = _placed(jax.eval_shape(tr.prepare_fn, params, caches), AHEAD_SPECS, mesh)
-    tokens = jax.ShapeDtypeStruct((tr.tc.batch_size, tr.tc.length), jnp.int32,
+    # a batch holds seq_len + 1 tokens per sequence: inputs and their next tokens
+    tokens = jax.ShapeDtypeStruct((tr.tc.batch_size, tr.tc.length + 1), jnp.int32,
                                   sharding=NamedSharding(mesh, P(AXIS)))
     return params, caches, opt, ahead, tokens
 
@@ -119,7 +120,7 @@ def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: i
                    "alias": ma.alias_size_in_bytes, "temp": ma.temp_size_in_bytes,
                    "total": xla_total, "capacity": target.memory_bytes,
                    "headroom": target.memory_bytes - xla_total},
-        "trainer": {"plan": tr.plan_summary,
+        "trainer": {"plan": tr.plan_summary, "attention": tr.attention, "remat": tr.tc.remat,
                     "cache_modes": dict(sorted(tr.cache_modes.items())),
                     "cache_bytes": sum(math.prod(c.shape) * c.dtype.itemsize for c in caches),
                     "memory_model": model.to_json()},

@@ -112,6 +112,7 @@ def tiny_reports():
 def test_tiny_step_compiles_for_h100s_and_the_report_counts_its_hlo(tiny_reports, mode):
     rep, text = tiny_reports(mode)
     assert rep["gpus"] == 8 and rep["batch"] == [16, 64]
+    assert "cudnn" in rep["trainer"]["attention"]  # a GPU mesh: cuDNN's fused attention
     # an independent count of the scheduled text
     assert rep["fusions"] == len(re.findall(r"= \S.* fusion\(", text))
     assert rep["conditionals"] == len(re.findall(r" conditional\(", text))
