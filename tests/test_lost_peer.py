@@ -73,7 +73,8 @@ def test_a_killed_peer_ends_the_survivor_in_one_line(tmp_path):
     assert err.strip().count("\n") == 0, err[-3000:]  # one line, no C++ abort dump
     m = re.fullmatch(rf"ciera train \(process 0\): lost process 1 of 2 after step (\d+); the "
                      rf"newest checkpoint is step (\d+) in {re.escape(str(ck))}: restart all 2 "
-                     r"processes with --resume", err.strip())
+                     r"processes with --resume; full log: "
+                     rf"{re.escape(str(ck / 'ciera-train-process-0.log'))}", err.strip())
     assert m, err
     assert int(m.group(2)) <= int(m.group(1)) and (ck / m.group(2)).is_dir()  # intact, there
     assert waited < timeout_s + 60
