@@ -7,7 +7,9 @@ scheduled-program reader against small programs whose structure is known.
 
 from __future__ import annotations
 
+import pathlib
 import re
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -97,11 +99,9 @@ def tiny_reports():
 
     def compiled(name):
         if name not in texts:
-            import tempfile
-
             with tempfile.TemporaryDirectory() as d:
                 rep = compile_step(runs[name], H100, 8, TOKENS, hlo_out=d)
-                (path,) = __import__("pathlib").Path(d).glob("*.hlo.txt")
+                (path,) = pathlib.Path(d).glob("*.hlo.txt")
                 texts[name] = (rep, path.read_text())
         return texts[name]
     return compiled
