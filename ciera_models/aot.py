@@ -78,15 +78,18 @@ def _model_memory(tr, tokens_per_gpu: int) -> memory.Memory:
 
 
 def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: int,
-                 flags: str = "fsdp", hlo_out: str | None = None, log=None) -> dict:
-    """Compile ``tc``'s train step for ``gpus`` x ``target`` and report the program."""
+                 flags: str = "fsdp", hlo_out: str | None = None, log=None,
+                 program: str = "steady") -> dict:
+    """Compile ``tc``'s train step for ``gpus`` x ``target`` and report the program
+    (``program``: which of the trainer's programs, ``steady`` or ``priming``:
+    :meth:`~ciera_models.state.Trainer.at_rungs`)."""
     tc = batch_for(tc, gpus, tokens_per_gpu)
     if tc.memory_gb is None:  # plan within the target's memory, never a CPU device's
         tc = dataclasses.replace(tc, memory_gb=target.memory_gb)
     mesh = gpu_targets.compile_only_mesh(target, gpus)
     t0 = time.perf_counter()
     tr = build_trainer(tc, mesh)
-    args = abstract_step_args(tr)
+    args = tr.at_rungs(abstract_step_args(tr), program)
     lowered = tr.step_fn.lower(*args)
     t_lower = time.perf_counter() - t0
     if log:
@@ -109,6 +112,7 @@ def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: i
     model = _model_memory(tr, tokens_per_gpu)
     return {
         "config": tc.config, "gather": tc.gather, "cache": tc.cache, "plan": tc.plan,
+        "program": program,
         "gpus": gpus, "gpu": target.name, "tokens_per_gpu": tokens_per_gpu,
         "batch": [tc.batch_size, tc.length], "flags": gpu_targets.FLAG_SETS[flags],
         "lower_s": t_lower, "compile_s": t_compile, "compile_cpu_s": cpu_compile,

@@ -40,6 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: fsdp)")
     g.add_argument("--compare", choices=("plain",), default=None,
                    help="also compile --gather plain and print the two side by side")
+    g.add_argument("--program", choices=("steady", "priming"), default="steady",
+                   help="which of the trainer's programs: steady (every compressed gather's "
+                   "escape section fixed at the rung that holds the steady-state demand: 1/8 "
+                   "of a word tensor's elements escaping, 1/512 of an exponent tensor's "
+                   "exponents changing) or priming (the first step's: every gather plain) "
+                   "(default: steady)")
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="PATH", default=None, help="write the report(s) as JSON")
     out.add_argument("--hlo-out", metavar="DIR", default=None,
@@ -71,7 +77,7 @@ def run(args) -> int:
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     runs = [tc] + ([dataclasses.replace(tc, gather="plain")] if args.compare else [])
     reports = [compile_step(t, target, args.gpus, args.tokens_per_gpu, args.xla_flags,
-                            args.hlo_out, log) for t in runs]
+                            args.hlo_out, log, program=args.program) for t in runs]
     print(render(reports, target, show_collectives=args.collectives))
     if args.json:
         with open(args.json, "w") as f:
@@ -98,6 +104,7 @@ def summary_rows(r: dict) -> dict[str, str]:
         "collectives": f"{len(colls):,}",
         "  inside conditional branches": f"{len(in_branch)} ({sum(c['steady'] for c in in_branch)}"
                                          " on the steady path)",
+        "  fallback-only (overflow, priming)": f"{sum(not c['steady'] for c in colls)}",
         "  outside, nothing between start and done": f"{len(exposed)}",
         "all-gather bytes overlapped (outside branches)":
             f"{100 * r['all_gather_overlap_share']:.0f}%",
@@ -117,7 +124,8 @@ def render(reports: list[dict], target, show_collectives: bool = False) -> str:
     head = (f"{r0['config']} on {r0['gpus']} x {target.name} ({target.description}, "
             f"{target.memory_gb:.1f} GB), {r0['tokens_per_gpu']} tokens per GPU, "
             f"batch {r0['batch'][0]}x{r0['batch'][1]}, --remat {r0['trainer']['remat']}, "
-            f"attention {r0['trainer']['attention']}")
+            f"attention {r0['trainer']['attention']}, the {r0.get('program', 'steady')} "
+            "program")
     cols = [summary_rows(r) for r in reports]
     names = [f"--gather {r['gather']}" for r in reports]
     width = max(len(k) for k in cols[0])

@@ -41,7 +41,11 @@ def step_record(step: int, m: dict, dt: float, kinds: dict, with_tensors: bool,
            "word_changed_frac": words / max(elems, 1.0),
            "fallbacks": int(sum(int(s["fallback"]) for s in g.values())),
            "tiers": tiers, "step_time_s": dt, "priming": priming,
-           "verify_failed": int(m["verify_failed"]), "retried": retried}
+           "verify_failed": int(m["verify_failed"]), "retried": retried,
+           # the step's program: its index, the seconds compiling it took if this step did,
+           # and the tensor-layers whose demand was above its fixed rung (sent plainly)
+           "program": int(m.get("program", 0)), "compile_s": float(m.get("compile_s", 0.0)),
+           "overflows": int(m.get("overflows", 0))}
     if with_tensors:
         rec["exp_change_by_tensor"] = {k: float(s["changed"]) / float(s["elements"])
                                        for k, s in sorted(g.items())}
@@ -106,4 +110,10 @@ def summarize(history: list[dict], tc, gather: str) -> str:
         chg = f"{100 * np.mean(changes):>11.4f}" if changes else f"{'-':>11}"
         lines.append(f"{name:<18}{len(rs):>6}{rs[-1]['loss']:>9.4f}{sent / max(plain, 1):>12.4f}"
                      f"{chg}{sum(r['fallbacks'] for r in rs):>10}{times[len(times) // 2]:>9.3f}")
+    compiles = [r["compile_s"] for r in history if r.get("compile_s")]
+    lines.append(f"programs: {len(compiles)} compiled in this run ({sum(compiles):.1f} s; "
+                 f"recompiles {max(len(compiles) - 1, 0)}), overflows "
+                 f"{sum(r.get('overflows', 0) for r in history)} tensor-layers sent plainly "
+                 "above their program's rung, overflow redos 0 (the demand is known before the "
+                 "step)")
     return "\n".join(lines)

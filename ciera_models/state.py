@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import time
 from typing import Callable
 
 import jax
@@ -21,13 +22,18 @@ from jax.sharding import PartitionSpec as P
 
 import ciera_jax
 from ciera_jax import fsdp
+from ciera_jax.codec.wire import PLAIN_RUNG
 from ciera_jax.fsdp import AXIS, GatherCacheVar
+from ciera_jax.planning.capacities import RungPolicy, rungs_holding
 from ciera_models import configs
 from ciera_models.data import Dataset
 from ciera_models.model import Transformer
 from ciera_models.optimizer import make_optimizer
 from ciera_models.plan_policy import NO_CACHE, cache_modes, make_plan
 from ciera_models.step import AHEAD_SPECS, all_words, make_step
+
+INT32_MAX = np.iinfo(np.int32).max
+PROGRAMS = ("steady", "priming")  # the programs Trainer.at_rungs names
 
 
 @dataclasses.dataclass
@@ -94,6 +100,8 @@ class Trainer:
     cache_shapes: object = None  # the abstract cache state (every tensor's, exponent mode)
     param_shapes: object = None  # the abstract params (``ciera aot`` lowers the step on them)
     compiled: bool = False  # a step has run (so the next one does not compile)
+    policy: RungPolicy | None = None  # picks each step's rungs (rung_policy)
+    programs: dict = dataclasses.field(default_factory=dict)  # rung vector -> compiled step
     attention: str = "xla"  # the attention's implementation (tc.attention resolved)
 
     @property
@@ -111,20 +119,72 @@ class Trainer:
         # Fresh caches (init, restore): every Encoded only has to say "prime me" (demand =
         # int32 max), and the priming gather sends the shard's own bits, not the payload. So
         # build it on the host instead of compiling the encoder a second time.
-        shapes = jax.eval_shape(self.prepare_fn, state.params, state.caches)
+        shapes = self._ahead_shapes(state)
+        wires = self.rung_policy(state).wires
         host = {"encoded": fsdp.priming_inputs(self.tensors, shapes["encoded"], self.n),
                 "word_changed": jax.tree.map(np.asarray, jax.device_get(
-                    all_words(self.tensors)))}
+                    all_words(self.tensors))),
+                "agreed": jax.tree.map(lambda a: np.full(a.shape, INT32_MAX, a.dtype),
+                                       shapes["agreed"]),
+                "needed": {k: np.full(a.shape, wires[k].rungs, a.dtype)
+                           for k, a in shapes["needed"].items()}}
         return dataclasses.replace(state, ahead=fsdp.put(host, AHEAD_SPECS, self.mesh))
+
+    def _ahead_shapes(self, state: TrainState):
+        return jax.eval_shape(self.prepare_fn, state.params, state.caches)
+
+    def rung_policy(self, state: TrainState) -> RungPolicy:
+        """The policy that picks each step's rungs (made on first use: it prices the wire of
+        every compressed tensor, whose shapes the encode knows)."""
+        if self.policy is None:
+            shapes = self._ahead_shapes(state)["encoded"]
+            self.policy = RungPolicy(fsdp.wires(self.tensors, shapes, self.n),
+                                     **self.tc.rung_policy_options())
+        return self.policy
+
+    def at_rungs(self, args: tuple, rungs="steady") -> tuple:
+        """The step's ``(params, caches, opt_state, ahead, tokens)`` with every compressed
+        gather's rung fixed (the ahead's ``agreed``): ``rungs`` is ``{key: rung}``,
+        ``"steady"`` (each tensor at the rung holding the steady-state demand,
+        ``capacities.rungs_holding``) or ``"priming"`` (every one plain: the first step's
+        program). Abstract arguments work too (``ciera aot``)."""
+        params, caches, opt_state, ahead, tokens = args
+        if isinstance(rungs, str):
+            if rungs not in PROGRAMS:
+                raise ValueError(f"rungs must be a dict or one of {PROGRAMS}, got {rungs!r}")
+            wires = fsdp.wires(self.tensors, ahead["encoded"], self.n)
+            rungs = (rungs_holding(wires) if rungs == "steady"
+                     else {k: PLAIN_RUNG for k in wires})
+        ahead = {**ahead, "agreed": fsdp.fix_rungs(ahead["agreed"], rungs)}
+        return params, caches, opt_state, ahead, tokens
 
     def step(self, state: TrainState, tokens: jax.Array) -> tuple[TrainState, dict]:
         """One step from ``state`` (its arrays are donated): the next state and the step's
-        metrics on the host. The caller decides whether the next state is taken."""
+        metrics on the host. The caller decides whether the next state is taken.
+
+        The rungs of the step's gathers are fixed here, from the demands the previous step
+        agreed on (``ahead["needed"]``, read on the host) by :attr:`policy`; a rung vector not
+        run before compiles a program (``m["compile_s"]``); a tensor whose demand is above the
+        program's rung takes the fallback (``m["overflows"]``: tensor-layers)."""
         state = self.prepare(state)
-        params, caches, opt_state, ahead, m = self.step_fn(
-            state.params, state.caches, state.opt_state, state.ahead, tokens)
+        policy = self.rung_policy(state)
+        needed = jax.device_get(state.ahead["needed"])
+        rungs, _ = policy.choose(needed)
+        args = self.at_rungs((state.params, state.caches, state.opt_state, state.ahead, tokens),
+                             rungs)
+        key = tuple(sorted(rungs.items()))
+        compile_s = 0.0
+        if key not in self.programs:
+            t0 = time.perf_counter()
+            self.programs[key] = self.step_fn.lower(*args).compile()
+            compile_s = time.perf_counter() - t0
+        params, caches, opt_state, ahead, m = self.programs[key](*args)
         self.compiled = True
         m = jax.device_get(m)
+        m["compile_s"] = compile_s
+        m["program"] = list(self.programs).index(key)
+        m["overflows"] = sum(int(np.sum(np.asarray(needed[k]) > r)) for k, r in rungs.items()
+                             if r != PLAIN_RUNG)
         # A failed self-check left params and optimizer state as they were: same step again.
         done = 0 if int(m["verify_failed"]) else 1
         return TrainState(state.step + done, params, caches, opt_state, ahead), m

@@ -2,10 +2,12 @@
 
     params (f32 shards)  caches (replicated)  opt state (shards)  ahead (per rank)  tokens
         |
-        +-- agree: ONE pmax over the demands of every layer of every compressed tensor (their
-        |          ``Encoded`` came in ``ahead``, made at the end of the previous step)
+        +-- ``ahead`` holds every compressed tensor's ``Encoded`` and its agreed demand, made
+        |          at the end of the previous step, each demand with the rung the host fixed
+        |          for it (``Trainer.step``: one program per rung vector, a few per run)
         +-- forward (``fsdp.prepare``): embed; each layer stack under ``lax.scan``, the body
-        |          gathering layer l+1 (exchange: switch on the agreed tier + decode; or the
+        |          gathering layer l+1 (exchange: one transfer at the fixed rung + decode, a
+        |          fallback only above it; or the
         |          plain / int8 gather) next to the compute of layer l; head. Tensors the plan
         |          leaves plain use the plain gather. The layers' forward saves what the
         |          remat policy keeps (``--remat``; never a gathered weight), the backward
@@ -17,7 +19,8 @@
         |          replicated params (norms) are psummed by shard_map's autodiff
         +-- global-norm clipping (psum of sharded squares + replicated counted once), AdamW
         +-- prepare step t+1: encode the new params (bf16) against the caches the gathers just
-            updated, count the bf16 words that changed -> ``ahead`` (donated back in)
+            updated, agree on every demand with ONE pmax, the rung each needs, count the bf16
+            words that changed -> ``ahead`` (donated back in; the host reads ``needed``)
     -> new params, new caches, new opt state, ahead, metrics (all rank-invariant scalars)
 
 All three gather modes run this same code; ciera and plain give bitwise-identical params. The
@@ -42,8 +45,9 @@ from ciera_jax.collective import heal
 from ciera_jax.fsdp import AXIS
 from ciera_jax.codec.wire import agreement_bytes
 
-# ``ahead``: per rank Encoded (a leading rank axis outside shard_map), replicated counts.
-AHEAD_SPECS = {"encoded": P(AXIS), "word_changed": P()}
+# ``ahead``: per rank Encoded (a leading rank axis outside shard_map); replicated counts,
+# agreed demands and the rungs they need.
+AHEAD_SPECS = {"encoded": P(AXIS), "word_changed": P(), "agreed": P(), "needed": P()}
 
 
 def ranked(tree):
@@ -120,9 +124,12 @@ def unflatten_failures(tensors: dict, stats: dict, flat) -> dict:
 
 
 def make_step(tc, mesh, graphdef, param_specs, opt_specs, tx, tensors, compress):
-    """``(step_fn, prepare_fn)``, both compiled. ``step_fn(params, caches, opt_state, ahead,
+    """``(step_fn, prepare_fn)``, both jitted. ``step_fn(params, caches, opt_state, ahead,
     tokens) -> (params, caches, opt_state, ahead, metrics)`` donates its state arguments;
-    ``prepare_fn(params, caches) -> ahead`` encodes at the start (first step, after restore)."""
+    ``ahead["agreed"]`` comes in with every rung fixed (``fsdp.fix_rungs``: the rung vector is
+    part of the input's structure, so each vector is its own program) and leaves as plain
+    demands. ``prepare_fn(params, caches) -> ahead`` encodes at the start (first step, after
+    a restore whose caches are primed)."""
     n = mesh.shape[AXIS]
 
     def loss_fn(params, caches, encoded, agreed, tokens):
@@ -135,14 +142,21 @@ def make_step(tc, mesh, graphdef, param_specs, opt_specs, tx, tensors, compress)
         # Mean over the global batch: each rank's mean over its equal share, divided by n.
         return loss / n, (loss, parts, new_caches, {k: stats[k] for k in tensors})
 
+    def ahead_of(encoded, word_changed):
+        """What the next step needs: the Encoded, ONE agreement over all of them (off the
+        next step's critical path), the rungs they need (read by the host)."""
+        agreed = fsdp.agree_tensors(tensors, encoded, AXIS)
+        return {"encoded": ranked(encoded), "word_changed": word_changed, "agreed": agreed,
+                "needed": fsdp.needed_rungs(tensors, encoded, agreed)}
+
     def prepare(params, caches):
         encoded = fsdp.encode_tensors(tensors, fsdp.param_dict(params), fsdp.cache_dict(caches),
                                       compress, AXIS)
-        return {"encoded": ranked(encoded), "word_changed": all_words(tensors)}
+        return ahead_of(encoded, all_words(tensors))
 
     def local_step(params, caches, opt_state, ahead, tokens):
         encoded = unranked(ahead["encoded"])
-        agreed = fsdp.agree_tensors(tensors, encoded, AXIS)  # the step's one agreement
+        agreed = ahead["agreed"]  # agreed at the end of the previous step, rungs fixed
         caches_d = fsdp.cache_dict(caches)
         # the backward reads word caches' full words and exponent caches' exponents
         words = {k for k in tensors if compress.get(k, False)
@@ -169,11 +183,10 @@ def make_step(tc, mesh, graphdef, param_specs, opt_specs, tx, tensors, compress)
                     for k, c in caches_d.items()}
         # Prepare step t+1 while everything it needs is final (off its critical path).
         old_d, new_d = fsdp.param_dict(params), fsdp.param_dict(new_params)
-        ahead_next = {
-            "encoded": ranked(fsdp.encode_tensors(tensors, new_d, caches_d, compress, AXIS)),
-            "word_changed": jax.tree.map(lambda again, nxt: jnp.where(bad, again, nxt),
-                                         ahead["word_changed"],
-                                         word_changes(tensors, old_d, new_d))}
+        ahead_next = ahead_of(
+            fsdp.encode_tensors(tensors, new_d, caches_d, compress, AXIS),
+            jax.tree.map(lambda again, nxt: jnp.where(bad, again, nxt), ahead["word_changed"],
+                         word_changes(tensors, old_d, new_d)))
         for k, st in stats.items():
             st["words_changed"] = ahead["word_changed"][k]
             st["verify_failed"] = failed.get(k, jnp.zeros_like(st["tier"]))

@@ -103,10 +103,20 @@ class TrainConfig:
         "save_dot_except_mlp (also the attention's q, k, v and output projections), none "
         "(all that autodiff keeps); never a gathered weight",
         choices=LazyChoices("ciera_jax.fsdp.state.plan", "REMAT_POLICIES"), metavar="POLICY")
+    max_programs: int = option(
+        8, "most train-step programs compiled per run (ciera only): each step's gathers send "
+        "their escapes at rungs fixed when the step is compiled, picked from the demands the "
+        "previous step agreed on; a new rung vector is compiled (compile_s in the metrics) "
+        "once the programs compiled have sent a step's worth of plain's bytes more than the "
+        "ideal ones would have, and only this many times", metavar="N")
     attention: str = option(
         "auto", "jax.nn.dot_product_attention's implementation: auto (cudnn when the mesh's "
         "devices are GPUs, xla otherwise), xla (materializes the L x L scores), cudnn "
         "(cuDNN's fused flash attention, GPU only)", choices=("auto", "xla", "cudnn"))
+
+    def rung_policy_options(self) -> dict:
+        """Keyword arguments of :class:`ciera_jax.planning.capacities.RungPolicy`."""
+        return {"max_programs": self.max_programs}
 
     @property
     def model(self) -> configs.ModelConfig:

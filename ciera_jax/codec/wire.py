@@ -20,6 +20,12 @@ Above the top rung, or on an unprimed cache, the gather falls back to a plain al
 bits (the one conditional with a large transfer, taken on rare steps). The main transfer
 carries the head of the bits on such a step, so it costs plain's bytes and the checksum.
 
+A train step can fix each tensor's rung when it is compiled instead (the host knows the demand
+of the next step: the end of this one encoded and agreed on it): the escape section then
+travels at that rung's static size inside the main transfer, and no collective sits in a
+conditional but the fallback's. :data:`PLAIN_RUNG` fixes a plain gather of the bits (a priming
+step, a tensor whose demand is above the top rung). :meth:`ExponentWire.bytes_at` prices both.
+
 Capacities are fractions of the shard's ``n`` elements. This module is pure Python: the
 collective, the cost model, the simulator and the benchmarks all price these numbers.
 """
@@ -34,6 +40,7 @@ AGREEMENT_BYTES = 4  # one int32 count in the step's pmax
 FLAG_WORD_BITS = 32  # the bitmap travels as uint32 words
 INT8_BLOCK = 256  # the lossy baseline (ZeRO++ qwZ style): blockwise absmax int8
 INT8_SCALE_BYTES = 4  # one float32 scale per block
+PLAIN_RUNG = -1  # a rung fixed at compile time that gathers the tensor plainly
 
 # Changed exponents one rank may send (0: nothing changed on any rank).
 EXPONENT_CAPACITIES = (0.0, 1 / 2048, 1 / 1024, 1 / 512, 1 / 256, 1 / 128, 1 / 64, 1 / 32,
@@ -126,6 +133,20 @@ class ExponentWire:
             return self.fallback_bytes
         return self.main_bytes + self.section_bytes(k)
 
+    @property
+    def plain_bytes(self) -> int:
+        return self.n * self.word_bytes
+
+    @property
+    def rungs(self) -> int:
+        return len(self.caps)
+
+    def bytes_at(self, rung: int, need: int) -> int:
+        """Bytes one rank sends with the rung fixed at ``rung`` when the agreed demand needs
+        rung ``need`` (:data:`rungs`: above the top, or unprimed): the fixed section, or the
+        fallback's plain bytes when it overflows; :data:`PLAIN_RUNG`: a plain gather."""
+        return fixed_bytes(self, rung, need)
+
 
 @dataclasses.dataclass(frozen=True)
 class WordWire:
@@ -178,6 +199,31 @@ class WordWire:
         if k is None:
             return self.fallback_bytes
         return self.main_bytes + self.section_bytes(k)
+
+    @property
+    def plain_bytes(self) -> int:
+        return self.n * self.word_bytes
+
+    @property
+    def rungs(self) -> int:
+        return len(self.caps1)
+
+    def bytes_at(self, rung: int, need: int) -> int:
+        """As :meth:`ExponentWire.bytes_at`."""
+        return fixed_bytes(self, rung, need)
+
+
+def fixed_bytes(wire, rung: int, need: int) -> int:
+    """Bytes one rank sends for a tensor whose rung is fixed at ``rung`` (or
+    :data:`PLAIN_RUNG`) when its agreed demand needs rung ``need`` (``wire.rungs``: above the
+    top rung or unprimed)."""
+    if rung == PLAIN_RUNG:
+        return wire.plain_bytes
+    if not 0 <= rung < wire.rungs:
+        raise ValueError(f"rung {rung} is outside 0..{wire.rungs - 1} (or PLAIN_RUNG)")
+    if need > rung:
+        return wire.fallback_bytes
+    return wire.main_bytes + wire.section_bytes(rung)
 
 
 def agreement_bytes(mode: str) -> int:

@@ -15,6 +15,9 @@ from __future__ import annotations
 LEVEL1_LIMIT = 127  # |d| a level-1 int8 delta holds
 LEVEL2 = -128  # the level-1 value that sends the escape on to level 2
 CODE_BITS = (2, 3, 4)
+# A word tensor's demand vector (what its gather's agreement takes the max of): escapes at its
+# code width, raw words (level 2), changed exponents.
+ESCAPES, RAW, EXP_CHANGED = 0, 1, 2
 
 
 def code_limit(code_bits: int) -> int:

@@ -27,7 +27,7 @@ import numpy as np
 
 from ciera_jax import kernels
 from ciera_jax.codec import bitfields, escapes
-from ciera_jax.collective import selfcheck, transfer
+from ciera_jax.collective import capacity, selfcheck, transfer
 from ciera_jax.codec.layout import full_to_rows, gathered_shape, rows_to_full
 from ciera_jax.codec.wire import ExponentWire, flag_words
 
@@ -90,19 +90,29 @@ def encode(x, cached_exp, primed, axis: int, n_ranks: int, csum, impl: str) -> E
 
 
 def exchange(e: Encoded, cache_exp, agreed, shard, axis_name, dtype, impl: str):
-    """Returns ``(decoded full, its exponents (the new cache), failed shards, rung, overflow,
+    """``agreed``: the agreed demand, or a :class:`~ciera_jax.collective.capacity.FixedRung`.
+    Returns ``(decoded full, its exponents (the new cache), failed shards, rung, overflow,
     section bytes sent, main rows)``; on overflow the main rows carry the head of the shards'
     bits and the caller finishes with :func:`ciera_jax.collective.transfer.plain_rest` (``decoded`` is
     then meaningless)."""
     wire = e.wire
     n, n_planes = wire.n, e.payload.shape[0]
-    rung, overflow = transfer.pick_rung(wire.caps, agreed)
-    main_NxL, sent_N = transfer.gather_main(e.payload.reshape(-1), shard, overflow,
-                                            e.checksum, axis_name)
-    summary_NxS, listed_NxC, patch_NxK = transfer.gather_section(
-        [e.summary, e.flag_words, e.patch_exp],
-        [tuple(wire.summary_words if c else 0 for c in wire.caps), wire.word_caps, wire.caps],
-        rung, axis_name)
+    parts = [e.summary, e.flag_words, e.patch_exp]
+    sizes = [tuple(wire.summary_words if c else 0 for c in wire.caps), wire.word_caps, wire.caps]
+    if capacity.is_fixed(agreed):  # the section rides in the main transfer at a static size
+        rung, overflow = agreed.rung, capacity.overflows(wire, agreed)
+        at = [s[rung] for s in sizes]
+        main_NxL, sent_N, plane_NxL, (summary_NxS, listed_NxC, patch_NxK) = (
+            transfer.gather_fixed(e.payload.reshape(-1), parts, at,
+                                  [wire.summary_words, max(at[1], 1), max(at[2], 1)], shard,
+                                  overflow, e.checksum, axis_name))
+    else:
+        rung, overflow = transfer.pick_rung(wire.caps, agreed)
+        main_NxL, sent_N = transfer.gather_main(e.payload.reshape(-1), shard, overflow,
+                                                e.checksum, axis_name)
+        plane_NxL = main_NxL
+        summary_NxS, listed_NxC, patch_NxK = transfer.gather_section(parts, sizes, rung,
+                                                                     axis_name)
     # Escapes of escapes: the nonzero flag words back in place (1/32 of the tensor: dense),
     # then each changed exponent over the cached one (escapes.fill, or the escape kernel).
     flags_NxW = escapes.expand_dense(listed_NxC, summary_NxS, flag_words(n))
@@ -111,7 +121,8 @@ def exchange(e: Encoded, cache_exp, agreed, shard, axis_name, dtype, impl: str):
         full_to_rows(cache_exp, e.shard_shape, e.axis, e.n_ranks), flags_NxW, patch_NxK, cap_N,
         impl=impl)
     exp_full = rows_to_full(exp_Nxn, e.shard_shape, e.axis)
-    payload_full = rows_to_full(main_NxL.reshape(e.n_ranks, n_planes, n), e.shard_shape, e.axis)
+    payload_full = rows_to_full(plane_NxL.reshape(e.n_ranks, n_planes, n), e.shard_shape,
+                                e.axis)
     # One pass: the weights and every rank's checksum of them (fused on GPU where it can be).
     full, got_N = kernels.decode_checksum(exp_full, payload_full, dtype, e.n_ranks, axis=e.axis,
                                           impl=impl)

@@ -19,6 +19,12 @@ Phases, per tensor:
    carries the head of the shard's bits instead and a ``lax.cond`` gathers the rest: a plain
    gather of the bits, in plain's bytes, which re-primes the cache.
 
+The rung is either traced (the agreement's output: a ``lax.switch`` picks the section's
+transfer) or fixed when the step is compiled (a :class:`~ciera_jax.collective.capacity.FixedRung`
+from a host that knew the demand before the step: the section rides in the main transfer, and
+the fallback's ``lax.cond`` is the only conditional with a collective). A train step fixes it
+(:mod:`ciera_jax.fsdp.phases`); a lone :func:`all_gather` cannot know its demand in advance.
+
 Each compressed tensor thus has one codec in the compiled step, and its main transfer is
 outside any conditional, where XLA can overlap it with compute. Wire sizes: :mod:`ciera_jax.codec.wire`.
 
@@ -41,7 +47,8 @@ import numpy as np
 from jax import lax
 
 from ciera_jax.codec import bitfields
-from ciera_jax.collective import exponent_option, selfcheck, transfer, validation, word_option
+from ciera_jax.collective import (capacity, exponent_option, selfcheck, transfer, validation,
+                                  word_option)
 from ciera_jax.collective.cache import ExponentCache, WordCache, is_cache
 from ciera_jax.collective.exponent_option import Encoded
 from ciera_jax.collective.gradient import attach_gather_grad
@@ -218,6 +225,8 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
                         f"{'WordEncoded' if word else 'Encoded'} that "
                         f"encode() made from it, got {type(e).__name__}")
     dtype = np.dtype(x.dtype)
+    if capacity.is_fixed(agreed) and agreed.rung == capacity.PLAIN_RUNG:
+        return _fixed_plain(x, e, cache, agreed, axis_name)
     # The shard itself, not its bits, goes in: a bits copy of it would be made whole (an
     # operand of the fallback's cond) though only the head travels on most steps.
     shard = lax.stop_gradient(x)
@@ -243,12 +252,13 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
                                 (shard, main_NxL, (decoded, decoded_cached)))
     wire = e.wire
     caps = wire.caps1 if word else wire.caps
+    demand = agreed.demand if capacity.is_fixed(agreed) else agreed
     sent = jnp.where(fallback, wire.fallback_bytes, wire.main_bytes + section)
     stats = dict(
         sent_bytes=(sent + agreement_bytes("word" if word else "exponent")).astype(jnp.int32),
         plain_bytes=jnp.int32(wire.n * dtype.itemsize),
         changed=e.count,
-        agreed_changed=jnp.minimum(agreed[word_option.EXP_CHANGED] if word else agreed,
+        agreed_changed=jnp.minimum(demand[word_option.EXP_CHANGED] if word else demand,
                                    wire.n).astype(jnp.int32),
         tier=jnp.where(fallback, len(caps), rung).astype(jnp.int32),
         capacity=jnp.where(fallback, wire.n, jnp.asarray(caps, jnp.int32)[rung]),
@@ -262,6 +272,29 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
     new_cache = _refreshed(cache, new_cached)
     # The gathered tensor differs by nothing across ranks, but lax.all_gather types it as
     # varying; match that so callers can mix it with per-rank values as they would a gather.
+    full = varying_like(full, x, None)
+    return attach_gather_grad(x, full, axis_name, e.axis), new_cache, stats
+
+
+def _fixed_plain(x, e, cache, agreed, axis_name):
+    """A gather compiled plain (:data:`~ciera_jax.collective.capacity.PLAIN_RUNG`: a priming
+    step, a demand above the top rung): the bits, gathered, and the cache made from them; no
+    codec, no conditional, plain's bytes."""
+    word = isinstance(cache, WordCache)
+    rows = transfer.gather_rows(bitfields.to_bits(lax.stop_gradient(x)).reshape(-1), axis_name)
+    bits = rows_to_full(rows, e.shard_shape, e.axis)
+    full = bitfields.from_bits(bits, x.dtype)
+    wire = e.wire
+    caps = wire.caps1 if word else wire.caps
+    stats = dict(
+        sent_bytes=jnp.int32(wire.plain_bytes), plain_bytes=jnp.int32(wire.plain_bytes),
+        changed=e.count,
+        agreed_changed=jnp.minimum(agreed.demand[word_option.EXP_CHANGED] if word
+                                   else agreed.demand, wire.n).astype(jnp.int32),
+        tier=jnp.int32(len(caps)), capacity=jnp.int32(wire.n), bitmap=jnp.bool_(False),
+        fallback=jnp.bool_(True), mode=jnp.int32(MODE_PLAIN), code_bits=jnp.int32(0),
+        verify_failed=jnp.int32(0))
+    new_cache = _refreshed(cache, bits if word else bitfields.exponent(full))
     full = varying_like(full, x, None)
     return attach_gather_grad(x, full, axis_name, e.axis), new_cache, stats
 

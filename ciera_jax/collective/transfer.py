@@ -2,10 +2,13 @@
 sized by a rank-invariant rung.
 
 The main plane's all-gather sits in the step's top-level computation, so XLA can schedule it
-asynchronously and overlap it with compute. The escape section is a few max-capacity buffers;
-:func:`gather_section` all-gathers a static prefix of each, end to end in one transfer, in the
-branch of a ``lax.switch`` on the agreed rung, and its branches hold nothing but that
-transfer, slices and a pad.
+asynchronously and overlap it with compute. The escape section is a few max-capacity buffers.
+With the rung fixed when the step is compiled (:mod:`ciera_jax.collective.capacity`),
+:func:`gather_fixed` sends the rung's prefix of each behind the main plane in the SAME
+all-gather: one unconditional transfer per tensor. With a traced rung, :func:`gather_section`
+all-gathers a static prefix of each, end to end in one transfer, in the branch of a
+``lax.switch`` on the agreed rung, and its branches hold nothing but that transfer, slices and
+a pad.
 
 Shape letters: N ranks, L bytes per rank, C a capacity.
 """
@@ -44,6 +47,31 @@ def gather_main(plane_L: jax.Array, shard: jax.Array, fallback: jax.Array, csum:
                                                  axis_name))
 
 
+def gather_fixed(plane_L: jax.Array, parts, sizes, lengths, shard: jax.Array,
+                 fallback: jax.Array, csum: jax.Array, axis_name):
+    """The main plane, the checksum and the first ``sizes[i]`` entries of each of ``parts``
+    (a static rung's section), in ONE unconditional all-gather. Returns (rows (N, T): what
+    travelled, without the checksums, for :func:`plain_rest`; every rank's checksum (N,);
+    the plane's rows (N, L); each part's rows (N, lengths[i]), zero past its prefix).
+
+    On a fallback step (``fallback``: rank-invariant) the same T bytes carry the head of the
+    shard's bits instead, as :func:`gather_main` does.
+    """
+    pieces = [plane_L] + [_to_bytes(p[:size]) for p, size in zip(parts, sizes) if size]
+    buf = jnp.concatenate(pieces) if len(pieces) > 1 else plane_L
+    buf = jnp.where(fallback, _head_bytes(shard, buf.shape[0]), buf)
+    rows_NxT, sent_N = selfcheck.split_checksums(
+        gather_rows(selfcheck.with_checksum(buf, csum), axis_name))
+    at = plane_L.shape[0]
+    out = []
+    for part, size, length in zip(parts, sizes, lengths):
+        width = np.dtype(part.dtype).itemsize
+        piece = _from_bytes(rows_NxT[:, at:at + size * width], part.dtype, size)
+        at += size * width
+        out.append(jnp.pad(piece, ((0, 0), (0, length - size))))
+    return rows_NxT, sent_N, rows_NxT[:, :plane_L.shape[0]], out
+
+
 # The functions whose transfers run only on a fallback step (an overflow, a fresh cache): a
 # compiled program's collectives under them are off the steady path (``ciera aot`` tells them
 # apart by their stack).
@@ -54,16 +82,20 @@ def plain_rest(main_NxL: jax.Array, bits: jax.Array, axis_name) -> jax.Array:
     """The fallback's transfer: the bytes of the shard's bits past what the main transfer
     carried; returns every rank's bits (N, n) in the bits' dtype."""
     shard_bytes = _to_bytes(bits.reshape(-1))
+    if main_NxL.shape[1] >= shard_bytes.shape[0]:  # a tiny shard: the main transfer held it
+        return _from_bytes(main_NxL[:, :shard_bytes.shape[0]], bits.dtype, bits.size)
     rest = gather_rows(shard_bytes[main_NxL.shape[1]:], axis_name)
     rows = jnp.concatenate([main_NxL, rest], axis=1)
     return _from_bytes(rows, bits.dtype, bits.size)
 
 
 def _head_bytes(shard: jax.Array, n_bytes: int) -> jax.Array:
-    """The first ``n_bytes`` bytes of the shard's words, read from only as many words."""
+    """The first ``n_bytes`` bytes of the shard's words, read from only as many words (zeros
+    past the shard's end)."""
     width = np.dtype(shard.dtype).itemsize
     words = bitfields.to_bits(shard.reshape(-1)[:-(-n_bytes // width)])
-    return _to_bytes(words)[:n_bytes]
+    head = _to_bytes(words)[:n_bytes]
+    return jnp.pad(head, (0, n_bytes - head.shape[0]))
 
 
 def _to_bytes(a_N: jax.Array) -> jax.Array:

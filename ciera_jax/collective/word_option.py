@@ -23,14 +23,13 @@ import numpy as np
 
 from ciera_jax import kernels
 from ciera_jax.codec import bitfields, escapes, wordcodec
-from ciera_jax.collective import selfcheck, transfer
+from ciera_jax.collective import capacity, selfcheck, transfer
 from ciera_jax.codec.layout import full_to_rows, gathered_shape, rows_to_full
 from ciera_jax.codec.wire import WordWire
-from ciera_jax.codec.word_ladder import CODE_BITS, LEVEL1_LIMIT, LEVEL2, code_limit, escape_code
+from ciera_jax.codec.word_ladder import (CODE_BITS, ESCAPES, EXP_CHANGED, LEVEL1_LIMIT, LEVEL2,
+                                         RAW, code_limit, escape_code)
 
 INT32_MAX = np.iinfo(np.int32).max
-ESCAPES, RAW, EXP_CHANGED = 0, 1, 2  # the demand vector: escapes at b, raw words, exponents
-N_DEMANDS = 3
 
 
 @jax.tree_util.register_dataclass
@@ -105,21 +104,30 @@ def _level1(d):
 
 
 def exchange(e: WordEncoded, cache_words, agreed, shard, axis_name, dtype, impl: str):
-    """Returns ``(decoded full, its words (the new cache), failed shards, rung, overflow,
-    escape bytes sent, main rows)``; on overflow the main rows carry the head of the shards'
+    """``agreed``: the agreed demand vector, or a
+    :class:`~ciera_jax.collective.capacity.FixedRung`. Returns ``(decoded full, its words
+    (the new cache), failed shards, rung, overflow, escape bytes sent, main rows)``; on overflow the main rows carry the head of the shards'
     bits and the caller finishes with :func:`ciera_jax.collective.transfer.plain_rest` (``decoded`` is
     then meaningless)."""
     wire, b = e.wire, e.code_bits
     n = wire.n
-    rung1, over1 = transfer.pick_rung(wire.caps1, agreed[ESCAPES])
-    rung2, over2 = transfer.pick_rung(wire.caps2, agreed[RAW])
-    overflow = over1 | over2
-    rung = jnp.where(overflow, 0, jnp.maximum(rung1, rung2))
-    main_NxL, sent_N = transfer.gather_main(e.codes, shard, overflow, e.checksum, axis_name)
-    level1_NxC, level2_NxC = transfer.gather_section([e.level1, e.level2],
-                                                     [wire.caps1, wire.caps2], rung, axis_name)
+    if capacity.is_fixed(agreed):  # the section rides in the main transfer at a static size
+        rung, overflow = agreed.rung, capacity.overflows(wire, agreed)
+        at = [wire.caps1[rung], wire.caps2[rung]]
+        main_NxL, sent_N, plane_NxL, (level1_NxC, level2_NxC) = transfer.gather_fixed(
+            e.codes, [e.level1, e.level2], at, [max(c, 1) for c in at], shard, overflow,
+            e.checksum, axis_name)
+    else:
+        rung1, over1 = transfer.pick_rung(wire.caps1, agreed[ESCAPES])
+        rung2, over2 = transfer.pick_rung(wire.caps2, agreed[RAW])
+        overflow = over1 | over2
+        rung = jnp.where(overflow, 0, jnp.maximum(rung1, rung2))
+        main_NxL, sent_N = transfer.gather_main(e.codes, shard, overflow, e.checksum, axis_name)
+        plane_NxL = main_NxL
+        level1_NxC, level2_NxC = transfer.gather_section(
+            [e.level1, e.level2], [wire.caps1, wire.caps2], rung, axis_name)
 
-    codes_Nxn = wordcodec.unpack_codes(main_NxL, b, n)
+    codes_Nxn = wordcodec.unpack_codes(plane_NxL, b, n)
     cached_Nxn = full_to_rows(cache_words, e.shard_shape, e.axis, e.n_ranks)
     dense_Nxn = kernels.word_decode(cached_Nxn, codes_Nxn, b, impl=impl)
 

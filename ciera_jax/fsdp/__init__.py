@@ -45,7 +45,8 @@ from ciera_jax.fsdp.gather import gather
 from ciera_jax.fsdp.state.inventory import (GatheredTensor, Gatherer, gathered_tensors, gatherers,
                                             param_dict)
 from ciera_jax.fsdp.layer_stack import scan_layers
-from ciera_jax.fsdp.phases import agree_tensors, encode_tensors, priming_inputs
+from ciera_jax.fsdp.phases import (agree_tensors, encode_tensors, fix_rungs, needed_rungs,
+                                   priming_inputs, wires)
 from ciera_jax.fsdp.state.plan import (GATHER_MODES, REMAT_POLICIES, WORD_BACKWARDS, Plan,
                                        gather_mode, plan_of, set_gather_mode)
 from ciera_jax.fsdp.prepared import GatherInputs, prepare
@@ -60,10 +61,11 @@ __all__ = [
     "ExponentCacheVar", "GatherCacheVar", "GatherInputs", "GatherSpec", "GatherStats",
     "GatheredTensor", "Gatherer", "Plan", "agree_tensors", "attach_caches", "cache_dict",
     "check_divisible",
-    "clip_by_global_norm", "d_axis", "encode_tensors", "gather", "gather_mode", "gather_stats",
+    "clip_by_global_norm", "d_axis", "encode_tensors", "fix_rungs", "gather", "gather_mode",
+    "gather_stats",
     "gathered", "gathered_tensors", "gatherers", "global_sq_norm", "invariant", "is_sharded",
-    "merge", "param_dict", "param_specs", "plan_of", "prepare", "priming_inputs", "put",
-    "rule_axis",
+    "merge", "needed_rungs", "param_dict", "param_specs", "plan_of", "prepare", "priming_inputs",
+    "put", "rule_axis",
     "scan_layers", "set_gather_mode", "shard", "spec_for", "split_axes", "stack", "stack_size",
-    "state_specs", "wire_ratio", "with_caches",
+    "state_specs", "wire_ratio", "wires", "with_caches",
 ]

@@ -1,7 +1,13 @@
 """A train step's CIERA phases over its whole inventory: encode every compressed tensor (at the
 end of the previous step, off the critical path) and agree on all their demands with ONE
 collective. :func:`~ciera_jax.fsdp.prepare` hands both to the model, whose gathers then
-exchange each at its agreed tier."""
+exchange each at its agreed tier.
+
+When the agreement also runs at the end of the previous step, the host reads each tensor's
+needed rung (:func:`needed_rungs`) before the step and fixes the rungs the step is compiled at
+(:func:`fix_rungs`; a policy such as :class:`~ciera_jax.planning.capacities.RungPolicy` picks
+them): the step then holds no agreement collective and no collective in a conditional but the
+fallback's (:mod:`ciera_jax.collective.capacity`)."""
 
 from __future__ import annotations
 
@@ -10,9 +16,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 import ciera_jax.collective.gather as collective
+from ciera_jax.codec.wire import ExponentWire, WordWire
+from ciera_jax.collective import capacity
 from ciera_jax.fsdp import buckets
 from ciera_jax.fsdp.state.axes import AXIS, axis_size
 
@@ -81,4 +90,42 @@ def priming_inputs(tensors: dict, encoded_shapes: dict, n_ranks: int) -> dict:
         n_local = sum(math.prod(tensors[m].shape) // n_ranks for m in members)
         primed = collective.priming_encoded(buckets.unwrap(e), n_local)
         out[k] = buckets.BucketEncoded(primed, members) if buckets.is_bucket(e) else primed
+    return out
+
+
+def needed_rungs(tensors: dict, encoded: dict, agreed: dict) -> dict:
+    """``{key: int32 needed rung}`` (per layer for stacks): the smallest rung holding each
+    tensor's or bucket's agreed demand, its wire's ``rungs`` above the top or for an unprimed
+    cache. Rank-invariant, like ``agreed``: the host reads it to fix the next step's rungs."""
+    out = {}
+    for key, e in encoded.items():
+        inner = buckets.unwrap(e)
+        stacked = tensors[e.members[0] if buckets.is_bucket(e) else key].stack
+        layer = (jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), inner)
+                 if stacked else inner)
+        out[key] = capacity.needed_rung(layer.wire, agreed[key])
+    return out
+
+
+def fix_rungs(agreed: dict, rungs: dict) -> dict:
+    """``agreed`` with each key's rung fixed at ``rungs[key]`` (an int, or
+    :data:`~ciera_jax.collective.capacity.PLAIN_RUNG`): what :func:`~ciera_jax.fsdp.prepare`
+    takes for a step compiled at those rungs."""
+    missing = sorted(set(agreed) - set(rungs))
+    if missing:
+        raise ValueError(f"no rung for {missing}")
+    return {k: capacity.fix(a, rungs[k]) for k, a in agreed.items()}
+
+
+def wires(tensors: dict, encoded_shapes: dict, n_ranks: int) -> dict:
+    """Host-side ``{key: ExponentWire | WordWire}`` of one layer of each tensor and bucket,
+    from ``encoded_shapes`` (as :func:`priming_inputs` takes them): what a rung policy prices."""
+    out = {}
+    for k, e in encoded_shapes.items():
+        members = e.members if buckets.is_bucket(e) else (k,)
+        n_local = sum(math.prod(tensors[m].shape) // n_ranks for m in members)
+        inner = buckets.unwrap(e)
+        width = np.dtype(tensors[members[0]].dtype).itemsize
+        out[k] = (WordWire(n_local, width, inner.code_bits)
+                  if isinstance(inner, collective.WordEncoded) else ExponentWire(n_local, width))
     return out

@@ -1,0 +1,65 @@
+"""Rungs fixed when a step is compiled: the escape section's size as a static number.
+
+The agreement of a train step's gathers can run at the end of the previous step (its encode
+does), so the host knows every tensor's demand before the step starts and can pick each
+tensor's rung then. :class:`FixedRung` carries the agreed demand (a traced, rank-invariant
+value) with that rung (static: part of the pytree's structure, so ``jit`` compiles one program
+per rung vector). Its exchange sends the section at the fixed size inside the main transfer:
+no ``lax.switch``, and no collective in a conditional except the fallback's, which runs only
+when the demand is above the fixed rung (or the cache unprimed). ``rung=PLAIN_RUNG`` compiles
+a plain gather of the bits (a priming step) and no codec at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from ciera_jax.codec.wire import PLAIN_RUNG, WordWire
+from ciera_jax.codec.word_ladder import ESCAPES, RAW
+
+__all__ = ["FixedRung", "PLAIN_RUNG", "fix", "is_fixed", "needed_rung", "overflows"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FixedRung:
+    """An agreed demand (``demand``: int32, the agreement's output, per layer for stacks) and
+    the rung its gather is compiled at (``rung``: static; :data:`PLAIN_RUNG` for a plain
+    gather). Layer slices keep the rung."""
+
+    demand: jax.Array
+    rung: int = dataclasses.field(metadata=dict(static=True))
+
+
+def fix(agreed, rung: int) -> FixedRung:
+    return FixedRung(agreed, int(rung))
+
+
+def is_fixed(agreed) -> bool:
+    return isinstance(agreed, FixedRung)
+
+
+def _over(caps: tuple[int, ...], demand: jax.Array) -> jax.Array:
+    """int32: how many capacities ``demand`` exceeds (``len(caps)``: above the top)."""
+    return jnp.sum(demand[..., None] > jnp.asarray(caps, jnp.int32), axis=-1, dtype=jnp.int32)
+
+
+def needed_rung(wire, demand: jax.Array) -> jax.Array:
+    """int32 (per layer for stacks): the smallest rung of ``wire`` that holds the agreed
+    ``demand``, or ``wire.rungs`` above the top (or for an unprimed cache). ``demand``: an
+    exponent tensor's count, or a word tensor's (escapes, raw words, exponents) vector."""
+    if isinstance(wire, WordWire):
+        return jnp.maximum(_over(wire.caps1, demand[..., ESCAPES]),
+                           _over(wire.caps2, demand[..., RAW]))
+    return _over(wire.caps, demand)
+
+
+def overflows(wire, fixed: FixedRung) -> jax.Array:
+    """bool, rank-invariant: the agreed demand does not fit the fixed rung (the fallback)."""
+    if not 0 <= fixed.rung < wire.rungs:
+        raise ValueError(f"a fixed rung must be in 0..{wire.rungs - 1} for this tensor's "
+                         f"{wire.rungs} capacities (or PLAIN_RUNG), got {fixed.rung}")
+    return needed_rung(wire, fixed.demand) > fixed.rung
