@@ -5,9 +5,10 @@ For each mode it builds the ``ciera train`` trainer (``ciera_models.train``; def
 no mode reuses another's compiled pieces) and in interleaved rounds (plain, exponent, word,
 plain, ...: every mode sees the same machine load):
 
-* ``lower+compile``: ``jax.jit(step).lower(...).compile()`` alone;
-* ``first step``: building, compiling and running the first (priming) step, what a user waits
-  for before the first progress line.
+* ``lower+compile``: ``jax.jit(step).lower(...).compile()`` of the steady program alone (every
+  compressed gather's rung fixed at the steady-state demand: ``Trainer.at_rungs``);
+* ``first step``: building, compiling and running the first step (the priming program: every
+  gather plain), what a user waits for before the first progress line.
 
 It prints both with their ratio to plain (median over rounds), the optimized HLO's size, and
 how many all-gathers sit inside conditional branches against all of them (CIERA's main
@@ -77,8 +78,9 @@ def worker(args) -> dict:
     batch = tr.batch(load_dataset(None, tr.tc.model.vocab_size, tr.tc.length), 0, 0)
     build_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    compiled = jax.jit(tr.step_fn).lower(state.params, state.caches, state.opt_state,
-                                         state.ahead, batch).compile()
+    # the steady program: every compressed gather's rung fixed at the steady-state demand
+    compiled = jax.jit(tr.step_fn).lower(*tr.at_rungs(
+        (state.params, state.caches, state.opt_state, state.ahead, batch), "steady")).compile()
     compile_s = time.perf_counter() - t0
     text = compiled.as_text()
     inside, total = branch_gathers(text)

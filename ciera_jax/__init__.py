@@ -13,6 +13,7 @@ from ciera_jax.runtime import lazy
 if TYPE_CHECKING:
     from ciera_jax.collective.cache import (ExponentCache, WordCache, cached_full, init_cache,
                                             init_cache_tree, is_cache)
+    from ciera_jax.collective.capacity import PLAIN_RUNG, FixedRung, needed_rung
     from ciera_jax.collective.gather import (Encoded, WordEncoded, agree, all_gather,
                                              all_gather_tree, encode, exchange, plain_all_gather,
                                              priming_encoded)
@@ -35,6 +36,9 @@ _EXPORTS = {
     "agree": "ciera_jax.collective.gather",
     "exchange": "ciera_jax.collective.gather",
     "priming_encoded": "ciera_jax.collective.gather",
+    "FixedRung": "ciera_jax.collective.capacity",
+    "PLAIN_RUNG": "ciera_jax.collective.capacity",
+    "needed_rung": "ciera_jax.collective.capacity",
 }
 
 __all__ = list(_EXPORTS)

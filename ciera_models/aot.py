@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from ciera_jax.collective import transfer
 from ciera_jax.fsdp import AXIS
+from ciera_jax.kernels.backend import lowering_for
 from ciera_jax.planning import memory
 from ciera_jax.runtime import gpu_targets, schedule
 from ciera_models.plan_policy import NO_CACHE
@@ -88,9 +89,12 @@ def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: i
         tc = dataclasses.replace(tc, memory_gb=target.memory_gb)
     mesh = gpu_targets.compile_only_mesh(target, gpus)
     t0 = time.perf_counter()
-    tr = build_trainer(tc, mesh)
-    args = tr.at_rungs(abstract_step_args(tr), program)
-    lowered = tr.step_fn.lower(*args)
+    # The codec's kernels as impl="auto" picks them on the target GPU (Mosaic GPU on Hopper),
+    # not as on this host's CPU (fused jnp): the program the pod would run.
+    with lowering_for("cuda", capability=target.compute_capability):
+        tr = build_trainer(tc, mesh)
+        args = tr.at_rungs(abstract_step_args(tr), program)
+        lowered = tr.step_fn.lower(*args)
     t_lower = time.perf_counter() - t0
     if log:
         log(f"ciera aot: {tc.gather} step of {tc.config} on {gpus} x {target.name}: lowered in "

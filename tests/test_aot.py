@@ -143,10 +143,18 @@ def test_tiny_step_gpu_memory_does_not_grow(tiny_reports):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 31: the escape sections travel through the rung "
-                   "switch, inside a conditional branch")
 @pytest.mark.parametrize("mode", ["exponent", "word"])
 def test_no_steady_path_collective_inside_a_conditional(tiny_reports, mode):
-    rep, _ = tiny_reports(mode)
+    """The steady program (rungs fixed when compiled): every collective in a branch is the
+    fallback's, and a compressed tensor (or bucket) holds at most that one conditional; its
+    kernels and HLO stay within 1.5x and 2x of plain's (measured 1.27-1.29x and 1.33-1.40x)."""
+    rep, text = tiny_reports(mode)
+    plain, _ = tiny_reports("plain")
     steady_in_branch = [c for c in rep["collectives"] if c["in_branch"] and c["steady"]]
     assert not steady_in_branch, [c["sources"][:3] for c in steady_in_branch[:3]]
+    fallback = [c for c in rep["collectives"] if not c["steady"]]
+    assert fallback and all(c["in_branch"] for c in fallback)
+    compressed = sum(m != "none" for m in rep["trainer"]["cache_modes"].values())
+    assert 0 < rep["conditionals"] <= compressed
+    assert rep["fusions"] <= 1.5 * plain["fusions"]
+    assert rep["hlo_bytes"] <= 2 * plain["hlo_bytes"]

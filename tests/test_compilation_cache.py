@@ -25,8 +25,9 @@ from ciera_models.train import TrainConfig, build_trainer
 tr = build_trainer(TrainConfig(schedule_steps=4), make_mesh(8))
 state = tr.prepare(tr.init_state(0))
 batch = tr.batch(load_dataset(None, tr.tc.model.vocab_size, tr.tc.length), 0, 0)
-text = jax.jit(tr.step_fn).lower(state.params, state.caches, state.opt_state, state.ahead,
-                                 batch).as_text(debug_info=False)
+text = jax.jit(tr.step_fn).lower(*tr.at_rungs(
+    (state.params, state.caches, state.opt_state, state.ahead, batch), "steady")
+).as_text(debug_info=False)
 print(hashlib.sha256(text.encode()).hexdigest())
 """
 

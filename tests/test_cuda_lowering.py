@@ -193,7 +193,8 @@ def test_train_step_lowers_for_cuda():
     state = tr.prepare(tr.init_state(0))
     batch = tr.batch(data.load_dataset(None, 256, tc.length), 0, 0)
     args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                        (state.params, state.caches, state.opt_state, state.ahead, batch))
+                        tr.at_rungs((state.params, state.caches, state.opt_state,
+                                     state.ahead, batch), "steady"))
     with K.lowering_for("cuda", capability="9.0"):
         exported = export.export(tr.step_fn, platforms=["cuda"],
                                  disabled_checks=ALL_CHECKS)(*args)

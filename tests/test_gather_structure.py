@@ -121,8 +121,9 @@ def test_train_step_hlo_keeps_main_transfers_out_of_branches(cache):
     tr = build_trainer(tc, make_mesh(N))
     state = tr.prepare(tr.init_state(0))
     batch = tr.batch(data.load_dataset(None, 256, tc.length), 0, 0)
-    text = jax.jit(tr.step_fn).lower(state.params, state.caches, state.opt_state, state.ahead,
-                                     batch).compile().as_text()
+    text = jax.jit(tr.step_fn).lower(*tr.at_rungs(
+        (state.params, state.caches, state.opt_state, state.ahead, batch), "steady")
+    ).compile().as_text()
     comps = hlo.computations(text)
     in_branch = hlo.inside_branches(comps)
     u8_outside, big_inside = 0, 0  # (escape prefixes in the tiny model are < 2000 bytes)

@@ -1,6 +1,7 @@
-"""The train step's schedule, checked on its jaxpr: one agreement per step, the next layer's
-gather independent of the current layer's compute (prefetch), and the Encoded carried from the
-end of the previous step equal to a fresh encode.
+"""The train step's schedule, checked on its jaxpr (the steady program: rungs fixed): one
+agreement per step (the next step's, after the update), the next layer's gather independent of
+the current layer's compute (prefetch), and the Encoded carried from the end of the previous
+step equal to a fresh encode.
 
 All on the trainer test_train compiles (``build_trainer`` is memoized in-process).
 """
@@ -65,12 +66,13 @@ def _deps(jaxpr, in_deps):
     return [get(v) for v in jaxpr.outvars], gathers
 
 
-def _step_jaxpr(tc):
+def _step_jaxpr(tc, rungs="steady"):
+    """The step the trainer runs at ``rungs`` (``Trainer.at_rungs``: the steady program)."""
     tr = build_trainer(tc, make_mesh(8))
     state = tr.prepare(tr.init_state(0))
     batch = tr.batch(data.load_dataset(None, 256, tc.length), 0, 0)
-    return jax.make_jaxpr(tr.step_fn)(state.params, state.caches, state.opt_state,
-                                      state.ahead, batch).jaxpr
+    return jax.make_jaxpr(tr.step_fn)(*tr.at_rungs(
+        (state.params, state.caches, state.opt_state, state.ahead, batch), rungs)).jaxpr
 
 
 @pytest.fixture(scope="module")
@@ -126,9 +128,10 @@ def test_encoded_ahead_is_a_fresh_encode_of_the_new_state():
     tr = build_trainer(TC, make_mesh(8))
     state = tr.prepare(tr.init_state(0))
     ds = data.load_dataset(None, 256, TC.length)
-    for i in range(2):  # priming step, then a compressed one
-        params, caches, opt, ahead, _ = tr.step_fn(state.params, state.caches, state.opt_state,
-                                                   state.ahead, tr.batch(ds, 0, i))
+    for i, rungs in enumerate(("priming", "steady")):  # the programs the trainer runs
+        params, caches, opt, ahead, _ = tr.step_fn(*tr.at_rungs(
+            (state.params, state.caches, state.opt_state, state.ahead, tr.batch(ds, 0, i)),
+            rungs))
         state = type(state)(i + 1, params, caches, opt, ahead)
     fresh = tr.prepare_fn(state.params, state.caches)
     got, want = jax.tree.leaves(state.ahead["encoded"]), jax.tree.leaves(fresh["encoded"])
@@ -138,7 +141,8 @@ def test_encoded_ahead_is_a_fresh_encode_of_the_new_state():
 
 
 def _gathering_switches(jaxpr) -> int:
-    """Tier switches (``cond`` eqns whose branches all-gather), nested bodies included."""
+    """Conditionals whose branches all-gather (with rungs fixed, each exchange's fallback
+    alone), nested bodies included."""
     return sum(1 for e in walk(jaxpr) if e.primitive.name == "cond"
                and any(_has(b, {"all_gather", "all_gather_invariant"}) for b in subjaxprs(e)))
 
@@ -158,12 +162,12 @@ def test_backward_reads_the_caches_instead_of_a_compressed_gather():
                    and e.invars[0].aval.dtype == np.uint8)
 
     exponent, word = step(cache="exponent"), step(cache="word")
-    # per exchange: the rung switch and the fallback; forward: embed, head and a decoder
-    # layer's bucket (its attention, router and experts), a stack's twice
-    assert _gathering_switches(exponent) == _gathering_switches(word) == 2 * (2 + 2)
+    # per exchange: the fallback alone (the rung is fixed: no switch); forward: embed, head
+    # and a decoder layer's bucket (its attention, router and experts), a stack's twice
+    assert _gathering_switches(exponent) == _gathering_switches(word) == 2 + 2
     # exponent mode's backward: one payload transfer each for embed, head and the layer
     regathered = step(cache="exponent", word_backward="regather")
     assert payload_gathers(exponent) == payload_gathers(regathered) + 3
-    again = 2 * (2 + 2 + 3)  # the backward's compressed gathers: + 2 per exchange
+    again = 2 + 2 + 3  # the backward's compressed gathers: + 1 per exchange
     assert _gathering_switches(regathered) == again
     assert _gathering_switches(step(cache="word", word_backward="regather")) == again

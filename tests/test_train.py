@@ -61,6 +61,31 @@ def test_ciera_is_bitwise_plain_and_sends_less(runs):
     assert all(r["fallbacks"] == 0 and r["exp_changed_frac"] == 0 for r in p.history)
 
 
+def test_each_step_runs_a_program_whose_rungs_were_fixed_for_it(runs):
+    """The first step runs the priming program (every compressed gather plain, no codec);
+    later steps a few compressed programs, each compiled once (``compile_s`` on the step that
+    did); the bytes count every program's padding and fallbacks; ``--max-programs`` holds."""
+    hist = runs["ciera"].history
+    first = hist[0]
+    assert first["tiers"] and all(int(t) >= 0 for t in first["tiers"])
+    assert first["fallbacks"] == sum(first["tiers"].values())  # every tensor-layer plain
+    assert first["sent_bytes"] >= first["plain_bytes"]
+    seen = set()
+    for r in hist:
+        assert (r["program"] not in seen) or r["compile_s"] == 0, r["step"]
+        assert r["overflows"] <= r["fallbacks"]
+        seen.add(r["program"])
+    assert 2 <= len(seen) <= TC.max_programs  # the priming program and compressed ones
+    assert any(r["fallbacks"] == 0 for r in hist)  # some steps compress every tensor
+
+
+def test_a_single_program_runs_plain_gathers_bitwise(runs):
+    res = train(TrainConfig(**{**TC.__dict__, "max_programs": 1}), steps=4, seed=0,
+                mesh=make_mesh(8), log=None)
+    assert all(r["sent_bytes"] >= r["plain_bytes"] and r["program"] == 0 for r in res.history)
+    assert res.summary.splitlines()[-1].startswith("programs: ")
+
+
 def test_loss_falls(runs):
     losses = [r["loss"] for r in runs["ciera"].history]
     assert losses[-1] < losses[0] - 0.8, losses
@@ -218,14 +243,16 @@ def _fault_rows(res, step):
 
 
 def test_injected_cache_fault_is_caught_healed_and_lost_nothing(runs):
-    """Bits flipped in rank 2's cache before step 5: that step's row shows the failed check,
+    """Bits flipped in rank 2's cache before step 8: that step's row shows the failed check,
     nothing is applied, the batch runs again, and the run ends bitwise where plain ends."""
     lines = []
-    # exponent caches: with the default word caches, tiny's step 5 takes the plain fallback
-    # (words still move too far), which carries the bits and re-primes the cache unchecked
+    # exponent caches, step 8: a step whose program compresses the tensor (its demand has been
+    # at rung 9 since step 7, which bought that program). A step that gathers it plainly (the
+    # priming program, an overflow) refreshes the cache from the bits, unchecked: the fault is
+    # overwritten and nothing is lost, but nothing is caught either.
     res = train(TrainConfig(**{**TC.__dict__, "cache": "exponent"}), steps=STEPS, seed=0,
-                mesh=make_mesh(8), log=lines.append, inject_cache_fault="5:2")
-    first, redo = _fault_rows(res, 5)
+                mesh=make_mesh(8), log=lines.append, inject_cache_fault="8:2")
+    first, redo = _fault_rows(res, 8)
     assert first["verify_failed"] >= 1 and not first["retried"]
     assert redo["verify_failed"] == 0 and redo["retried"]
     assert all(r["verify_failed"] == 0 for r in res.history if r["step"] != 5)

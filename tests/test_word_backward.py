@@ -61,8 +61,8 @@ def _compiled(tc):
     tr = build_trainer(tc, train_mesh(8))
     state = tr.prepare(tr.init_state(0))
     batch = tr.batch(data.load_dataset(None, 256, tc.length), 0, 0)
-    return tr, state, tr.step_fn.lower(state.params, state.caches, state.opt_state,
-                                       state.ahead, batch).compile()
+    return tr, state, tr.step_fn.lower(*tr.at_rungs(
+        (state.params, state.caches, state.opt_state, state.ahead, batch), "steady")).compile()
 
 
 def _gathers(hlo: str) -> dict:

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ciera_jax.runtime import target
 from ciera_jax.runtime.varying import same_types, typed_cond
 from ciera_jax.codec.wire import FLAG_WORD_BITS
 
@@ -54,11 +55,12 @@ WALKS = ("dense", "loop", "either")
 
 def walk_for(n: int) -> str:
     """The walk to compile for rows of ``n`` elements: ``"either"`` (both under a ``cond``, the
-    cheaper one taken at run time) on CPU for rows of at least :data:`LOOP_MIN`, else
+    cheaper one taken at run time) when tracing for a CPU (:mod:`ciera_jax.runtime.target`:
+    not in a compile for a GPU that is not here) for rows of at least :data:`LOOP_MIN`, else
     ``"dense"``. Not the loop on an accelerator: XLA runs a gather or scatter of every element
     at memory bandwidth there, and a loop whose trip count is data would cost a device-to-host
     sync per trip."""
-    return "either" if n >= LOOP_MIN and jax.default_backend() == "cpu" else "dense"
+    return "either" if n >= LOOP_MIN and target.traced_backend() == "cpu" else "dense"
 
 
 def _walk(pred_dense, dense, by_loop, walk: str | None, n: int):

@@ -4,6 +4,7 @@ gather.py           all_gather / all_gather_tree and the phases encode, agree, e
 exponent_option.py  exponent mode: encode and exchange
 word_option.py      word mode: encode and exchange
 transfer.py         the main plane outside conditionals, the escape section, the fallback
+capacity.py         FixedRung: the rung fixed when the step is compiled
 selfcheck.py        the sender's checksum on the main plane; the receiver's check
 validation.py       checks on what a caller passes
 cache.py            ExponentCache, WordCache, init_cache

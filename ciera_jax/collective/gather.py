@@ -287,7 +287,9 @@ def _fixed_plain(x, e, cache, agreed, axis_name):
     wire = e.wire
     caps = wire.caps1 if word else wire.caps
     stats = dict(
-        sent_bytes=jnp.int32(wire.plain_bytes), plain_bytes=jnp.int32(wire.plain_bytes),
+        # its demand was agreed on with the others' (the host read it to pick this rung)
+        sent_bytes=jnp.int32(wire.plain_bytes + agreement_bytes("word" if word else "exponent")),
+        plain_bytes=jnp.int32(wire.plain_bytes),
         changed=e.count,
         agreed_changed=jnp.minimum(agreed.demand[word_option.EXP_CHANGED] if word
                                    else agreed.demand, wire.n).astype(jnp.int32),

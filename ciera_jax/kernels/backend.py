@@ -51,13 +51,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import threading
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ciera_jax.runtime import target
 from ciera_jax.runtime.varying import kernel_out_types
 
 IMPLS = ("auto", "xla", "pallas", "mosaic", "triton")
@@ -81,29 +81,21 @@ class Choice:
     interpret: bool = False
 
 
-_target = threading.local()
-
-
 @contextlib.contextmanager
 def lowering_for(platform: str = "cuda", *, capability: str | tuple[int, int] = "9.0"):
     """Resolve ``impl`` as on a ``platform`` GPU of compute ``capability`` (e.g. "9.0", "8.0")
-    inside this block, whatever this host's devices are: for ``jax.export`` to CUDA off-GPU."""
+    inside this block, whatever this host's devices are: for ``jax.export`` to CUDA off-GPU and
+    ``ciera aot`` (:func:`ciera_jax.runtime.target.tracing_for_gpu`: the escapes' walk too)."""
     if platform not in ("cuda", "gpu"):
         raise ValueError(f"lowering_for: only CUDA GPUs have Pallas kernels here, got {platform!r}")
-    prev = getattr(_target, "capability", None)
-    _target.capability = _parse_capability(capability)
-    jax.clear_caches()
-    try:
+    with target.tracing_for_gpu(_parse_capability(capability)):
         yield
-    finally:
-        _target.capability = prev
-        jax.clear_caches()
 
 
 def gpu_capability() -> tuple[int, int] | None:
     """Compute capability of the GPU kernels are built for, or None when there is none:
     the :func:`lowering_for` target if one is set, else the default device's (CUDA only)."""
-    forced = getattr(_target, "capability", None)
+    forced = target.forced_gpu_capability()
     if forced is not None:
         return forced
     if jax.default_backend() != "gpu":

@@ -1,0 +1,99 @@
+"""What fixed rungs cost a run: programs compiled, first step, steady step and wire, side by side.
+
+Runs ``ciera train`` (a fresh process each, so nothing compiled is shared) for ``--gather
+plain``, the defaults and ``--cache exponent``, one after another per round, and reads each
+run's JSONL: the first step (compile + priming, what a user waits for), every program the run
+compiled (count, seconds, recompiles), the median step after ``--settle`` steps (the steady
+step, compile-free steps only), the wire over the run and its last quarter (padding up to the
+programs' rungs and overflows counted), and the params hash (all equal).
+
+    python benchmarks/programs.py [--config tiny] [--steps 200] [--rounds 1] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from common import parser, write_results  # benchmarks/common.py, beside this script
+
+RUNS = {"plain": ["--gather", "plain"], "defaults": [], "exponent": ["--cache", "exponent"]}
+
+
+def parse_args(argv=None):
+    p = parser(__doc__, "programs")
+    p.add_argument("--config", default="tiny")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--settle", type=int, default=20,
+                   help="steps left out of the steady step's median (warm-up)")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    return p.parse_args(argv)
+
+
+def one_run(name: str, args, tmp: str) -> dict:
+    out = os.path.join(tmp, f"{name}.jsonl")
+    cmd = [sys.executable, "-m", "ciera_jax.cli.main", "train", "--config", args.config,
+           "--steps", str(args.steps), "--log-every", "0", "--metrics-out", out, *RUNS[name]]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode:
+        sys.stderr.write(res.stderr[-3000:])
+        raise SystemExit(f"programs: the {name} run failed")
+    rows = [json.loads(line) for line in open(out)][1:]
+    sha = next(line.split("=", 1)[1] for line in res.stdout.splitlines()
+               if line.startswith("params_sha256="))
+    compiles = [r["compile_s"] for r in rows if r["compile_s"]]
+    steady = [r["step_time_s"] for r in rows[args.settle:] if not r["compile_s"]]
+    q = rows[len(rows) - len(rows) // 4:]
+    return dict(
+        run=name, sha256=sha, first_step_s=rows[0]["step_time_s"], programs=len(compiles),
+        compile_s=sum(compiles), compiles=compiles, steady_step_s=statistics.median(steady),
+        wire=sum(r["sent_bytes"] for r in rows) / sum(r["plain_bytes"] for r in rows),
+        wire_last_quarter=sum(r["sent_bytes"] for r in q) / sum(r["plain_bytes"] for r in q),
+        overflows=sum(r["overflows"] for r in rows),
+        program_steps=[r["step"] for r in rows if r["compile_s"]])
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    results = {n: [] for n in args.runs}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for name in args.runs:
+                results[name].append(one_run(name, args, tmp))
+                x = results[name][-1]
+                print(f"round {r + 1}: {name:<9} first step {x['first_step_s']:6.1f} s, "
+                      f"{x['programs']} programs {x['compile_s']:6.1f} s, steady "
+                      f"{x['steady_step_s']:.3f} s, wire {x['wire']:.3f} / last quarter "
+                      f"{x['wire_last_quarter']:.3f}", flush=True)
+    med = {n: {k: statistics.median(x[k] for x in rs) for k in
+               ("first_step_s", "compile_s", "steady_step_s")} for n, rs in results.items()}
+    base = med.get("plain")
+    print(f"\n{args.config}, {args.steps} steps, median of {args.rounds} round(s), load average "
+          f"{os.getloadavg()[0]:.1f}; x plain: the plain run's (compile: its one program)")
+    print(f"{'run':<10}{'first s':>9}{'x':>6}{'programs':>9}{'compile s':>10}{'x':>6}"
+          f"{'steady s':>9}{'x':>6}{'wire':>7}{'last 1/4':>9}{'overflows':>10}  compiled at steps")
+    rows = []
+    for name, rs in results.items():
+        m, last = med[name], rs[-1]
+        ratio = {k: m[k] / base[k] if base else float("nan") for k in m}
+        rows.append(dict(run=name, **m, **{f"{k}_vs_plain": v for k, v in ratio.items()},
+                         rounds=rs))
+        print(f"{name:<10}{m['first_step_s']:>9.1f}{ratio['first_step_s']:>6.2f}"
+              f"{last['programs']:>9}{m['compile_s']:>10.1f}{ratio['compile_s']:>6.2f}"
+              f"{m['steady_step_s']:>9.3f}{ratio['steady_step_s']:>6.2f}{last['wire']:>7.3f}"
+              f"{last['wire_last_quarter']:>9.3f}{last['overflows']:>10}  "
+              f"{last['program_steps']}")
+    hashes = {x["sha256"] for rs in results.values() for x in rs}
+    print(f"params_sha256: {'all equal' if len(hashes) == 1 else 'DIFFER'} ({sorted(hashes)[0][:16]}...)")
+    write_results(args, {"config": args.config, "steps": args.steps, "rows": rows,
+                         "load_average": os.getloadavg()})
+    return 0 if len(hashes) == 1 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

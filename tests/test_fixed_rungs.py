@@ -1,0 +1,154 @@
+"""Rungs fixed when the step is compiled (``FixedRung``): bitwise a plain all-gather at every
+rung, on adversarial trajectories; the section rides in the one main transfer; the fallback is
+the only conditional with a collective; a plain rung compiles no codec at all."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ciera_jax
+from bitdata import BF16, F32, adversarial, bits_of, special_words
+from ciera_jax.collective import capacity
+from ciera_jax.collective import gather as G
+from ciera_jax.codec.wire import ExponentWire, WordWire
+from jaxprs import outside, subjaxprs, walk
+
+N = 8
+SHAPE = (N * 32, 48)  # 1536 elements per rank: every ladder has several rungs
+GATHERS = {"all_gather", "all_gather_invariant"}
+
+
+def _mesh():
+    return jax.make_mesh((N,), ("fsdp",))
+
+
+def _body(rung):
+    """One encode + agree + exchange at ``rung`` (None: the needed rung, traced and fixed
+    by the test below it), returning what a test checks."""
+    def body(x, c):
+        e = G.encode(x, c, "fsdp")
+        agreed = G.agree(e, "fsdp")
+        need = capacity.needed_rung(e.wire, agreed)
+        full, new_c, st = G.exchange(x, e, c, capacity.fix(agreed, rung), "fsdp")
+        ref = lax.all_gather(lax.bitcast_convert_type(x, _word(x.dtype)), "fsdp", tiled=True)
+        return full, ref, new_c, need, st["sent_bytes"], st["fallback"], st["verify_failed"]
+    return body
+
+
+def _word(dtype):
+    return jnp.uint16 if jnp.dtype(dtype).itemsize == 2 else jnp.uint32
+
+
+_RUNS: dict = {}
+
+
+def _run(rung, x, cache):
+    key = (rung, x.dtype, type(cache).__name__)
+    if key not in _RUNS:
+        _RUNS[key] = jax.jit(jax.shard_map(_body(rung), mesh=_mesh(), in_specs=(P("fsdp"), P()),
+                                           out_specs=P(), check_vma=False))
+    x = jax.device_put(jnp.asarray(x), NamedSharding(_mesh(), P("fsdp")))
+    return _RUNS[key](x, cache)
+
+
+def _trajectory(rng, dtype):
+    """Adversarial start, then a step of small moves with every kind of far move mixed in
+    (sign flips, every exponent changing, NaN payloads, infinities, signed zeros, subnormals,
+    words moved by any amount), then a step in which nothing moves."""
+    word = np.dtype(_word(dtype))
+    x0 = adversarial(rng, SHAPE, dtype)
+    b = bits_of(x0).astype(np.int64).reshape(-1)
+    move = rng.integers(-3, 4, size=b.size)
+    far = rng.choice(b.size, size=b.size // 10, replace=False)
+    move[far] = rng.integers(-(1 << 20), 1 << 20, size=far.size)
+    b1 = (b + move) % (1 << (8 * word.itemsize))
+    flip = rng.choice(b.size, size=b.size // 50, replace=False)
+    b1[flip] ^= 1 << (8 * word.itemsize - 1)  # sign flips
+    sp = special_words(dtype)
+    b1[:sp.size] = sp
+    x1 = b1.astype(word).view(dtype).reshape(SHAPE)
+    return [x0, x1, x1]
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("mode", ["exponent", "word"])
+def test_every_fixed_rung_is_bitwise_a_plain_gather(mode, dtype):
+    """Each step runs at PLAIN_RUNG, the needed rung, one below it (the fallback) and the top;
+    all four give the plain gather's bits, price their bytes as the wire table says, and
+    leave the same cache (carried on)."""
+    rng = np.random.default_rng(7)
+    cache = ciera_jax.init_cache(SHAPE, dtype, mode)
+    wire = _wire(mode, np.dtype(dtype).itemsize)
+    for step, x in enumerate(_trajectory(rng, dtype)):
+        need = int(_run(capacity.PLAIN_RUNG, x, cache)[3])
+        rungs = {capacity.PLAIN_RUNG, wire.rungs - 1}
+        if need < wire.rungs:
+            rungs |= {need} | ({need - 1} if need > 0 else set())
+        new_caches = []
+        for rung in sorted(rungs):
+            full, ref, new_c, need_again, sent, fallback, failed = _run(rung, x, cache)
+            assert np.array_equal(bits_of(full), np.asarray(ref)), (mode, step, rung)
+            assert int(need_again) == need
+            assert int(failed) == 0
+            assert bool(fallback) == (rung == capacity.PLAIN_RUNG or need > rung), (rung, need)
+            assert int(sent) == wire.bytes_at(rung, need) + (12 if mode == "word" else 4)
+            new_caches.append(jax.tree.leaves(new_c))
+        for leaves in new_caches[1:]:  # every rung leaves the same (primed) cache
+            for a, b in zip(leaves, new_caches[0]):
+                assert np.array_equal(np.asarray(a), np.asarray(b))
+        cache = jax.tree.unflatten(jax.tree.structure(cache), new_caches[0])
+    assert need == 0, "the last step moved nothing: the smallest rung holds it"
+
+
+def _jaxpr(mode, rung):
+    cache = ciera_jax.init_cache(SHAPE, BF16, mode)
+    fn = jax.shard_map(lambda x, c: _body(rung)(x, c)[:3], mesh=_mesh(),
+                       in_specs=(P("fsdp"), P()), out_specs=P(), check_vma=False)
+    x = jax.device_put(jnp.zeros(SHAPE, BF16), NamedSharding(_mesh(), P("fsdp")))
+    return jax.make_jaxpr(fn)(x, cache).jaxpr
+
+
+def _wire(mode, word_bytes=2):
+    n = SHAPE[0] * SHAPE[1] // N
+    return ExponentWire(n, word_bytes) if mode == "exponent" else WordWire(n, word_bytes)
+
+
+@pytest.mark.parametrize("mode", ["exponent", "word"])
+def test_a_fixed_rung_sends_its_section_in_the_main_transfer(mode):
+    """One transfer outside every conditional, the main plane + checksum + the rung's section;
+    the one conditional holding a collective is the fallback's rest of the bits."""
+    wire = _wire(mode)
+    rung = wire.rungs // 2
+    jaxpr = _jaxpr(mode, rung)
+    gathers = [e for e in outside(jaxpr, "cond") if e.primitive.name in GATHERS]
+    # the reference plain gather of the test's body, and the compressed one
+    sizes = sorted(e.invars[0].aval.size * e.invars[0].aval.dtype.itemsize for e in gathers)
+    assert wire.main_bytes + wire.section_bytes(rung) in sizes, sizes
+    assert len(gathers) == 2, sizes
+    conds = [c for c in walk(jaxpr) if c.primitive.name == "cond"
+             and any(e.primitive.name in GATHERS for b in subjaxprs(c) for e in walk(b))]
+    assert len(conds) == 1, "the fallback only: no rung switch"
+    rest = [e for b in subjaxprs(conds[0]) for e in walk(b) if e.primitive.name in GATHERS]
+    assert [e.invars[0].aval.size for e in rest] == [
+        wire.plain_bytes - (wire.main_bytes - 4 + wire.section_bytes(rung))]
+
+
+@pytest.mark.parametrize("mode", ["exponent", "word"])
+def test_a_plain_rung_compiles_no_codec_and_no_conditional(mode):
+    jaxpr = _jaxpr(mode, capacity.PLAIN_RUNG)
+    assert not [c for c in walk(jaxpr) if c.primitive.name == "cond"]
+    gathers = [e for e in walk(jaxpr) if e.primitive.name in GATHERS]
+    # the bits, and the test's own reference gather (the encode still runs: the test's)
+    assert len(gathers) == 2
+    assert {e.invars[0].aval.size for e in gathers} == {SHAPE[0] * SHAPE[1] // N}
+
+
+def test_a_rung_outside_the_ladder_is_a_clear_error():
+    with pytest.raises(ValueError, match="a fixed rung must be in 0.."):
+        _jaxpr("word", 99)
