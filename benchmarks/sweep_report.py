@@ -6,7 +6,10 @@ process's RESULT) and returns ``points``, ``crossovers``, ``calibrations``, ``pa
 ``link_fits`` for the JSON, printing their tables on the way. The prediction is the planner's
 (``ciera_jax.planning.crossover.predict``) on the launch's calibrated profile with the link's
 fitted alpha and beta, so a miss here is a miss of the planner; ``counted_s`` is the same with
-every codec priced as its counted bytes (the model before this sweep).
+every codec priced as its counted bytes (the model before this sweep). ``host_s`` is the part of
+the prediction the host spends faulting in fresh memory (the calibrated ``fault_Bps`` on the
+profile's fresh bytes for the size, ``fresh_predicted``; ``fresh_bytes`` is what the slowest
+process counted per call), and the link fits take each gather's counted faults off its time.
 """
 
 from __future__ import annotations
@@ -33,20 +36,25 @@ def series_name(r: dict) -> str:
     return "word" if r.get("series") == "word_delta" else f"churn {r['target_change_rate']:g}"
 
 
-def fit_link(results: list[dict], link: str, N: int) -> dict | None:
+def fit_link(results: list[dict], link: str, N: int, fault_Bps: float = 0.0) -> dict | None:
     """alpha and beta of ``link`` from every process's plain gathers of the fit sizes (the
-    slowest process per size, as the series take it)."""
+    slowest process per size, as the series take it, with the fresh bytes it counted), each
+    less its faults at ``fault_Bps``."""
     fits = [res["links"].get(link, {}).get("gathers") for res in results]
     if not all(fits):
         return None
-    recs = [dict(N=N, n_bytes=g[0]["n_bytes"], seconds=max(x["seconds"] for x in g))
-            for g in zip(*fits)]
-    alpha, beta = fit_alpha_beta(recs)
-    return dict(alpha_s=alpha, beta_Bps=beta, gathers=recs)
+    recs = []
+    for g in zip(*fits):
+        slow = max(g, key=lambda x: x["seconds"])
+        recs.append(dict(N=N, n_bytes=g[0]["n_bytes"], seconds=slow["seconds"],
+                         fresh_bytes=slow.get("fresh_bytes", 0.0)))
+    alpha, beta = fit_alpha_beta(recs, fault_Bps)
+    return dict(alpha_s=alpha, beta_Bps=beta, fault_Bps=fault_Bps, gathers=recs)
 
 
 def measured(results: list[dict], link: str) -> dict:
-    """``(series, shape) -> {mode: (slowest median seconds, rank-0 stats)}`` at ``link``."""
+    """``(series, shape) -> {mode: (slowest median seconds, rank-0 stats, the slowest
+    process's fresh bytes per call)}`` at ``link``."""
     out: dict = {}
     for res in results:
         for r in res["records"]:
@@ -54,8 +62,10 @@ def measured(results: list[dict], link: str) -> dict:
                 continue
             key = (series_name(r), tuple(r["shape"]))
             m = MODE_OF[r["method"]]
-            t, st = out.setdefault(key, {}).get(m, (0.0, None))
-            out[key][m] = (max(t, r["seconds"]), st if st is not None else r.get("stats"))
+            t, st, fresh = out.setdefault(key, {}).get(m, (0.0, None, None))
+            if r["seconds"] >= t:
+                t, fresh = r["seconds"], r.get("fresh_bytes")
+            out[key][m] = (t, st if st is not None else r.get("stats"), fresh)
     return out
 
 
@@ -76,15 +86,16 @@ def launch_points(launch: dict) -> tuple[list[dict], dict]:
     base = cm.Profile(**calib["profile"]) if calib else None
     points, fits = [], {}
     for link in launch["links"]:
-        fit = fit_link(results, link, N)
+        fit = fit_link(results, link, N, base.fault_Bps if base else 0.0)
         fits[link] = fit
         prof = xo.link_profile(base, fit["alpha_s"], fit["beta_Bps"]) if base and fit else None
         # the model before the sweep: every codec priced as its counted bytes
         counted = dataclasses.replace(prof, codec_pricing="counted") if prof else None
         for (series, shape), modes in measured(results, link).items():
-            plain_s = modes["plain"][0]
+            plain_s = modes["plain"][0]  # (seconds, stats, fresh bytes)
             pred_plain = predict_point("plain", shape, N, prof, None) if prof else None
-            for mode, (t, stats) in modes.items():
+            full_bytes = math.prod(shape) * 2
+            for mode, (t, stats, fresh) in modes.items():
                 pred = predict_point(mode, shape, N, prof, stats) if prof else None
                 points.append(dict(
                     series=series, link=link, rate_bps=link_rate(link), procs=N, mode=mode,
@@ -93,6 +104,9 @@ def launch_points(launch: dict) -> tuple[list[dict], dict]:
                     predicted_s=pred,
                     counted_s=(predict_point(mode, shape, N, counted, stats) if prof else None),
                     predicted_ratio=(pred / pred_plain if pred is not None else None),
+                    host_s=cm.host_fault_time(full_bytes, prof) if prof else None,
+                    fresh_bytes=fresh,
+                    fresh_predicted=cm.fresh_bytes(full_bytes, prof) if prof else None,
                     error=(t / pred - 1 if pred else None)))
     return points, fits
 
@@ -126,7 +140,9 @@ POINT_COLUMNS = [
     ("series", 10, "series"), ("link", 8, "link"), ("procs", 5, "procs"), ("mode", 8, "mode"),
     ("meas ms", 8, _ms("measured_s")), ("pred ms", 8, _ms("predicted_s")),
     ("meas/pred", 9, lambda r: "-" if r["error"] is None else f"{r['error'] + 1:.2f}"),
-    ("counted ms", 10, _ms("counted_s")),
+    ("counted ms", 10, _ms("counted_s")), ("host ms", 7, _ms("host_s")),
+    ("fresh MB", 8, lambda r: "-" if r.get("fresh_bytes") is None else
+     f"{r['fresh_bytes'] / 2**20:.0f}"),
     ("x plain", 7, _x("ratio")), ("pred x", 6, _x("predicted_ratio")),
     ("wire", 5, _x("wire_ratio", ".3f")),
 ]
