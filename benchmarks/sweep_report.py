@@ -9,7 +9,8 @@ fitted alpha and beta, so a miss here is a miss of the planner; ``counted_s`` is
 every codec priced as its counted bytes (the model before this sweep). ``host_s`` is the part of
 the prediction the host spends faulting in fresh memory (the calibrated ``fault_Bps`` on the
 profile's fresh bytes for the size, ``fresh_predicted``; ``fresh_bytes`` is what the slowest
-process counted per call), and the link fits take each gather's counted faults off its time.
+process counted per call; ``fresh_priced_s`` the prediction with those instead), and the link
+fits take each gather's counted faults off its time.
 """
 
 from __future__ import annotations
@@ -107,6 +108,10 @@ def launch_points(launch: dict) -> tuple[list[dict], dict]:
                     host_s=cm.host_fault_time(full_bytes, prof) if prof else None,
                     fresh_bytes=fresh,
                     fresh_predicted=cm.fresh_bytes(full_bytes, prof) if prof else None,
+                    # the same prediction with the fresh bytes this point counted
+                    fresh_priced_s=(pred - cm.host_fault_time(full_bytes, prof) + fresh /
+                                    prof.fault_Bps if prof and prof.fault_Bps and
+                                    fresh is not None else pred),
                     error=(t / pred - 1 if pred else None)))
     return points, fits
 
