@@ -11,6 +11,8 @@ seconds; the time is the collective's time on the link plus the codec time:
     t_entropy= (N-1)*alpha + (N-1)/N * n*b/1.5 / beta + encode + decode at entropy-codec rate
     t_word   = (N-1)*alpha + (N-1)/N * n*word_bytes_per_weight / beta + word codec
 
+and every one of them + host faults (:func:`host_fault_time` of ``n*b``; 0 on GPU profiles).
+
 Wire bytes are what the gathers send (``sent_bytes`` in their stats, tested equal): the rungs of
 :mod:`ciera_jax.codec.wire` for both CIERA modes, int8 codes in whole blocks plus one float32 scale per
 block (as ``quantized.py`` sends). Word mode gathers once per step (the backward reads the
