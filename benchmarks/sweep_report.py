@@ -2,8 +2,9 @@
 next to the cost model's prediction, and the crossover rates, measured and predicted.
 
 :func:`report` takes the launches (each: the links it swept, its process count and every
-process's RESULT) and returns ``points``, ``crossovers``, ``calibrations``, ``passes`` and
-``link_fits`` for the JSON, printing their tables on the way. The prediction is the planner's
+process's RESULT) and returns ``points``, ``crossovers``, ``calibrations``, ``passes``,
+``link_fits`` and ``within_25`` (points the model predicts within 25%, per mode) for the JSON,
+printing their tables on the way. The prediction is the planner's
 (``ciera_jax.planning.crossover.predict``) on the launch's calibrated profile with the link's
 fitted alpha and beta, so a miss here is a miss of the planner; ``counted_s`` is the same with
 every codec priced as its counted bytes (the model before this sweep). ``host_s`` is the part of
@@ -133,6 +134,20 @@ def crossovers(points: list[dict]) -> list[dict]:
     return out
 
 
+def within(points: list[dict], tol: float = 0.25) -> dict:
+    """Per mode: how many points the model predicts within ``tol`` (planner's prediction, and
+    the same at each point's counted fresh bytes)."""
+    out = {}
+    for mode in sorted({p["mode"] for p in points}):
+        pts = [p for p in points if p["mode"] == mode and p.get("predicted_s")]
+        out[mode] = dict(points=len(pts),
+                         predicted=sum(abs(p["measured_s"] / p["predicted_s"] - 1) <= tol
+                                       for p in pts),
+                         fresh_priced=sum(abs(p["measured_s"] / p["fresh_priced_s"] - 1) <= tol
+                                          for p in pts if p.get("fresh_priced_s")))
+    return out
+
+
 def _ms(key):
     return lambda r: "-" if r.get(key) is None else f"{r[key] * 1e3:.1f}"
 
@@ -181,9 +196,14 @@ def report(launches: list[dict]) -> dict:
     if points:
         print("every point, measured and predicted (the planner's cost model):")
         print_table(points, POINT_COLUMNS)
+    close = within(points)
+    if close:
+        print("within 25% of the model: " + ", ".join(
+            f"{m} {c['predicted']} of {c['points']} ({c['fresh_priced']} at counted fresh bytes)"
+            for m, c in close.items()))
     cross = crossovers(points)
     if cross:
         print("crossover: the link rate below which a mode beats plain")
         print_table(cross, CROSS_COLUMNS)
     return dict(points=points, crossovers=cross, calibrations=calibrations, passes=passes,
-                link_fits=link_fits)
+                link_fits=link_fits, within_25=close)
