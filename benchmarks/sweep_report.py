@@ -157,7 +157,8 @@ def reprice(res: dict) -> dict:
     fits, points = [], []
     for f in res["link_fits"]:
         base = bases.get(f["procs"])
-        fit = fit_link_recs(f.get("gathers"), base.fault_Bps if base else 0.0)
+        recs = [dict(g, N=f["procs"]) for g in f.get("gathers") or []]
+        fit = fit_link_recs(recs, base.fault_Bps if base else 0.0)
         fits.append(dict(procs=f["procs"], link=f["link"], **(fit or {})))
         prof = xo.link_profile(base, fit["alpha_s"], fit["beta_Bps"]) if base and fit else None
         for p in res["points"]:
