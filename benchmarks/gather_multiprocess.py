@@ -22,7 +22,10 @@ The prediction: each launch first calibrates (``ciera_jax.calibrate.calibrate``,
 calibrate`` measures, over the unshaped sockets: codec rates, escape cost, agreement), times
 each codec pass alone (``--passes-mb``: where the codec's time goes), and at each rate fits the
 link's alpha and beta from plain gathers of ``--link-sizes`` (the calibration's own fit, at
-sizes other than the series'). Every measured point is then priced by the planner's cost model
+sizes other than the series', through the gathers that faulted in no fresh host memory: the
+calibration prices those faults apart, its ``fault_Bps``, and every gather counts the fresh
+bytes its process faulted in per call). ``--reprice`` prices a sweep's JSON again with the
+current model, measuring nothing. Every measured point is then priced by the planner's cost model
 (``ciera_jax.planning.crossover.predict``) and printed as measured, predicted and their ratio;
 per series, mode and process count the crossover rate below which the mode beats plain, measured
 and predicted (``sweep_report.py``). ``--png`` draws it (``crossover_plot.py``).
