@@ -205,7 +205,7 @@ def reprice_file(args) -> int:
     old = json.loads(Path(args.reprice).read_text())
     res = reprice(old["results"])
     res["repriced_from"] = dict(command=old.get("command"), date=old.get("date"),
-                                path=args.reprice)
+                                machine=old.get("machine"), path=args.reprice)
     doc = write_results(args.out, res)
     print("within 25% of the model: " + ", ".join(
         f"{m} {c['predicted']} of {c['points']}" for m, c in res["within_25"].items()))
