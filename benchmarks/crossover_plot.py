@@ -55,8 +55,10 @@ def draw(doc: dict, path: str) -> None:
         ax.set_ylabel("ms per gather (slowest process, median)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
+    # a re-priced sweep: the load of the run that measured it
+    machine = (res.get("repriced_from") or {}).get("machine") or doc["machine"]
     fig.suptitle("Where CIERA pays: measured over real sockets (points),\nthe planner's cost "
-                 f"model (lines); load {doc['machine']['load_avg'][1]:.1f}", fontsize=10)
+                 f"model (lines); load {machine['load_avg'][1]:.1f}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

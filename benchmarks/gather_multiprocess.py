@@ -22,7 +22,10 @@ The prediction: each launch first calibrates (``ciera_jax.calibrate.calibrate``,
 calibrate`` measures, over the unshaped sockets: codec rates, escape cost, agreement), times
 each codec pass alone (``--passes-mb``: where the codec's time goes), and at each rate fits the
 link's alpha and beta from plain gathers of ``--link-sizes`` (the calibration's own fit, at
-sizes other than the series'). Every measured point is then priced by the planner's cost model
+sizes other than the series', through the gathers that faulted in no fresh host memory: the
+calibration prices those faults apart, its ``fault_Bps``, and every gather counts the fresh
+bytes its process faulted in per call). ``--reprice`` prices a sweep's JSON again with the
+current model, measuring nothing. Every measured point is then priced by the planner's cost model
 (``ciera_jax.planning.crossover.predict``) and printed as measured, predicted and their ratio;
 per series, mode and process count the crossover rate below which the mode beats plain, measured
 and predicted (``sweep_report.py``). ``--png`` draws it (``crossover_plot.py``).
@@ -35,6 +38,7 @@ to plain. ``--checks`` also times the self-check as in ``gather_bench.py``.
         [--reps 5] [--out PATH] [--png PATH]
     python benchmarks/gather_multiprocess.py --out benchmarks/results/crossover.json \
         --png docs/crossover.png                                    # the sweep of docs/results.md
+    python benchmarks/gather_multiprocess.py --reprice OLD.json --out NEW.json --png NEW.png
 """
 
 from __future__ import annotations
@@ -80,6 +84,9 @@ def parse_args(argv=None):
                    help="plain gathers that fit each link's alpha and beta (none: no fit)")
     p.add_argument("--passes-mb", type=float, default=16,
                    help="size at which each codec pass is timed alone (0: not timed)")
+    p.add_argument("--reprice", metavar="JSON", default=None,
+                   help="measure nothing: price a sweep's JSON again with this code (link fits "
+                        "from its gathers, every point), written to --out and --png")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=float, default=300, help="seconds per link of a launch")
@@ -191,8 +198,29 @@ def launch(link_names: list[str], procs: int, spec: dict, args, env) -> list[dic
     return parse_results(outs)
 
 
+def reprice_file(args) -> int:
+    """``--reprice``: a sweep's measurements priced again by the current model."""
+    from sweep_report import reprice  # benchmarks/, beside this script
+
+    old = json.loads(Path(args.reprice).read_text())
+    res = reprice(old["results"])
+    res["repriced_from"] = dict(command=old.get("command"), date=old.get("date"),
+                                machine=old.get("machine"), path=args.reprice)
+    doc = write_results(args.out, res)
+    print("within 25% of the model: " + ", ".join(
+        f"{m} {c['predicted']} of {c['points']}" for m, c in res["within_25"].items()))
+    if args.png:
+        from crossover_plot import draw  # benchmarks/, beside this script
+
+        draw(doc, args.png)
+        print(f"wrote {args.png}")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.reprice:
+        return reprice_file(args)
     # SIGTERM unwinds like Ctrl-C: the workers are killed and the namespaces torn down.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     from ciera_jax.runtime import netns

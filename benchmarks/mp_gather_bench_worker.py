@@ -80,12 +80,14 @@ def measure_modes(mesh, shape, axis: int, reps: int, warmup: int) -> list[dict]:
     calls = {"plain": functools.partial(fns["plain"], xa),
              "exponent": CieraStepper(fns["ciera"], xa, xb, cache["exponent"]),
              "word": CieraStepper(fns["ciera"], xa, xb, cache["word"])}
-    times = time_interleaved(calls, reps=reps, warmup=warmup)
+    fresh: dict = {}
+    times = time_interleaved(calls, reps=reps, warmup=warmup, fresh=fresh)
     N, n_bytes = mesh.devices.size, math.prod(shape) * 2
     recs = []
     for m, ts in times.items():
         rec = dict(series="word_delta", method=m, n_bytes=n_bytes, N=N, shape=list(shape),
-                   axis=axis, seconds=statistics.median(ts), times=ts, wire_ratio=1.0)
+                   axis=axis, seconds=statistics.median(ts), times=ts, wire_ratio=1.0,
+                   fresh_bytes=statistics.median(fresh[m]))
         if m != "plain":
             st = calls[m].stats()
             rec.update(stats=st, wire_ratio=st["sent_bytes"] / st["plain_bytes"])
@@ -118,7 +120,9 @@ def series(mesh, spec: dict, pid: int, link: str) -> list[dict]:
 
 
 def link_fit(mesh, sizes, reps: int) -> dict:
-    """alpha and beta of the current link: plain gathers of ``sizes``, the calibration's fit."""
+    """alpha and beta of the current link: plain gathers of ``sizes``, the calibration's fit
+    (here without the host's faults; ``sweep_report`` refits with the calibrated fault rate
+    from every process's gathers, their fresh bytes included)."""
     from ciera_jax.calibrate.fit import fit_alpha_beta
     from ciera_jax.calibrate.measure import measure_plain_gathers
     from ciera_jax.runtime.units import parse_size
@@ -127,7 +131,8 @@ def link_fit(mesh, sizes, reps: int) -> dict:
                                  min(reps, LINK_FIT_REPS))
     alpha, beta = fit_alpha_beta(recs)
     return dict(alpha_s=alpha, beta_Bps=beta,
-                gathers=[dict(n_bytes=r["n_bytes"], seconds=r["seconds"]) for r in recs])
+                gathers=[dict(n_bytes=r["n_bytes"], seconds=r["seconds"],
+                              fresh_bytes=r["fresh_bytes"]) for r in recs])
 
 
 def passes(mb: float, reps: int) -> list[dict]:

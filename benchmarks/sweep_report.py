@@ -2,11 +2,16 @@
 next to the cost model's prediction, and the crossover rates, measured and predicted.
 
 :func:`report` takes the launches (each: the links it swept, its process count and every
-process's RESULT) and returns ``points``, ``crossovers``, ``calibrations``, ``passes`` and
-``link_fits`` for the JSON, printing their tables on the way. The prediction is the planner's
+process's RESULT) and returns ``points``, ``crossovers``, ``calibrations``, ``passes``,
+``link_fits`` and ``within_25`` (points the model predicts within 25%, per mode) for the JSON,
+printing their tables on the way. The prediction is the planner's
 (``ciera_jax.planning.crossover.predict``) on the launch's calibrated profile with the link's
 fitted alpha and beta, so a miss here is a miss of the planner; ``counted_s`` is the same with
-every codec priced as its counted bytes (the model before this sweep).
+every codec priced as its counted bytes (the model before this sweep). ``host_s`` is the part of
+the prediction the host spends faulting in fresh memory (the calibrated ``fault_Bps`` on the
+profile's fresh bytes for the size, ``fresh_predicted``; ``fresh_bytes`` is what the slowest
+process counted per call; ``fresh_priced_s`` the prediction with those instead), and the link
+fits take each gather's counted faults off its time.
 """
 
 from __future__ import annotations
@@ -33,20 +38,41 @@ def series_name(r: dict) -> str:
     return "word" if r.get("series") == "word_delta" else f"churn {r['target_change_rate']:g}"
 
 
-def fit_link(results: list[dict], link: str, N: int) -> dict | None:
-    """alpha and beta of ``link`` from every process's plain gathers of the fit sizes (the
-    slowest process per size, as the series take it)."""
+def link_recs(results: list[dict], link: str, N: int) -> list[dict] | None:
+    """Every process's plain gathers of the fit sizes at ``link``: the slowest process per
+    size, as the series take it, with the fresh bytes it counted."""
     fits = [res["links"].get(link, {}).get("gathers") for res in results]
     if not all(fits):
         return None
-    recs = [dict(N=N, n_bytes=g[0]["n_bytes"], seconds=max(x["seconds"] for x in g))
-            for g in zip(*fits)]
-    alpha, beta = fit_alpha_beta(recs)
-    return dict(alpha_s=alpha, beta_Bps=beta, gathers=recs)
+    recs = []
+    for g in zip(*fits):
+        slow = max(g, key=lambda x: x["seconds"])
+        recs.append(dict(N=N, n_bytes=g[0]["n_bytes"], seconds=slow["seconds"],
+                         fresh_bytes=slow.get("fresh_bytes", 0.0)))
+    return recs
+
+
+def fit_link_recs(recs: list[dict] | None, fault_Bps: float = 0.0) -> dict | None:
+    """alpha and beta of a link: the line through the gathers that faulted in no fresh memory
+    (under 1% of their bytes) where there are two, so the faults, priced apart, cannot bend it;
+    else every gather less its counted faults at ``fault_Bps``."""
+    if not recs:
+        return None
+    clean = [r for r in recs if r.get("fresh_bytes", 0.0) <= 0.01 * r["n_bytes"]]
+    use = clean if len(clean) >= 2 else recs
+    alpha, beta = fit_alpha_beta(use, fault_Bps)
+    return dict(alpha_s=alpha, beta_Bps=beta, fault_Bps=fault_Bps, gathers=recs,
+                fitted_on=[r["n_bytes"] for r in use])
+
+
+def fit_link(results: list[dict], link: str, N: int, fault_Bps: float = 0.0) -> dict | None:
+    """alpha and beta of ``link`` from every process's plain gathers (:func:`fit_link_recs`)."""
+    return fit_link_recs(link_recs(results, link, N), fault_Bps)
 
 
 def measured(results: list[dict], link: str) -> dict:
-    """``(series, shape) -> {mode: (slowest median seconds, rank-0 stats)}`` at ``link``."""
+    """``(series, shape) -> {mode: (slowest median seconds, rank-0 stats, the slowest
+    process's fresh bytes per call)}`` at ``link``."""
     out: dict = {}
     for res in results:
         for r in res["records"]:
@@ -54,19 +80,46 @@ def measured(results: list[dict], link: str) -> dict:
                 continue
             key = (series_name(r), tuple(r["shape"]))
             m = MODE_OF[r["method"]]
-            t, st = out.setdefault(key, {}).get(m, (0.0, None))
-            out[key][m] = (max(t, r["seconds"]), st if st is not None else r.get("stats"))
+            t, st, fresh = out.setdefault(key, {}).get(m, (0.0, None, None))
+            if r["seconds"] >= t:
+                t, fresh = r["seconds"], r.get("fresh_bytes")
+            out[key][m] = (t, st if st is not None else r.get("stats"), fresh)
     return out
 
 
-def predict_point(mode: str, shape, N: int, prof: cm.Profile, stats: dict | None) -> float:
-    """The planner's time for this point, at the escapes / bytes the gather reported."""
+def inputs(mode: str, shape, N: int, stats: dict | None) -> dict:
+    """What the planner prices a point from: exponent mode's agreed churn per shard element,
+    word mode's bytes per weight sent (the gather's own stats)."""
     n = math.prod(shape)
     if mode == "exponent":
-        return xo.predict(mode, n, N, prof, change_rate=stats["agreed_changed"] / (n // N))
+        return dict(change_rate=stats["agreed_changed"] / (n // N))
     if mode == "word":
-        return xo.predict(mode, n, N, prof, word_bpw=stats["sent_bytes"] * N / n)
-    return xo.predict(mode, n, N, prof)
+        return dict(word_bpw=stats["sent_bytes"] * N / n)
+    return {}
+
+
+def make_point(series: str, link: str, N: int, mode: str, shape, t: float, plain_s: float,
+               kw: dict, wire_ratio: float, fresh, prof: cm.Profile | None) -> dict:
+    """One measured point next to the planner's prediction on ``prof`` (None: unpriced)."""
+    n = math.prod(shape)
+    full_bytes = n * 2
+    pred = xo.predict(mode, n, N, prof, **kw) if prof else None
+    pred_plain = xo.predict("plain", n, N, prof) if prof else None
+    # the model before the sweep: every codec priced as its counted bytes
+    counted = dataclasses.replace(prof, codec_pricing="counted") if prof else None
+    host = cm.host_fault_time(full_bytes, prof) if prof else None
+    return dict(
+        series=series, link=link, rate_bps=link_rate(link), procs=N, mode=mode,
+        mb=full_bytes / 2**20, shape=list(shape), inputs=kw, measured_s=t, ratio=t / plain_s,
+        wire_ratio=wire_ratio, predicted_s=pred,
+        counted_s=xo.predict(mode, n, N, counted, **kw) if prof else None,
+        predicted_ratio=(pred / pred_plain if pred is not None else None),
+        host_s=host, fresh_bytes=fresh,
+        fresh_predicted=cm.fresh_bytes(full_bytes, prof) if prof else None,
+        # the same prediction with the fresh bytes this point counted
+        fresh_priced_s=(pred - host + fresh / prof.fault_Bps if prof and prof.fault_Bps and
+                        fresh is not None else pred),
+        error=(t / pred - 1 if pred else None))
 
 
 def launch_points(launch: dict) -> tuple[list[dict], dict]:
@@ -76,25 +129,49 @@ def launch_points(launch: dict) -> tuple[list[dict], dict]:
     base = cm.Profile(**calib["profile"]) if calib else None
     points, fits = [], {}
     for link in launch["links"]:
-        fit = fit_link(results, link, N)
+        fit = fit_link(results, link, N, base.fault_Bps if base else 0.0)
         fits[link] = fit
         prof = xo.link_profile(base, fit["alpha_s"], fit["beta_Bps"]) if base and fit else None
-        # the model before the sweep: every codec priced as its counted bytes
-        counted = dataclasses.replace(prof, codec_pricing="counted") if prof else None
         for (series, shape), modes in measured(results, link).items():
-            plain_s = modes["plain"][0]
-            pred_plain = predict_point("plain", shape, N, prof, None) if prof else None
-            for mode, (t, stats) in modes.items():
-                pred = predict_point(mode, shape, N, prof, stats) if prof else None
-                points.append(dict(
-                    series=series, link=link, rate_bps=link_rate(link), procs=N, mode=mode,
-                    mb=math.prod(shape) * 2 / 2**20, measured_s=t, ratio=t / plain_s,
-                    wire_ratio=(stats["sent_bytes"] / stats["plain_bytes"] if stats else 1.0),
-                    predicted_s=pred,
-                    counted_s=(predict_point(mode, shape, N, counted, stats) if prof else None),
-                    predicted_ratio=(pred / pred_plain if pred is not None else None),
-                    error=(t / pred - 1 if pred else None)))
+            plain_s = modes["plain"][0]  # (seconds, stats, fresh bytes)
+            for mode, (t, stats, fresh) in modes.items():
+                wire = stats["sent_bytes"] / stats["plain_bytes"] if stats else 1.0
+                points.append(make_point(series, link, N, mode, shape, t, plain_s,
+                                         inputs(mode, shape, N, stats), wire, fresh, prof))
     return points, fits
+
+
+def reprice(res: dict) -> dict:
+    """A sweep's JSON ``results`` priced again by this code: the link fits redone from their
+    gathers, every point from its measured time and inputs (older JSONs: taken from the rows'
+    stats). The measurements are untouched."""
+    stats_of = {}
+    for r in res["rows"]:
+        stats_of[(f"churn {r['churn']:g}", r["link"], r["procs"], "exponent")] = dict(
+            change_rate=r["measured_churn"])
+    for r in res["word_rows"]:
+        for m in ("exponent", "word"):
+            stats_of[("word", r["link"], r["procs"], m)] = inputs(m, r["shape"], r["devices"],
+                                                                 r[f"{m}_stats"])
+    bases = {c["procs"]: cm.Profile(**c["profile"]) for c in res["calibrations"]}
+    fits, points = [], []
+    for f in res["link_fits"]:
+        base = bases.get(f["procs"])
+        recs = [dict(g, N=f["procs"]) for g in f.get("gathers") or []]
+        fit = fit_link_recs(recs, base.fault_Bps if base else 0.0)
+        fits.append(dict(procs=f["procs"], link=f["link"], **(fit or {})))
+        prof = xo.link_profile(base, fit["alpha_s"], fit["beta_Bps"]) if base and fit else None
+        for p in res["points"]:
+            if (p["procs"], p["link"]) != (f["procs"], f["link"]):
+                continue
+            kw = p.get("inputs", stats_of.get((p["series"], p["link"], p["procs"], p["mode"]),
+                                              {}))
+            shape = p.get("shape") or [int(p["mb"] * 2**19)]
+            points.append(make_point(p["series"], p["link"], p["procs"], p["mode"], shape,
+                                     p["measured_s"], p["measured_s"] / p["ratio"], kw,
+                                     p["wire_ratio"], p.get("fresh_bytes"), prof))
+    return dict(res, points=points, link_fits=fits, crossovers=crossovers(points),
+                within_25=within(points))
 
 
 def crossovers(points: list[dict]) -> list[dict]:
@@ -114,6 +191,20 @@ def crossovers(points: list[dict]) -> list[dict]:
     return out
 
 
+def within(points: list[dict], tol: float = 0.25) -> dict:
+    """Per mode: how many points the model predicts within ``tol`` (planner's prediction, and
+    the same at each point's counted fresh bytes)."""
+    out = {}
+    for mode in sorted({p["mode"] for p in points}):
+        pts = [p for p in points if p["mode"] == mode and p.get("predicted_s")]
+        out[mode] = dict(points=len(pts),
+                         predicted=sum(abs(p["measured_s"] / p["predicted_s"] - 1) <= tol
+                                       for p in pts),
+                         fresh_priced=sum(abs(p["measured_s"] / p["fresh_priced_s"] - 1) <= tol
+                                          for p in pts if p.get("fresh_priced_s")))
+    return out
+
+
 def _ms(key):
     return lambda r: "-" if r.get(key) is None else f"{r[key] * 1e3:.1f}"
 
@@ -126,7 +217,9 @@ POINT_COLUMNS = [
     ("series", 10, "series"), ("link", 8, "link"), ("procs", 5, "procs"), ("mode", 8, "mode"),
     ("meas ms", 8, _ms("measured_s")), ("pred ms", 8, _ms("predicted_s")),
     ("meas/pred", 9, lambda r: "-" if r["error"] is None else f"{r['error'] + 1:.2f}"),
-    ("counted ms", 10, _ms("counted_s")),
+    ("counted ms", 10, _ms("counted_s")), ("host ms", 7, _ms("host_s")),
+    ("fresh MB", 8, lambda r: "-" if r.get("fresh_bytes") is None else
+     f"{r['fresh_bytes'] / 2**20:.0f}"),
     ("x plain", 7, _x("ratio")), ("pred x", 6, _x("predicted_ratio")),
     ("wire", 5, _x("wire_ratio", ".3f")),
 ]
@@ -160,9 +253,14 @@ def report(launches: list[dict]) -> dict:
     if points:
         print("every point, measured and predicted (the planner's cost model):")
         print_table(points, POINT_COLUMNS)
+    close = within(points)
+    if close:
+        print("within 25% of the model: " + ", ".join(
+            f"{m} {c['predicted']} of {c['points']} ({c['fresh_priced']} at counted fresh bytes)"
+            for m, c in close.items()))
     cross = crossovers(points)
     if cross:
         print("crossover: the link rate below which a mode beats plain")
         print_table(cross, CROSS_COLUMNS)
     return dict(points=points, crossovers=cross, calibrations=calibrations, passes=passes,
-                link_fits=link_fits)
+                link_fits=link_fits, within_25=close)

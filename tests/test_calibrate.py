@@ -30,6 +30,9 @@ def test_calibrate_cli_writes_a_loadable_profile(tmp_path, capsys):
     for field in ("alpha_s", "beta_Bps", "codec_Bps", "agreement_s"):
         assert prof.sources[field].startswith("measured by ciera calibrate on cpu"), field
     assert "not measured" in prof.sources["entropy_Bps"]
+    # the host fault term, fitted from gathers of the default fault sizes (8-48 MB, CPU)
+    assert prof.fault_Bps >= 0 and prof.fresh_per_byte >= 0
+    assert "getrusage" in prof.sources["fault_Bps"]
     assert json.loads(out.read_text())["alpha_s"] == prof.alpha_s
     printed = capsys.readouterr().out
     assert "alpha_s" in printed and f"wrote {out}" in printed

@@ -1,7 +1,7 @@
 """The link-rate sweep's smallest configuration end to end: two shaped rates, 2 processes, one
 repetition, both series; its JSON holds every mode at every rate, each with the cost model's
-prediction, the crossovers, the calibration and the picture. Needs root, ip and tc (CI has
-them): nothing is skipped."""
+prediction (the host fault term included), the crossovers, the calibration and the picture.
+Needs root, ip and tc (CI has them): nothing is skipped."""
 
 from __future__ import annotations
 
@@ -37,12 +37,22 @@ def test_smallest_sweep_writes_every_mode_rate_and_prediction(tmp_path):
     for p in res["points"]:
         assert p["procs"] == 2 and p["measured_s"] > 0 and p["predicted_s"] > 0, p
         assert p["predicted_ratio"] > 0 and p["error"] is not None, p
+        # the host's fresh-memory faults: counted per call, and priced in the prediction
+        assert p["fresh_bytes"] >= 0 and p["fresh_predicted"] >= 0, p
+        assert 0 <= p["host_s"] < p["predicted_s"], p
     assert {(c["series"], c["mode"]) for c in res["crossovers"]} == want - {
         ("churn 0.01", "plain"), ("word", "plain")}
     for c in res["crossovers"]:
         assert {"measured", "predicted"} <= set(c), c
     prof = res["calibrations"][0]["profile"]
     assert prof["codec_pricing"] == "measured" and prof["word_codec_Bps"] > 0
+    assert prof["fault_Bps"] >= 0 and "getrusage" in prof["sources"]["fault_Bps"]
+    faults = res["calibrations"][0]["details"]["faults"]
+    assert [r["n_bytes"] for r in faults] == sorted(r["n_bytes"] for r in faults)
+    assert max(r["fresh_bytes"] for r in faults) >= faults[-1]["n_bytes"], faults  # 48 MB: fresh
     assert {r["op"] for r in res["passes"][0]["rows"]} >= {"encode", "decode", "checksum"}
     assert {f["link"] for f in res["link_fits"]} == set(RATES)
+    for f in res["link_fits"]:
+        assert f["fault_Bps"] == prof["fault_Bps"] and all("fresh_bytes" in g
+                                                           for g in f["gathers"]), f
     assert png.stat().st_size > 10_000

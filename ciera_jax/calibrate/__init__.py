@@ -23,6 +23,11 @@ What is measured (every figure a median of interleaved repetitions of one jitted
   The kernels alone (encode of each rank's shard + decode of the full tensor on every rank at
   once) are timed too and reported in the source. On one device (no gather) the kernels' rate
   is the value.
+* ``fault_Bps``, ``fresh_from_bytes``, ``fresh_per_byte`` (CPU only): plain gathers on the full
+  mesh at sizes across glibc's mmap threshold (:data:`.defaults.CPU_FAULT_SIZES`), each with the
+  fresh memory it faulted in per call (minor faults x page size, ``getrusage``): one least-squares
+  fit of ``t = ring(alpha, beta) + fresh_bytes / fault_Bps`` over every plain gather, and a hinge
+  of fresh bytes against size. On a GPU all three stay 0 (pooled device buffers).
 * ``agreement_s``: one ``pmax`` of an int32 vector (one count per layer), less an empty call.
 * ``hbm_Bps``: ``w ^ salt`` over a full-tensor-sized buffer on every rank at once.
 

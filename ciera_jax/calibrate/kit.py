@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
+import resource
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -139,18 +140,30 @@ class CieraStepper:
         return out
 
 
+def fresh_bytes_so_far() -> int:
+    """Bytes of memory this process has faulted in so far (minor page faults x page size): a
+    call's difference is the fresh host memory it touched (the cost model's ``fault_Bps``)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt * resource.getpagesize()
+
+
 def time_interleaved(calls: dict[str, Callable[[], object]], reps: int = 7,
-                     warmup: int = 2) -> dict[str, list[float]]:
-    """Seconds per call of each callable, round-robin so drift and load hit all alike."""
+                     warmup: int = 2, fresh: dict | None = None) -> dict[str, list[float]]:
+    """Seconds per call of each callable, round-robin so drift and load hit all alike.
+    ``fresh`` (a dict), if given, receives each callable's fresh bytes per timed call."""
     for _ in range(warmup):
         for f in calls.values():
             block(f())
     times = {k: [] for k in calls}
+    faulted = {k: [] for k in calls}
     for _ in range(reps):
         for k, f in calls.items():
+            f0 = fresh_bytes_so_far()
             t0 = time.perf_counter()
             block(f())
             times[k].append(time.perf_counter() - t0)
+            faulted[k].append(fresh_bytes_so_far() - f0)
+    if fresh is not None:
+        fresh.update(faulted)
     return times
 
 
@@ -173,7 +186,8 @@ def measure_gathers(mesh, shape, axis: int, change_rate: float,
 
     Returns records for :func:`ciera_jax.sim.step.compare_to_measurements`: ``n_bytes`` (full
     tensor), ``N``, ``method`` (``plain_bf16`` maps to the model's ``plain``), ``seconds``,
-    ``change_rate`` (measured: agreed changes / shard elements), CIERA's stats.
+    ``change_rate`` (measured: agreed changes / shard elements), CIERA's stats, ``fresh_bytes``
+    (median fresh host memory this process faulted in per call).
     """
     dtype = jnp.bfloat16 if dtype is None else dtype
     N = mesh.devices.size
@@ -185,13 +199,15 @@ def measure_gathers(mesh, shape, axis: int, change_rate: float,
             calls[m] = CieraStepper(fns[m], xa, xb, replicated_cache(mesh, shape, dtype))
         else:
             calls[m] = functools.partial(fns[m], xa)
-    times = time_interleaved(calls, reps=reps, warmup=warmup)
+    fresh: dict = {}
+    times = time_interleaved(calls, reps=reps, warmup=warmup, fresh=fresh)
     n_bytes = math.prod(shape) * np.dtype(dtype).itemsize
     n_local = math.prod(shape) // N
     recs = []
     for m, ts in times.items():
         rec = dict(method=m, n_bytes=n_bytes, N=N, shape=list(shape), axis=axis,
-                   seconds=median(ts), times=ts, target_change_rate=change_rate)
+                   seconds=median(ts), times=ts, target_change_rate=change_rate,
+                   fresh_bytes=median(fresh[m]))
         if m.startswith("ciera"):
             stats = calls[m].stats()
             rec.update(stats=stats, change_rate=stats["agreed_changed"] / n_local,

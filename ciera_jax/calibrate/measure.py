@@ -50,7 +50,8 @@ def measure_plain_gathers(mesh_sizes: Sequence[int], sizes: Sequence[int], reps:
                                 dtype=jnp.bfloat16, fns=fns)[0]
             recs.append(r)
             if log:
-                log(f"  gather N={N} {fmt_bytes(r['n_bytes']):>9}: {r['seconds'] * 1e3:8.3f} ms")
+                log(f"  gather N={N} {fmt_bytes(r['n_bytes']):>9}: {r['seconds'] * 1e3:8.3f} ms"
+                    f" (fresh memory {fmt_bytes(int(r['fresh_bytes']))} per call)")
     return recs
 
 

@@ -9,9 +9,10 @@ from collections.abc import Sequence
 import jax
 
 from ciera_jax.planning import costmodel as cm
-from ciera_jax.calibrate.defaults import (CPU_CODEC_SIZES, CPU_SIZES, GPU_CODEC_SIZES, GPU_SIZES,
-                                          mesh_sizes_for)
-from ciera_jax.calibrate.fit import fit_alpha_beta, fit_rate
+from ciera_jax.calibrate.defaults import (CPU_CODEC_SIZES, CPU_FAULT_SIZES, CPU_SIZES,
+                                          GPU_CODEC_SIZES, GPU_SIZES, mesh_sizes_for)
+from ciera_jax.calibrate.fit import (fit_alpha_beta, fit_fresh_bytes, fit_link_and_faults,
+                                     fit_rate)
 from ciera_jax.calibrate.measure import (empty_call_s, measure_agreement, measure_ciera_overhead,
                                          measure_codec, measure_escape_cost, measure_hbm,
                                          measure_plain_gathers, measure_word_overhead)
@@ -31,11 +32,12 @@ def base_profile(platform_name: str, device_kind: str) -> str:
 
 def calibrate(mesh_sizes: Sequence[int] | None = None, sizes: Sequence | None = None,
               codec_sizes: Sequence | None = None, reps: int = 7, name: str | None = None,
-              log=print):
+              log=print, fault_sizes: Sequence | None = None):
     """Measure every profile value on the current devices; returns ``(Profile, details)``.
 
-    ``sizes`` and ``codec_sizes`` are full-tensor bytes (``"4K"`` or ints; defaults per
-    platform in :mod:`.defaults`); ``mesh_sizes`` the sub-meshes to time gathers on.
+    ``sizes``, ``codec_sizes`` and ``fault_sizes`` are full-tensor bytes (``"4K"`` or ints;
+    defaults per platform in :mod:`.defaults`; ``fault_sizes`` empty: no fault fit);
+    ``mesh_sizes`` the sub-meshes to time gathers on.
     """
     devs = jax.devices()
     plat, kind = devs[0].platform, devs[0].device_kind
@@ -46,6 +48,9 @@ def calibrate(mesh_sizes: Sequence[int] | None = None, sizes: Sequence | None = 
     sizes = [parse_size(s) for s in (sizes or (CPU_SIZES if on_cpu else GPU_SIZES))]
     codec_sizes = [parse_size(s) for s in (codec_sizes or
                                            (CPU_CODEC_SIZES if on_cpu else GPU_CODEC_SIZES))]
+    if fault_sizes is None:
+        fault_sizes = CPU_FAULT_SIZES if on_cpu else ()
+    fault_sizes = [parse_size(s) for s in fault_sizes]
     N_max = max(mesh_sizes) if mesh_sizes else 1
     date = datetime.date.today().isoformat()
     src = f"measured by ciera calibrate on {plat} {kind} {N_max} devices {date}"
@@ -56,13 +61,22 @@ def calibrate(mesh_sizes: Sequence[int] | None = None, sizes: Sequence | None = 
     log(f"calibrating on {len(devs)} {plat} device(s) ({kind}); meshes {mesh_sizes}; "
         f"empty call {empty_s * 1e6:.0f} us")
     sources = {}
-    gather_recs = []
+    gather_recs, fault_recs = [], []
+    fault_Bps = fresh_from = fresh_per = 0.0
     if N_max > 1 and sizes:
         gather_recs = measure_plain_gathers([n for n in mesh_sizes if n > 1], sizes, reps, log)
         alpha, beta = fit_alpha_beta(gather_recs)
         sources["alpha_s"] = (f"{src}: least-squares fit of plain bits all-gathers, "
                               f"N={mesh_sizes}, sizes={[fmt_bytes(s) for s in sizes]} "
                               "(includes the fixed cost of one call)")
+        if fault_sizes:
+            fault_recs = measure_plain_gathers([N_max], fault_sizes, reps, log)
+            alpha, beta, fault_Bps = fit_link_and_faults(gather_recs + fault_recs)
+            full = [r for r in gather_recs + fault_recs if r["N"] == N_max]
+            fresh_from, fresh_per = fit_fresh_bytes([r["n_bytes"] for r in full],
+                                                    [r["fresh_bytes"] for r in full])
+            sources["alpha_s"] += (f", fitted with the host faults of N={N_max} gathers of "
+                                   f"{[fmt_bytes(s) for s in fault_sizes]}")
         sources["beta_Bps"] = sources["alpha_s"]
     else:
         alpha, beta = base.alpha_s, base.beta_Bps
@@ -110,6 +124,19 @@ def calibrate(mesh_sizes: Sequence[int] | None = None, sizes: Sequence | None = 
         sources["agreement_s"] = "one device: no agreement collective"
         sources["codec_Bps"] = f"{src}: {kernel_src}"
         sources["codec_launch_s"] = f"{src}: intercept of that line less one empty call"
+    if fault_recs:
+        sources["fault_Bps"] = (
+            f"{src}: least squares of t = ring(alpha, beta) + fresh_bytes/fault_Bps over the "
+            "plain gathers above, fresh_bytes each gather's minor page faults x page size "
+            "(getrusage); 0: the faults explained nothing")
+        sources["fresh_from_bytes"] = sources["fresh_per_byte"] = (
+            f"{src}: hinge fit of those fresh bytes per gather against its size, "
+            f"N={N_max}: fresh = per_byte * max(0, bytes - from)")
+    else:
+        why = ("not measured on a GPU: its buffers come from XLA's pool, no fresh host memory "
+               "per gather" if not on_cpu else "not measured (no fault sizes, or one device)")
+        sources["fault_Bps"] = sources["fresh_from_bytes"] = sources["fresh_per_byte"] = (
+            f"{why}; 0: no host fault term")
     hbm = measure_hbm(full_mesh, max(codec_sizes), reps, empty_s)
     sources["hbm_Bps"] = f"{src}: w ^ salt over {fmt_bytes(max(codec_sizes))} on every rank"
     sources["entropy_Bps"] = f"not measured; carried over from built-in profile {base.name}"
@@ -117,10 +144,12 @@ def calibrate(mesh_sizes: Sequence[int] | None = None, sizes: Sequence | None = 
                       codec_Bps=codec_Bps, agreement_s=agreement, hbm_Bps=hbm,
                       entropy_Bps=base.entropy_Bps, codec_launch_s=launch_s,
                       codec_pricing="measured", word_codec_Bps=word_Bps, escape_s=escape_s,
+                      fault_Bps=fault_Bps, fresh_from_bytes=fresh_from, fresh_per_byte=fresh_per,
                       sources=sources)
     details = dict(platform=plat, device_kind=kind, devices=len(devs), mesh_sizes=mesh_sizes,
                    empty_call_s=empty_s, gathers=[{k: v for k, v in r.items() if k != "times"}
                                                   for r in gather_recs],
+                   faults=[{k: v for k, v in r.items() if k != "times"} for r in fault_recs],
                    codec=codec_rows, ciera_overhead=e2e_rows, kernel_codec_Bps=kernel_Bps,
                    escape=esc_row, word_overhead=word_rows,
                    host=platform.node(), date=date)
@@ -137,6 +166,9 @@ def profile_table(p: cm.Profile) -> str:
             ("word_codec_Bps", "-" if p.word_codec_Bps is None else
              f"{p.word_codec_Bps / 1e9:.3f} GB/s", "word mode's extra work, bf16 bytes/s"),
             ("escape_s", f"{p.escape_s * 1e9:.2f} ns", "per escaped exponent"),
+            ("fault_Bps", f"{p.fault_Bps / 1e9:.3f} GB/s", "host faults of fresh memory (0: none)"),
+            ("fresh_from", fmt_bytes(int(p.fresh_from_bytes)), "gathers fault fresh memory above"),
+            ("fresh_per_byte", f"{p.fresh_per_byte:.2f}", "fresh bytes per gathered byte above it"),
             ("codec_pricing", p.codec_pricing, "counted bytes, or measured rates"),
             ("hbm_Bps", f"{p.hbm_Bps / 1e9:.3f} GB/s", "memory copy rate"),
             ("entropy_Bps", f"{p.entropy_Bps / 1e9:.3f} GB/s", "not measured (carried over)")]

@@ -1,6 +1,7 @@
 """Measure alpha, beta, codec rate and agreement on this mesh and write a cost-model profile.
 
     ciera calibrate --out profile.json [--devices 8] [--sizes 4K 64K 1M 8M] [--reps 7]
+        [--fault-sizes 8M 16M 24M 32M 48M]
 
 What is measured and how: :mod:`ciera_jax.calibrate`.
 """
@@ -11,8 +12,8 @@ import argparse
 import sys
 import time
 
-from ciera_jax.calibrate.defaults import (CPU_CODEC_SIZES, CPU_SIZES, GPU_CODEC_SIZES, GPU_SIZES,
-                                          mesh_sizes_for)
+from ciera_jax.calibrate.defaults import (CPU_CODEC_SIZES, CPU_FAULT_SIZES, CPU_SIZES,
+                                          GPU_CODEC_SIZES, GPU_SIZES, mesh_sizes_for)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,6 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--codec-sizes", nargs="+", default=None,
                    help=f"sizes for the codec fit (default CPU {' '.join(CPU_CODEC_SIZES)}; "
                         f"GPU {' '.join(GPU_CODEC_SIZES)})")
+    p.add_argument("--fault-sizes", nargs="*", default=None,
+                   help="sizes of the plain gathers that fit the host's fresh-memory faults "
+                        f"on the full mesh (default CPU {' '.join(CPU_FAULT_SIZES)}; none on GPU; "
+                        "give the flag alone to skip)")
     p.add_argument("--mesh-sizes", type=int, nargs="+", default=None,
                    help="device counts to time gathers on (default 2, 4, 8, ... up to all)")
     p.add_argument("--reps", type=int, default=7, help="timed repetitions per point (median)")
@@ -59,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     if mesh_sizes and max(mesh_sizes) > n_dev:
         raise ValueError(f"--mesh-sizes {mesh_sizes}: only {n_dev} devices")
     t0 = time.perf_counter()
-    prof, _ = calibrate(mesh_sizes, args.sizes, args.codec_sizes, args.reps, args.name)
+    prof, _ = calibrate(mesh_sizes, args.sizes, args.codec_sizes, args.reps, args.name,
+                        fault_sizes=args.fault_sizes)
     prof.save(args.out)
     print(profile_table(prof))
     print(f"wrote {args.out} ({time.perf_counter() - t0:.1f} s)")

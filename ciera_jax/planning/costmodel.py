@@ -11,6 +11,8 @@ seconds; the time is the collective's time on the link plus the codec time:
     t_entropy= (N-1)*alpha + (N-1)/N * n*b/1.5 / beta + encode + decode at entropy-codec rate
     t_word   = (N-1)*alpha + (N-1)/N * n*word_bytes_per_weight / beta + word codec
 
+and every one of them + host faults (:func:`host_fault_time` of ``n*b``; 0 on GPU profiles).
+
 Wire bytes are what the gathers send (``sent_bytes`` in their stats, tested equal): the rungs of
 :mod:`ciera_jax.codec.wire` for both CIERA modes, int8 codes in whole blocks plus one float32 scale per
 block (as ``quantized.py`` sends). Word mode gathers once per step (the backward reads the
@@ -25,6 +27,14 @@ bound by its ops, not its bytes (about 10x its counted time; ``docs/results.md``
 pays"). Its dense passes then run at the measured end-to-end rate of each mode
 (``codec_Bps``, ``word_codec_Bps``), and each escaped exponent costs ``escape_s`` more (the
 sender's pack and every receiver's fill walk the escapes one by one).
+
+A host's gather also pays for fresh memory (``fault_Bps``, 0 on GPUs, whose buffers come from
+XLA's pool): on a CPU, glibc maps blocks above its mmap threshold fresh on every call and the
+first touch of each page faults, so a gather of ``B`` full bytes faults in about
+``fresh_per_byte * (B - fresh_from_bytes)`` bytes (the output and a staging copy: about 2x the
+tensor from 32 MB up, little below 8 MB; counted with ``getrusage``) at ``fault_Bps``. It is why
+a gather's effective bandwidth falls with its size over sockets (``docs/results.md``, "Where
+CIERA pays"). Every method pays it on the size of the full tensor it returns.
 
 ``n`` is the element count of the FULL tensor, ``b`` its bytes per element. The link is a
 :class:`Profile` (one flat ring) or a :class:`Topology` (NVLink ring inside a node, then a
@@ -79,6 +89,10 @@ class Profile:
                 (bytes of bf16 full tensor per second); None: not measured
     escape_s    seconds per escaped exponent of the full tensor, beyond the dense passes
                 (measured pricing only)
+    fault_Bps   bytes/s at which the host faults in freshly mapped memory of a gather's
+                buffers; 0: no such cost (GPU profiles)
+    fresh_from_bytes, fresh_per_byte  the fresh bytes of one gather of ``B`` full bytes:
+                ``fresh_per_byte * max(0, B - fresh_from_bytes)`` (:func:`fresh_bytes`)
     """
 
     name: str
@@ -93,6 +107,9 @@ class Profile:
     codec_pricing: str = "counted"
     word_codec_Bps: float | None = None
     escape_s: float = 0.0
+    fault_Bps: float = 0.0
+    fresh_from_bytes: float = 0.0
+    fresh_per_byte: float = 0.0
     sources: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
@@ -172,6 +189,18 @@ class Topology:
     def escape_s(self) -> float:
         return self.intra.escape_s
 
+    @property
+    def fault_Bps(self) -> float:
+        return self.intra.fault_Bps
+
+    @property
+    def fresh_from_bytes(self) -> float:
+        return self.intra.fresh_from_bytes
+
+    @property
+    def fresh_per_byte(self) -> float:
+        return self.intra.fresh_per_byte
+
     def agreement(self, N: int) -> float:
         return self.intra.agreement_s if N <= self.gpus_per_node else self.inter.agreement_s
 
@@ -218,6 +247,21 @@ def agreement_time(N: int, link: Link) -> float:
     return link.agreement(N) if isinstance(link, Topology) else link.agreement_s
 
 
+# ----------------------------------------------------------------------------- host memory
+
+def fresh_bytes(full_bytes: float, link) -> float:
+    """Bytes of freshly mapped host memory one gather returning ``full_bytes`` touches."""
+    return max(0.0, link.fresh_per_byte * (full_bytes - link.fresh_from_bytes))
+
+
+def host_fault_time(full_bytes: float, link) -> float:
+    """Seconds one gather returning ``full_bytes`` spends faulting in fresh host memory (0
+    where the profile has no fault rate: a GPU's pooled buffers)."""
+    if not link.fault_Bps:
+        return 0.0
+    return fresh_bytes(full_bytes, link) / link.fault_Bps
+
+
 # ----------------------------------------------------------------------------- codec
 
 def expected_change_count(n_local: int, change_rate: float) -> int:
@@ -257,18 +301,31 @@ def measured_codec_Bps(method: str, link) -> float | None:
 @dataclasses.dataclass(frozen=True)
 class GatherCost:
     """One method on one tensor: bytes on the wire (full tensor), codec seconds on the device,
-    whether CIERA fell back to plain, and the patch capacity it used."""
+    whether CIERA fell back to plain, the patch capacity it used, and the seconds its host
+    spends faulting in fresh memory for the result (:func:`host_fault_time`)."""
 
     method: str
     wire_bytes: float
     codec_s: float
     fallback: bool = False
     patch_capacity: int = 0
+    host_s: float = 0.0
 
 
 def gather_cost(method: str, n: int, N: int, bytes_per_elem: int, link: Link,
                 change_rate: float = 0.0, *, word_bpw: float | None = None,
                 word_rates: tuple[float, float] | None = None) -> GatherCost:
+    """Wire bytes, codec time and host fault time of ``method`` for a tensor of ``n`` elements
+    on ``N`` ranks (:func:`_wire_and_codec`; every method returns the full tensor, so every one
+    pays :func:`host_fault_time` on ``n * bytes_per_elem``)."""
+    c = _wire_and_codec(method, n, N, bytes_per_elem, link, change_rate, word_bpw=word_bpw,
+                        word_rates=word_rates)
+    return dataclasses.replace(c, host_s=host_fault_time(n * bytes_per_elem, link))
+
+
+def _wire_and_codec(method: str, n: int, N: int, bytes_per_elem: int, link: Link,
+                    change_rate: float = 0.0, *, word_bpw: float | None = None,
+                    word_rates: tuple[float, float] | None = None) -> GatherCost:
     """Wire bytes and codec time of ``method`` for a tensor of ``n`` elements on ``N`` ranks.
 
     ``ciera`` (exponent mode) takes its rung from ``change_rate``;
@@ -319,7 +376,7 @@ def gather_cost(method: str, n: int, N: int, bytes_per_elem: int, link: Link,
 
 
 def _time(c: GatherCost, N: int, link: Link) -> float:
-    return gather_time(c.wire_bytes, N, link) + c.codec_s
+    return gather_time(c.wire_bytes, N, link) + c.codec_s + c.host_s
 
 
 def t_plain(n: int, N: int, bytes_per_elem: int, p: Link) -> float:
