@@ -24,11 +24,17 @@ def test_the_line_names_the_lost_process_and_the_newest_checkpoint(tmp_path, mon
     (tmp_path / "5").mkdir()
     (tmp_path / "10").mkdir()
     (tmp_path / "damaged").mkdir()
+    (tmp_path / "5.orbax-checkpoint-tmp-1234").mkdir()  # a leftover older than step 10
     monkeypatch.setitem(peers.progress, "step", 12)
     monkeypatch.setitem(peers.progress, "checkpoint_dir", str(tmp_path))
+    monkeypatch.setitem(peers.progress, "log", None)
     assert peers.lost_line(0, 2, "unhealthy (stopped sending heartbeats): 1") == (
-        f"ciera train (process 0): lost process 1 of 2 after step 12; the newest checkpoint "
-        f"is step 10 in {tmp_path}: restart all 2 processes with --resume")
+        f"ciera train (process 0): lost process 1 of 2 after step 12; the newest complete "
+        f"checkpoint is step 10 in {tmp_path}: restart all 2 processes with --resume")
+    (tmp_path / "12.orbax-checkpoint-tmp-5678").mkdir()  # step 12's save was in flight
+    assert peers.lost_line(0, 2, "unhealthy (stopped sending heartbeats): 1").endswith(
+        f"the newest complete checkpoint is step 10 in {tmp_path} (the save of step 12 did "
+        "not finish): restart all 2 processes with --resume")
     assert "lost process 0 (the coordinator) of 2" in peers.lost_line(
         1, 2, "coordination service unavailable: UNAVAILABLE")
     monkeypatch.setitem(peers.progress, "checkpoint_dir", None)
@@ -72,7 +78,8 @@ def test_a_killed_peer_ends_the_survivor_in_one_line(tmp_path):
     assert procs[0].returncode == EXIT_PEER_LOST, err[-3000:]
     assert err.strip().count("\n") == 0, err[-3000:]  # one line, no C++ abort dump
     m = re.fullmatch(rf"ciera train \(process 0\): lost process 1 of 2 after step (\d+); the "
-                     rf"newest checkpoint is step (\d+) in {re.escape(str(ck))}: restart all 2 "
+                     rf"newest complete checkpoint is step (\d+) in {re.escape(str(ck))}"
+                     r"(?: \(the save of step \d+ did not finish\))?: restart all 2 "
                      r"processes with --resume; full log: "
                      rf"{re.escape(str(ck / 'ciera-train-process-0.log'))}", err.strip())
     assert m, err
@@ -145,7 +152,8 @@ def test_either_lost_process_is_one_line_and_resume_is_bitwise(killed, tmp_path,
     log = ck / f"ciera-train-process-{s}.log"
     who = "lost process 0 (the coordinator)" if killed == 0 else "lost process 1"
     m = re.fullmatch(rf"ciera train \(process {s}\): {re.escape(who)} of 2 after step (\d+); "
-                     rf"the newest checkpoint is step (\d+) in {re.escape(str(ck))}: restart "
+                     rf"the newest complete checkpoint is step (\d+) in {re.escape(str(ck))}"
+                     r"(?: \(the save of step \d+ did not finish\))?: restart "
                      rf"all 2 processes with --resume; full log: {re.escape(str(log))}",
                      err.strip())
     assert m, err
