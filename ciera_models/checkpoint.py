@@ -217,6 +217,7 @@ class Checkpointer:
         self._pending: tuple[int, int | None, object] | None = None  # step, newest before, say
         self._said: set[int] = set()
         self._lock = threading.Lock()
+        self._absl_level: int | None = None  # orbax's log level while a save is in flight
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -244,12 +245,12 @@ class Checkpointer:
         meta["meta_sha256"] = meta_sha256(meta)
         tree = {"params": params, "opt_state": opt_state}
         self._pending = (step, self.latest_step(), say)
+        self._hush()
         try:
-            with _orbax_quiet(after_error=True):  # one line, not a traceback per thread
-                snapshot = shard_digest.take(tree)
-                self._mgr.save(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta),
-                    digests=shard_digest.DigestSave(snapshot)), force=True)
+            snapshot = shard_digest.take(tree)
+            self._mgr.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta),
+                digests=shard_digest.DigestSave(snapshot)), force=True)
         except Exception as e:  # noqa: BLE001 - orbax and tensorstore wrap OSErrors their way
             raise self._failed(e) from None
         if say is not None:
@@ -263,13 +264,28 @@ class Checkpointer:
         if self._pending is None:
             return
         try:
-            with _orbax_quiet(after_error=True):
-                self._mgr.wait_until_finished()
+            self._mgr.wait_until_finished()
         except Exception as e:  # noqa: BLE001
-            raise self._failed(e) from None
+            raise self._failed(e) from None  # still hushed: late threads log tracebacks too
         step = self._pending[0]
         self._announce(step)
         self._pending = None
+        self._unhush()
+
+    def _hush(self) -> None:
+        """Orbax's own logs off while a save is in flight: a failure is reported in one line
+        (by :meth:`wait`), and orbax's threads would each log a traceback for it, some after
+        the wait returned (so after a failure they stay off)."""
+        if self._absl_level is None:
+            logger = logging.getLogger("absl")
+            self._absl_level = logger.level
+            logger.setLevel(logging.CRITICAL)
+            _drop_closed_loop_errors()
+
+    def _unhush(self) -> None:
+        if self._absl_level is not None:
+            logging.getLogger("absl").setLevel(self._absl_level)
+            self._absl_level = None
 
     def _failed(self, e: BaseException) -> WriteFailed:
         step, before, _ = self._pending

@@ -8,6 +8,7 @@ The state is a few small arrays sharded over the emulated devices (conftest: 8).
 
 import errno
 import json
+import logging
 import shutil
 import signal
 import subprocess
@@ -192,18 +193,30 @@ def test_a_format_1_checkpoint_still_verifies(tmp_path):
 
 
 def test_a_failed_background_save_is_one_line_at_the_next_wait(tmp_path, monkeypatch):
+    """The hashing thread fails (a full disk): the next save says so in one line, naming the
+    step; orbax's threads print no traceback; the previous checkpoint restores."""
     ck = tmp_path / "ck"
     _save(ck, 1)
 
-    def full(snap):
+    returned = threading.Event()
+
+    def full(snap):  # fails once the save has returned, as a slow disk would
+        returned.wait(60)
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(shard_digest, "record", full)
-    with ckpt.Checkpointer(str(ck)) as c:
-        c.save(2, *_state(bump=2), {"run": "test"})  # returns: the failure is in the thread
-        with pytest.raises(WriteFailed) as e:
-            c.save(3, *_state(bump=3), {"run": "test"})
-        assert c.all_steps() == [1]
+    logged = _Records()
+    logging.getLogger("absl").addHandler(logged)
+    try:
+        with ckpt.Checkpointer(str(ck)) as c:
+            c.save(2, *_state(bump=2), {"run": "test"})  # returns: it fails in the thread
+            returned.set()
+            with pytest.raises(WriteFailed) as e:
+                c.save(3, *_state(bump=3), {"run": "test"})
+            assert c.all_steps() == [1]
+    finally:
+        logging.getLogger("absl").removeHandler(logged)
+    assert not logged.errors  # orbax's threads logged no traceback
     msg = str(e.value)
     assert msg.startswith(f"checkpoint: saving step 2 to {ck} failed (No space left on device")
     assert msg.endswith("the newest checkpoint is still step 1: free space (or fix the "
@@ -211,6 +224,15 @@ def test_a_failed_background_save_is_one_line_at_the_next_wait(tmp_path, monkeyp
     monkeypatch.undo()
     got, _ = _restore(ck)
     assert got[2]["step"] == 1 and _same(got, 1)
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.errors: list[str] = []
+
+    def emit(self, record):
+        self.errors.append(record.getMessage())
 
 
 INTERRUPTED = textwrap.dedent("""
