@@ -117,11 +117,18 @@ def take(tree) -> Snapshot:
 
 def record(snap: Snapshot) -> dict:
     """Hash the snapshot's shards (dropping each copy once hashed): this process's file."""
-    jobs, snap.shards = snap.shards, []
+    keys = [(name, ix) for name, ix, _ in snap.shards]
+    arrays = [a for _, _, a in snap.shards]
+    snap.shards = []
+
+    def digest(i: int) -> str:
+        a, arrays[i] = arrays[i], None  # the copy goes as soon as it is hashed
+        return sha256(a)
+
     with concurrent.futures.ThreadPoolExecutor(workers()) as pool:
-        digests = list(pool.map(lambda job: sha256(job[2]), jobs))
+        digests = list(pool.map(digest, range(len(arrays))))
     leaves = {name: {**info, "shards": []} for name, info in snap.leaves.items()}
-    for (name, ix, _), d in zip(jobs, digests):
+    for (name, ix), d in zip(keys, digests):
         leaves[name]["shards"].append([[list(p) for p in ix], d])
     body = {"process": snap.process, "leaves": leaves}
     return {**body, "sha256": _body_sha(body)}
