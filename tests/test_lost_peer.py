@@ -4,6 +4,7 @@ the lost process, the last step and the newest checkpoint -- not JAX's C++ abort
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -168,18 +169,25 @@ def test_either_lost_process_is_one_line_and_resume_is_bitwise(killed, tmp_path,
 
 
 @pytest.mark.slow
-def test_a_checkpoint_damaged_on_one_process_falls_back_on_both(tmp_path, straight_sha):
-    """Step 8's array file of process 1 (which only process 1 reads) is cut short, as a
-    process killed between its writes would leave it: both processes set step 8 aside,
+@pytest.mark.parametrize("damage", ["cut arrays", "stale shard digests"])
+def test_a_checkpoint_damaged_on_one_process_falls_back_on_both(damage, tmp_path, straight_sha):
+    """Step 8 is damaged where only process 1 looks: its array file cut short, as a process
+    killed between its writes would leave it; or its shard digests those of step 4 (its
+    shards then do not match, which only process 1 checks). Both processes set step 8 aside,
     restore step 4 and end bitwise on the straight run."""
     ck = tmp_path / "ck"
     (rc0, _, e0), (rc1, _, e1) = _finish(_start(ck, free_port(), "--checkpoint-every", "4",
                                                 steps=8))
     assert rc0 == rc1 == 0, e0[-2000:] + e1[-2000:]
-    data = sorted(p for p in (ck / "8" / "state" / "ocdbt.process_1").rglob("*") if p.is_file())
-    assert data, sorted(p.name for p in (ck / "8" / "state").iterdir())
-    for f in data:
-        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    if damage == "cut arrays":
+        data = sorted(p for p in (ck / "8" / "state" / "ocdbt.process_1").rglob("*")
+                      if p.is_file())
+        assert data, sorted(p.name for p in (ck / "8" / "state").iterdir())
+        for f in data:
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    else:
+        shutil.copy(ck / "4" / "digests" / "process_1.json",
+                    ck / "8" / "digests" / "process_1.json")
     (rc0, out0, e0), (rc1, _, e1) = _finish(_start(ck, free_port(), "--resume"))
     assert rc0 == rc1 == 0, e0[-2000:] + e1[-2000:]
     assert re.search(rf"checkpoint step 8 in {re.escape(str(ck))} is damaged \(.*\): set aside "
