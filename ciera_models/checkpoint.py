@@ -9,13 +9,21 @@ Saves are atomic: orbax writes a step into ``<step>.orbax-checkpoint-tmp-*`` and
 when complete, so a run killed during a save leaves the previous checkpoint the latest; the
 partial directory is ignored and removed when the next run opens the directory.
 
-Checkpoints check themselves. Every save records, in its metadata, a digest of what it saved
-(``params_sha256``: the hash the trainer prints at the end, ``opt_state_sha256``) and a digest
-of the metadata itself (``meta_sha256``); the metadata is written by the same atomic save. A
-restore recomputes them. A checkpoint whose metadata cannot be read or does not match, whose
-arrays cannot be read, or whose arrays do not match their digest is reported in one line,
-moved (not deleted) to ``<dir>/damaged/<step>``, and the previous one is tried; when none is
-good, :class:`~models.failures.NoGoodCheckpoint` says so.
+Saves run in the background: ``save`` copies this process's shards to host memory and
+returns; orbax writes them, and hashes them (:mod:`models.shard_digest`), in its commit thread,
+then renames the step into place. One save is in flight at a time (the next one, and the end of
+the run, wait for it); a background failure is reported by that wait, naming its step.
+
+Checkpoints check themselves (format 2). Every save records, per array shard, a SHA-256 of its
+bytes (``digests/process_<i>.json``: each process hashes the shards it holds) and, in its
+metadata, a digest of the metadata itself (``meta_sha256``). A restore checks the metadata,
+reads the arrays, and hashes every shard where it lies. A checkpoint whose metadata cannot be
+read or does not match, whose arrays cannot be read, or whose shards do not match their
+digests (the line names the shard) is reported in one line, moved (not deleted) to
+``<dir>/damaged/<step>``, and the previous one is tried; when none is good,
+:class:`~models.failures.NoGoodCheckpoint` says so. Checkpoints of format 1 (a whole-state
+``params_sha256`` / ``opt_state_sha256`` in the metadata) still verify, the old way; those
+saved before digests existed restore with a note.
 """
 
 from __future__ import annotations
@@ -27,28 +35,31 @@ import logging
 import os
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from ciera_models import shard_digest
 from ciera_models.failures import NoGoodCheckpoint, WriteFailed, describe_os_error
 from ciera_models.params_hash import host_array, params_sha256
 from ciera_models.preemption import agree, agree_steps
+from ciera_models.shard_digest import Damaged
 
 # A resumed run must agree on these, or the checkpoint does not fit (shapes, data) or is not
 # the run it claims to continue.
 MUST_MATCH = ("config", "gather", "batch_size", "seq_len", "seed")
 # These change what is sent over the wire, never what is computed: free to change.
 FREE_ON_RESUME = ("plan", "profile", "cache")
-# What a save records about itself; a restore checks all three.
+FORMAT = 2  # per-shard digests in digests/; 1: whole-state digests in the metadata
+# What a save records about itself (format 2; the shard digests are in digests/).
+FORMAT_KEYS = ("checkpoint_format", "digest_processes", "meta_sha256")
+# What a format-1 save recorded; a restore still checks all three.
 DIGESTS = ("params_sha256", "opt_state_sha256", "meta_sha256")
 DAMAGED = "damaged"  # damaged checkpoints are moved to <dir>/damaged/<step>
-
-
-class Damaged(Exception):
-    """One checkpoint is unusable; the message says what is wrong with it."""
 
 
 def check_dir(directory: str) -> None:
@@ -120,15 +131,24 @@ def check_meta(meta) -> dict:
     existed has none of them and passes (its arrays then go unchecked)."""
     if not isinstance(meta, dict) or not meta:
         raise Damaged("its metadata is missing or empty")
-    present = [k for k in DIGESTS if k in meta]
-    if present and len(present) < len(DIGESTS):
-        missing = ", ".join(k for k in DIGESTS if k not in meta)
+    fmt = meta.get("checkpoint_format")
+    keys = FORMAT_KEYS if fmt is not None else DIGESTS
+    present = [k for k in keys if k in meta]
+    if fmt is not None and fmt != FORMAT:
+        raise Damaged(f"its format {fmt!r} is not one this version reads ({FORMAT} or older)")
+    if (present or fmt is not None) and len(present) < len(keys):
+        missing = ", ".join(k for k in keys if k not in meta)
         raise Damaged(f"its metadata lacks {missing}")
     if present and meta["meta_sha256"] != meta_sha256(meta):
         raise Damaged("its metadata does not match its digest (meta_sha256)")
     if "step" not in meta:
         raise Damaged("its metadata has no step")
     return meta
+
+
+def checkpoint_format(meta: dict) -> int:
+    """2: per-shard digests; 1: whole-state digests in the metadata; 0: none."""
+    return int(meta.get("checkpoint_format") or (1 if "params_sha256" in meta else 0))
 
 
 def _closed_loop(kind, value) -> bool:
@@ -181,50 +201,129 @@ def _why(e: BaseException) -> str:
 
 
 class Checkpointer:
-    """The run's checkpoint directory: periodic and final saves, the newest ``keep`` kept.
-    ``read_only``: only look (no clean-up of another run's temporary directories)."""
+    """The run's checkpoint directory: periodic and final saves (in the background), the
+    newest ``keep`` kept. ``read_only``: only look (no clean-up of another run's temporary
+    directories)."""
 
     def __init__(self, directory: str, keep: int = 3, create: bool = True,
                  read_only: bool = False):
         self.directory = Path(directory).absolute()
+        self.keep = keep
         opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create,
                                             cleanup_tmp_directories=not read_only,
-                                            enable_async_checkpointing=False)
+                                            enable_async_checkpointing=True)
         self._mgr = ocp.CheckpointManager(self.directory, options=opts,
-                                          item_names=("state", "meta"))
+                                          item_names=("state", "meta", "digests"))
+        self._pending: tuple[int, int | None, object] | None = None  # step, newest before, say
+        self._said: set[int] = set()
+        self._lock = threading.Lock()
+        self._absl_level: int | None = None  # orbax's log level while a save is in flight
 
     def __enter__(self) -> "Checkpointer":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self._mgr.close()
+    def __exit__(self, kind, value, tb) -> None:
+        try:
+            self.wait()  # the save in flight ends whole (or fails in one line)
+        except WriteFailed:
+            if kind is None:
+                raise
+        finally:
+            self._mgr.close()
 
-    def save(self, step: int, params, opt_state, meta: dict) -> None:
-        """Save (and finish writing) step ``step`` with its digests; ``meta`` is small JSON.
-        A failed write (a full disk, ...) raises :class:`WriteFailed` in one line; the step
-        is then not among the checkpoints (orbax renames a step into place only when whole)."""
-        meta = {**meta, "step": step, "data_position": step,
-                "params_sha256": params_sha256(params), "opt_state_sha256": tree_sha256(opt_state)}
+    def save(self, step: int, params, opt_state, meta: dict, wait: bool = False,
+             say=None) -> None:
+        """Start saving step ``step`` (``meta`` is small JSON) and return once this process's
+        shards are copied to host memory; the write and the digests finish in the background
+        (``wait``: here). ``say`` gets one line when the step is complete on disk. A failed
+        write (a full disk, ...) raises :class:`WriteFailed` in one line, from here or from
+        the next wait; the step is then not among the checkpoints (orbax renames a step into
+        place only when whole)."""
+        self.wait()  # one save in flight at a time; a failure of the last one is named here
+        meta = {**meta, "step": step, "data_position": step, "checkpoint_format": FORMAT,
+                "digest_processes": jax.process_count()}
         meta["meta_sha256"] = meta_sha256(meta)
         tree = {"params": params, "opt_state": opt_state}
-        before = self.latest_step()
+        self._pending = (step, self.latest_step(), say)
+        self._hush()
         try:
-            with _orbax_quiet(after_error=True):  # one line, not a traceback per thread
-                self._mgr.save(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)), force=True)
-                self._mgr.wait_until_finished()
+            snapshot = shard_digest.take(tree)
+            self._mgr.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta),
+                digests=shard_digest.DigestSave(snapshot)), force=True)
         except Exception as e:  # noqa: BLE001 - orbax and tensorstore wrap OSErrors their way
-            raise WriteFailed(
-                f"checkpoint: saving step {step} to {self.directory} failed "
-                f"({describe_os_error(e, self.directory)}); the newest checkpoint is "
-                + (f"still step {before}" if before is not None else "none")
-                + ": free space (or fix the folder), then rerun with --resume") from None
+            raise self._failed(e) from None
+        if say is not None:
+            threading.Thread(target=self._watch, args=(step,), daemon=True,
+                             name=f"ciera-checkpoint-{step}").start()
+        if wait:
+            self.wait()
+
+    def wait(self) -> None:
+        """Until the save in flight is complete on disk; :class:`WriteFailed` if it failed."""
+        if self._pending is None:
+            return
+        try:
+            self._mgr.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            raise self._failed(e) from None  # still hushed: late threads log tracebacks too
+        step = self._pending[0]
+        self._announce(step)
+        self._pending = None
+        self._unhush()
+
+    def _hush(self) -> None:
+        """Orbax's own logs off while a save is in flight: a failure is reported in one line
+        (by :meth:`wait`), and orbax's threads would each log a traceback for it, some after
+        the wait returned (so after a failure they stay off)."""
+        if self._absl_level is None:
+            logger = logging.getLogger("absl")
+            self._absl_level = logger.level
+            logger.setLevel(logging.CRITICAL)
+            _drop_closed_loop_errors()
+
+    def _unhush(self) -> None:
+        if self._absl_level is not None:
+            logging.getLogger("absl").setLevel(self._absl_level)
+            self._absl_level = None
+
+    def _failed(self, e: BaseException) -> WriteFailed:
+        step, before, _ = self._pending
+        self._pending = None
+        return WriteFailed(
+            f"checkpoint: saving step {step} to {self.directory} failed "
+            f"({describe_os_error(e, self.directory)}); the newest checkpoint is "
+            + (f"still step {before}" if before is not None else "none")
+            + ": free space (or fix the folder), then rerun with --resume")
+
+    def _watch(self, step: int) -> None:
+        """Say the save's line as soon as the step is in place (the rename is the last act)."""
+        final = self.directory / str(step)
+        while not final.is_dir():
+            pending = self._pending
+            if pending is None or pending[0] != step:
+                return  # waited for (and said, or failed) on the main thread
+            time.sleep(0.05)
+        self._announce(step)
+
+    def _announce(self, step: int) -> None:
+        pending = self._pending
+        say = pending[2] if pending is not None and pending[0] == step else None
+        with self._lock:
+            if say is None or step in self._said:
+                return
+            self._said.add(step)
+        say(f"checkpoint: step {step} saved to {self.directory} (keeping the newest "
+            f"{self.keep})")
 
     def latest_step(self) -> int | None:
-        return self._mgr.latest_step()
+        """The newest step complete on disk (a save in flight is not one yet)."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
-        return sorted(self._mgr.all_steps())
+        """The steps complete on disk."""
+        return sorted(s for s in self._mgr.all_steps() if (self.directory / str(s)).is_dir())
 
     def read_meta(self, step: int) -> dict:
         """Step ``step``'s metadata, checked (:class:`Damaged` if it is not intact). Read by
@@ -307,17 +406,28 @@ class Checkpointer:
         return got["params"], got["opt_state"]
 
     def _check_digests(self, step: int, meta: dict, arrays, log):
-        """``(params, opt_state, meta)`` if the arrays match their digests (collective: every
-        process hashes the whole arrays); :class:`Damaged` if not."""
+        """``(params, opt_state, meta)`` if the arrays match their digests; :class:`Damaged` if
+        not. Format 2: this process hashes the recorded shards it holds (no collective);
+        format 1: every process hashes the whole arrays (collective)."""
         params, opt_state = arrays
-        if "params_sha256" not in meta:
+        fmt = checkpoint_format(meta)
+        if fmt == 0:
             log(f"note: checkpoint step {step} in {self.directory} predates digests: its "
                 "arrays are not verified")
-            return params, opt_state, meta
-        if params_sha256(params) != meta["params_sha256"]:
-            raise Damaged("its params do not match their digest (params_sha256)")
-        if tree_sha256(opt_state) != meta["opt_state_sha256"]:
-            raise Damaged("its optimizer state does not match its digest (opt_state_sha256)")
+        elif fmt == 1:
+            if params_sha256(params) != meta["params_sha256"]:
+                raise Damaged("its params do not match their digest (params_sha256)")
+            if tree_sha256(opt_state) != meta["opt_state_sha256"]:
+                raise Damaged("its optimizer state does not match its digest "
+                              "(opt_state_sha256)")
+        else:
+            manifest = shard_digest.read_manifest(self._item(step, "digests"),
+                                                  int(meta["digest_processes"]))
+            total, unverified = shard_digest.verify(
+                {"params": params, "opt_state": opt_state}, manifest)
+            if unverified:
+                log(f"note: checkpoint step {step} in {self.directory}: {unverified} of {total} "
+                    "shards are split across processes on this layout and were not verified")
         return params, opt_state, meta
 
     @staticmethod

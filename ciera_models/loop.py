@@ -122,11 +122,10 @@ def train(tc: TrainConfig, run: RunConfig | None = None, *, mesh=None,
                               _save_due(run, state.step, last_save))
             stop = stop and state.step < run.steps  # a signal in the last step: just finish
             if saver and (due or stop or state.step == run.steps):
-                saver.save(state.step, state.params, state.opt_state, meta)
+                # in the background, said when complete; the last one (or a stop's) waited for
+                saver.save(state.step, state.params, state.opt_state, meta,
+                           wait=stop or state.step == run.steps, say=None if stop else log)
                 last_save = time.monotonic()
-                if not stop:
-                    log(f"checkpoint: step {state.step} saved to {saver.directory} "
-                        f"(keeping the newest {run.keep_checkpoints})")
             if stop:
                 stopped = guard.signal_name or "a signal on another process"
                 log(f"preempted ({stopped}) after step {state.step} of {run.steps}: "

@@ -13,8 +13,8 @@ So the processes keep a heartbeat of their own, in the coordination service's ke
 a thread in each process bumps ``ciera/beat/<id>`` every second and watches the others'. A peer
 whose beat stands still for half of ``--peer-timeout`` is lost; a coordinator that stops
 answering is lost process 0. The watcher prints one line (which process, the last step, the
-newest checkpoint) and ends the process with ``os._exit``, before JAX's own timeout (the full
-``--peer-timeout``) would abort it. A collective that fails in the step (:func:`lost_peer`)
+newest checkpoint complete on disk, a save that was in flight) and ends the process with
+``os._exit``, before JAX's own timeout (the full ``--peer-timeout``) would abort it. A collective that fails in the step (:func:`lost_peer`)
 waits for that line. A peer that never starts: ``initialization_timeout`` bounds the join.
 """
 
@@ -37,15 +37,26 @@ _said = threading.Lock()
 
 
 def newest_checkpoint(directory: str | None) -> int | None:
-    """The newest step folder in ``directory`` (a plain listing: safe from any thread)."""
+    """The newest step folder in ``directory``: the newest checkpoint complete on disk (orbax
+    renames a step into place only when every process has written it; a plain listing, safe
+    from any thread)."""
+    return max(_steps(directory, lambda name: name.isdigit()), default=None)
+
+
+def unfinished_checkpoint(directory: str | None) -> int | None:
+    """The newest step whose save was started but is not in place (orbax's temporary folder,
+    ``<step>.orbax-checkpoint-tmp-*``): a save in flight when the run ended."""
+    return max(_steps(directory, lambda name: ".orbax-checkpoint-tmp" in name), default=None)
+
+
+def _steps(directory: str | None, kind) -> list[int]:
     if not directory:
-        return None
+        return []
     try:
-        steps = [int(p.name) for p in Path(directory).iterdir()
-                 if p.name.isdigit() and p.is_dir()]
+        return [int(p.name.split(".")[0]) for p in Path(directory).iterdir()
+                if kind(p.name) and p.name.split(".")[0].isdigit() and p.is_dir()]
     except OSError:
-        return None
-    return max(steps) if steps else None
+        return []
 
 
 def lost_tasks(text: str) -> list[int]:
@@ -67,10 +78,12 @@ def lost_line(process_id: int, num_processes: int, text: str) -> str:
         who = "lost a peer process"
     step = progress.get("step")
     ck = progress.get("checkpoint_dir")
-    newest = newest_checkpoint(ck)
-    where = (f"the newest checkpoint is step {newest} in {ck}: restart all {num_processes} "
-             "processes with --resume" if newest is not None else
-             "no checkpoint was saved: restart all processes" if ck else
+    newest, saving = newest_checkpoint(ck), unfinished_checkpoint(ck)
+    unfinished = (f" (the save of step {saving} did not finish)"
+                  if saving is not None and (newest is None or saving > newest) else "")
+    where = (f"the newest complete checkpoint is step {newest} in {ck}{unfinished}: restart all "
+             f"{num_processes} processes with --resume" if newest is not None else
+             f"no checkpoint was saved{unfinished}: restart all processes" if ck else
              "nothing was saved (no --checkpoint-dir): restart all processes")
     log = progress.get("log")
     return (f"ciera train (process {process_id}): {who} of {num_processes}"

@@ -48,21 +48,48 @@ def _check_launch(launch: LaunchConfig) -> None:
                              f"{launch.peer_timeout}")
 
 
+# Variables that start a multi-process run without --coordinator: what
+# ``jax.distributed.initialize()`` reads (Slurm, Open MPI, or the address itself).
+CLUSTER_VARS = ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE")
+
+
+def launch_from_environment(launch: LaunchConfig) -> LaunchConfig:
+    """Without ``--coordinator``, the address, process count and process id that
+    ``jax.distributed.initialize()`` would take from a cluster's environment (Slurm, Open MPI,
+    ``JAX_COORDINATOR_ADDRESS``), as if given as flags: such a run gets the supervisor, the
+    peer watcher and ``--peer-timeout`` like any other. One process, or no cluster that JAX
+    recognizes: unchanged (a single-process run)."""
+    if launch.coordinator or not any(k in os.environ for k in CLUSTER_VARS):
+        return launch
+    from jax._src import clusters  # JAX's own cluster detection (no backend starts)
+
+    coordinator, n, pid, _ = clusters.ClusterEnv.auto_detect_unset_distributed_params(
+        os.environ.get("JAX_COORDINATOR_ADDRESS"), launch.num_processes, launch.process_id,
+        None, None, launch.peer_timeout)
+    if (coordinator is None and n is None) or (n is not None and n <= 1):
+        return launch  # no cluster JAX knows (say, a Slurm allocation outside srun), or one
+    if None in (coordinator, n, pid):
+        raise ValueError(
+            "the environment starts a multi-process run (" + ", ".join(
+                k for k in CLUSTER_VARS if k in os.environ) + " is set) but does not say "
+            + " or ".join(what for what, v in (("the coordinator address", coordinator),
+                                                ("the number of processes", n),
+                                                ("this process's id", pid)) if v is None)
+            + "; pass --coordinator, --num-processes and --process-id")
+    return dataclasses.replace(launch, coordinator=coordinator, num_processes=n,
+                               process_id=pid)
+
+
 def _init_distributed(launch: LaunchConfig) -> None:
     import jax
 
-    if launch.coordinator or "JAX_COORDINATOR_ADDRESS" in os.environ:
+    if launch.coordinator:
         # CPU processes exchange collectives over gloo sockets (GPUs use NCCL regardless).
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if launch.coordinator:
         from ciera_models import peers
 
         peers.initialize(launch.coordinator, launch.num_processes, launch.process_id,
                          launch.peer_timeout)
-    elif any(k in os.environ for k in ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS",
-                                       "OMPI_COMM_WORLD_SIZE")) and \
-            int(os.environ.get("SLURM_NTASKS", os.environ.get("OMPI_COMM_WORLD_SIZE", "2"))) > 1:
-        jax.distributed.initialize()
 
 
 def _schedule_steps(tc: TrainConfig, run: RunConfig) -> int:
@@ -87,8 +114,10 @@ def run(args) -> int:
     tc, run_cfg = from_args(TrainConfig, args), from_args(RunConfig, args)
     configs.get_config(tc.config)  # unknown config -> KeyError with the choices
     check_inputs(tc, run_cfg)  # bad input fails here, before JAX starts
-    launch = from_args(LaunchConfig, args)
+    launch = launch_from_environment(from_args(LaunchConfig, args))
     _check_launch(launch)
+    vars(args).update(coordinator=launch.coordinator, num_processes=launch.num_processes,
+                      process_id=launch.process_id)  # for the child's flags
     from ciera_models import peers, supervisor
     from ciera_models.failures import PeerLost, RunFailure
 

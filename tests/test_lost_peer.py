@@ -4,6 +4,7 @@ the lost process, the last step and the newest checkpoint -- not JAX's C++ abort
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,11 +25,17 @@ def test_the_line_names_the_lost_process_and_the_newest_checkpoint(tmp_path, mon
     (tmp_path / "5").mkdir()
     (tmp_path / "10").mkdir()
     (tmp_path / "damaged").mkdir()
+    (tmp_path / "5.orbax-checkpoint-tmp-1234").mkdir()  # a leftover older than step 10
     monkeypatch.setitem(peers.progress, "step", 12)
     monkeypatch.setitem(peers.progress, "checkpoint_dir", str(tmp_path))
+    monkeypatch.setitem(peers.progress, "log", None)
     assert peers.lost_line(0, 2, "unhealthy (stopped sending heartbeats): 1") == (
-        f"ciera train (process 0): lost process 1 of 2 after step 12; the newest checkpoint "
-        f"is step 10 in {tmp_path}: restart all 2 processes with --resume")
+        f"ciera train (process 0): lost process 1 of 2 after step 12; the newest complete "
+        f"checkpoint is step 10 in {tmp_path}: restart all 2 processes with --resume")
+    (tmp_path / "12.orbax-checkpoint-tmp-5678").mkdir()  # step 12's save was in flight
+    assert peers.lost_line(0, 2, "unhealthy (stopped sending heartbeats): 1").endswith(
+        f"the newest complete checkpoint is step 10 in {tmp_path} (the save of step 12 did "
+        "not finish): restart all 2 processes with --resume")
     assert "lost process 0 (the coordinator) of 2" in peers.lost_line(
         1, 2, "coordination service unavailable: UNAVAILABLE")
     monkeypatch.setitem(peers.progress, "checkpoint_dir", None)
@@ -72,7 +79,8 @@ def test_a_killed_peer_ends_the_survivor_in_one_line(tmp_path):
     assert procs[0].returncode == EXIT_PEER_LOST, err[-3000:]
     assert err.strip().count("\n") == 0, err[-3000:]  # one line, no C++ abort dump
     m = re.fullmatch(rf"ciera train \(process 0\): lost process 1 of 2 after step (\d+); the "
-                     rf"newest checkpoint is step (\d+) in {re.escape(str(ck))}: restart all 2 "
+                     rf"newest complete checkpoint is step (\d+) in {re.escape(str(ck))}"
+                     r"(?: \(the save of step \d+ did not finish\))?: restart all 2 "
                      r"processes with --resume; full log: "
                      rf"{re.escape(str(ck / 'ciera-train-process-0.log'))}", err.strip())
     assert m, err
@@ -145,7 +153,8 @@ def test_either_lost_process_is_one_line_and_resume_is_bitwise(killed, tmp_path,
     log = ck / f"ciera-train-process-{s}.log"
     who = "lost process 0 (the coordinator)" if killed == 0 else "lost process 1"
     m = re.fullmatch(rf"ciera train \(process {s}\): {re.escape(who)} of 2 after step (\d+); "
-                     rf"the newest checkpoint is step (\d+) in {re.escape(str(ck))}: restart "
+                     rf"the newest complete checkpoint is step (\d+) in {re.escape(str(ck))}"
+                     r"(?: \(the save of step \d+ did not finish\))?: restart "
                      rf"all 2 processes with --resume; full log: {re.escape(str(log))}",
                      err.strip())
     assert m, err
@@ -160,18 +169,25 @@ def test_either_lost_process_is_one_line_and_resume_is_bitwise(killed, tmp_path,
 
 
 @pytest.mark.slow
-def test_a_checkpoint_damaged_on_one_process_falls_back_on_both(tmp_path, straight_sha):
-    """Step 8's array file of process 1 (which only process 1 reads) is cut short, as a
-    process killed between its writes would leave it: both processes set step 8 aside,
+@pytest.mark.parametrize("damage", ["cut arrays", "stale shard digests"])
+def test_a_checkpoint_damaged_on_one_process_falls_back_on_both(damage, tmp_path, straight_sha):
+    """Step 8 is damaged where only process 1 looks: its array file cut short, as a process
+    killed between its writes would leave it; or its shard digests those of step 4 (its
+    shards then do not match, which only process 1 checks). Both processes set step 8 aside,
     restore step 4 and end bitwise on the straight run."""
     ck = tmp_path / "ck"
     (rc0, _, e0), (rc1, _, e1) = _finish(_start(ck, free_port(), "--checkpoint-every", "4",
                                                 steps=8))
     assert rc0 == rc1 == 0, e0[-2000:] + e1[-2000:]
-    data = sorted(p for p in (ck / "8" / "state" / "ocdbt.process_1").rglob("*") if p.is_file())
-    assert data, sorted(p.name for p in (ck / "8" / "state").iterdir())
-    for f in data:
-        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    if damage == "cut arrays":
+        data = sorted(p for p in (ck / "8" / "state" / "ocdbt.process_1").rglob("*")
+                      if p.is_file())
+        assert data, sorted(p.name for p in (ck / "8" / "state").iterdir())
+        for f in data:
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    else:
+        shutil.copy(ck / "4" / "digests" / "process_1.json",
+                    ck / "8" / "digests" / "process_1.json")
     (rc0, out0, e0), (rc1, _, e1) = _finish(_start(ck, free_port(), "--resume"))
     assert rc0 == rc1 == 0, e0[-2000:] + e1[-2000:]
     assert re.search(rf"checkpoint step 8 in {re.escape(str(ck))} is damaged \(.*\): set aside "

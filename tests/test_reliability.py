@@ -132,7 +132,7 @@ def test_a_truncated_array_file_falls_back(saved, tmp_path, resumed_sha):
     ("delete", "its metadata cannot be read"),
     ("truncate", "its metadata cannot be read"),
     ("edit", "its metadata does not match its digest (meta_sha256)"),
-    ("strip digests", "its metadata lacks params_sha256, opt_state_sha256"),
+    ("strip digests", "its metadata lacks digest_processes"),
 ])
 def test_damaged_metadata_falls_back_before_compiling(damage, why, saved, tmp_path,
                                                       resumed_sha):
@@ -147,7 +147,7 @@ def test_damaged_metadata_falls_back_before_compiling(damage, why, saved, tmp_pa
         if damage == "edit":
             m["train_config"]["lr"] = 0.5  # parses, and would change the run
         else:
-            m = {k: v for k, v in m.items() if k not in ("params_sha256", "opt_state_sha256")}
+            m = {k: v for k, v in m.items() if k != "digest_processes"}
         meta.write_text(json.dumps(m))
     logs: list[str] = []
     res = _resume(ck, logs)
@@ -179,7 +179,8 @@ def test_a_checkpoint_without_digests_still_restores(saved, tmp_path, resumed_sh
     """Saved before digests existed: restored, with a note that it is not verified."""
     ck = _copy(saved, tmp_path)
     meta = ck / "15" / "meta" / "metadata"
-    m = {k: v for k, v in json.loads(meta.read_text()).items() if k not in ckpt.DIGESTS}
+    m = {k: v for k, v in json.loads(meta.read_text()).items()
+         if k not in ckpt.DIGESTS + ckpt.FORMAT_KEYS}
     meta.write_text(json.dumps(m))
     logs: list[str] = []
     assert _resume(ck, logs).sha256 == resumed_sha

@@ -137,3 +137,60 @@ def test_the_line_says_who_from_the_abort(monkeypatch, text, who):
     monkeypatch.setitem(peers.progress, "log", "/l.log")
     line = peers.lost_line(2 if "Task 1" in text else 1, 3, text)
     assert f"{who} of 3 before training started" in line and line.endswith("; full log: /l.log")
+
+
+# ---- runs started from a cluster's environment get the supervisor too ------------------
+
+SLURM = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "node[007-008]", "SLURM_NTASKS": "2",
+         "SLURM_PROCID": "1", "SLURM_LOCALID": "0"}
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    import os
+
+    for k in list(os.environ):
+        if k.startswith(("SLURM_", "OMPI_", "JAX_COORDINATOR", "JAX_NUM_PROC", "JAX_PROCESS")):
+            monkeypatch.delenv(k)
+    return monkeypatch
+
+
+def test_a_slurm_run_gets_the_supervisor_with_the_flags_jax_would_read(clean_env):
+    from ciera_jax.cli import main as cli
+
+    for k, v in SLURM.items():
+        clean_env.setenv(k, v)
+    launch = train_cli.launch_from_environment(train_cli.LaunchConfig())
+    port = 4242 % 4096 + 65536 - 4096  # JAX's Slurm port: the job id in the top 4096
+    assert (launch.coordinator, launch.num_processes, launch.process_id) == (
+        f"node007:{port}", 2, 1)
+    got = {}
+    clean_env.setattr(supervisor, "supervise",
+                      lambda cmd, pid, n, ck, m: got.update(cmd=cmd, pid=pid, n=n) or 0)
+    assert cli.main(["train", "--steps", "1", "--peer-timeout", "9"]) == 0
+    assert (got["pid"], got["n"]) == (1, 2)
+    flags = " ".join(got["cmd"])
+    assert (f"--coordinator node007:{port} --num-processes 2 --process-id 1 --peer-timeout 9"
+            in flags), flags
+
+
+@pytest.mark.parametrize("env", [
+    {"SLURM_JOB_ID": "4242"},  # an allocation, outside srun: one process, as before
+    {**SLURM, "SLURM_NTASKS": "1", "SLURM_PROCID": "0"},
+])
+def test_one_process_from_the_environment_is_left_alone(clean_env, env):
+    for k, v in env.items():
+        clean_env.setenv(k, v)
+    assert train_cli.launch_from_environment(train_cli.LaunchConfig()) == train_cli.LaunchConfig()
+
+
+def test_a_coordinator_address_alone_is_one_line(clean_env, capsys):
+    from ciera_jax.cli import main as cli
+
+    clean_env.setenv("JAX_COORDINATOR_ADDRESS", "h:1234")
+    assert cli.main(["train", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (
+        "ciera train: error: the environment starts a multi-process run (JAX_COORDINATOR_ADDRESS "
+        "is set) but does not say the number of processes or this process's id; pass "
+        "--coordinator, --num-processes and --process-id"), err
