@@ -90,7 +90,7 @@ def main(argv=None) -> int:
               f"{last['program_steps']}")
     hashes = {x["sha256"] for rs in results.values() for x in rs}
     print(f"params_sha256: {'all equal' if len(hashes) == 1 else 'DIFFER'} ({sorted(hashes)[0][:16]}...)")
-    write_results(args, {"config": args.config, "steps": args.steps, "rows": rows,
+    write_results(args.out, {"config": args.config, "steps": args.steps, "rows": rows,
                          "load_average": os.getloadavg()})
     return 0 if len(hashes) == 1 else 1
 
