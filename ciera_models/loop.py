@@ -203,7 +203,7 @@ def _one_step(tr, state: TrainState, dataset, run: RunConfig,
     batch = tr.batch(dataset, run.seed, state.step)
     priming = state.priming and tr.tc.gather == "ciera"
     t0 = time.perf_counter()
-    new_state, m = tr.step(state, batch)
+    new_state, m = tr.step(state, batch, steps_left=run.steps - state.step)
     dt = time.perf_counter() - t0
     step = state.step + 1
     traced = run.trace_every > 0 and (step % run.trace_every == 0 or step == 1)

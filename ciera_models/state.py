@@ -158,9 +158,12 @@ class Trainer:
         ahead = {**ahead, "agreed": fsdp.fix_rungs(ahead["agreed"], rungs)}
         return params, caches, opt_state, ahead, tokens
 
-    def step(self, state: TrainState, tokens: jax.Array) -> tuple[TrainState, dict]:
+    def step(self, state: TrainState, tokens: jax.Array,
+             steps_left: int | None = None) -> tuple[TrainState, dict]:
         """One step from ``state`` (its arrays are donated): the next state and the step's
         metrics on the host. The caller decides whether the next state is taken.
+        ``steps_left`` (this one included), when known, keeps a program that could not pay
+        for its compile from being compiled.
 
         The rungs of the step's gathers are fixed here, from the demands the previous step
         agreed on (``ahead["needed"]``, read on the host) by :attr:`policy`; a rung vector not
@@ -169,7 +172,7 @@ class Trainer:
         state = self.prepare(state)
         policy = self.rung_policy(state)
         needed = jax.device_get(state.ahead["needed"])
-        rungs, _ = policy.choose(needed)
+        rungs, _ = policy.choose(needed, steps_left)
         args = self.at_rungs((state.params, state.caches, state.opt_state, state.ahead, tokens),
                              rungs)
         key = tuple(sorted(rungs.items()))

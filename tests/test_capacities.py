@@ -57,6 +57,17 @@ def test_a_one_step_spike_falls_back_instead_of_compiling():
     assert policy._bytes("experts", 5, spike["experts"]) == LAYERS * wire.fallback_bytes
 
 
+def test_no_program_is_bought_too_late_in_the_run_to_pay_for_itself():
+    steady = needs(5, 2)
+    late, early = RungPolicy(WIRES), RungPolicy(WIRES)
+    for policy in (late, early):
+        policy.choose(PRIMING)
+    for _ in range(10):
+        late.choose(steady, steps_left=1)  # every step the last: saving one step never pays
+        early.choose(steady, steps_left=1000)
+    assert len(late.programs) == 1 and len(early.programs) == 2
+
+
 def test_never_more_programs_than_allowed_and_always_a_compiled_one():
     policy = RungPolicy(WIRES, max_programs=3, patience=0.0)
     rng = np.random.default_rng(0)

@@ -63,10 +63,12 @@ class RungPolicy:
             raise ValueError(f"window must be >= 1, got {self.window}")
         self._history = collections.deque(maxlen=self.window)
 
-    def choose(self, needed: dict) -> tuple[dict, bool]:
+    def choose(self, needed: dict, steps_left: int | None = None) -> tuple[dict, bool]:
         """``needed``: ``{key: needed rung}`` (an int, or an array per layer for stacks;
-        ``wire.rungs``: above the top or unprimed). Returns (``{key: rung}`` to run the step
-        at, whether that is a program not compiled before)."""
+        ``wire.rungs``: above the top or unprimed); ``steps_left``: the steps the run has left,
+        this one included, when known (a new program must save ``patience`` plain steps'
+        worth of bytes over them at this step's rate, or it is not bought). Returns
+        (``{key: rung}`` to run the step at, whether that is a program not compiled before)."""
         needed = {k: np.atleast_1d(np.asarray(needed[k])) for k in sorted(self.wires)}
         ideal = self._best_for([needed])
         if any(r != PLAIN_RUNG for r in ideal.values()):  # a priming step tells nothing
@@ -81,6 +83,10 @@ class RungPolicy:
         new = self._best_for(list(self._history))
         if _key(new) in self.programs or self.cost(new, needed) >= self.cost(best, needed):
             new = ideal  # the window's program does not help this step: this step's does
+        saving = self.cost(best, needed) - self.cost(new, needed)
+        if steps_left is not None and saving * steps_left < self.patience * self.plain_cost(
+                needed):
+            return best, False  # too late in the run to pay for itself
         return self._compile(new)
 
     def _compile(self, rungs: dict) -> tuple[dict, bool]:
