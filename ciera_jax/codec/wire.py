@@ -83,8 +83,30 @@ def code_bytes(n: int, code_bits: int) -> int:
     return -(-n * code_bits // 8)
 
 
+class _FixedRungs:
+    """What a wire sends with its rung fixed when the step is compiled (both modes)."""
+
+    n: int
+    word_bytes: int
+
+    @property
+    def plain_bytes(self) -> int:
+        return self.n * self.word_bytes
+
+    @property
+    def rungs(self) -> int:
+        """Rungs of the ladder (exponent mode's ``caps``, word mode's ``caps1``)."""
+        return len(self.ladder)
+
+    def bytes_at(self, rung: int, need: int) -> int:
+        """Bytes one rank sends with the rung fixed at ``rung`` when the agreed demand needs
+        rung ``need`` (:attr:`rungs`: above the top, or unprimed): the fixed section, or the
+        fallback's plain bytes when it overflows; :data:`PLAIN_RUNG`: a plain gather."""
+        return fixed_bytes(self, rung, need)
+
+
 @dataclasses.dataclass(frozen=True)
-class ExponentWire:
+class ExponentWire(_FixedRungs):
     """Exponent mode for a shard of ``n`` elements of ``word_bytes``-byte words."""
 
     n: int
@@ -94,6 +116,10 @@ class ExponentWire:
     def caps(self) -> tuple[int, ...]:
         """Changed exponents a rung holds."""
         return capacities(self.n, EXPONENT_CAPACITIES)
+
+    @property
+    def ladder(self) -> tuple[int, ...]:
+        return self.caps
 
     @property
     def word_caps(self) -> tuple[int, ...]:
@@ -133,23 +159,9 @@ class ExponentWire:
             return self.fallback_bytes
         return self.main_bytes + self.section_bytes(k)
 
-    @property
-    def plain_bytes(self) -> int:
-        return self.n * self.word_bytes
-
-    @property
-    def rungs(self) -> int:
-        return len(self.caps)
-
-    def bytes_at(self, rung: int, need: int) -> int:
-        """Bytes one rank sends with the rung fixed at ``rung`` when the agreed demand needs
-        rung ``need`` (:data:`rungs`: above the top, or unprimed): the fixed section, or the
-        fallback's plain bytes when it overflows; :data:`PLAIN_RUNG`: a plain gather."""
-        return fixed_bytes(self, rung, need)
-
 
 @dataclasses.dataclass(frozen=True)
-class WordWire:
+class WordWire(_FixedRungs):
     """Word mode for a shard of ``n`` elements: ``code_bits``-bit codes plus escapes."""
 
     n: int
@@ -165,6 +177,10 @@ class WordWire:
     def caps1(self) -> tuple[int, ...]:
         """Escapes a rung holds (level 1)."""
         return capacities(self.n, LEVEL1_CAPACITIES)
+
+    @property
+    def ladder(self) -> tuple[int, ...]:
+        return self.caps1
 
     @property
     def caps2(self) -> tuple[int, ...]:
@@ -199,18 +215,6 @@ class WordWire:
         if k is None:
             return self.fallback_bytes
         return self.main_bytes + self.section_bytes(k)
-
-    @property
-    def plain_bytes(self) -> int:
-        return self.n * self.word_bytes
-
-    @property
-    def rungs(self) -> int:
-        return len(self.caps1)
-
-    def bytes_at(self, rung: int, need: int) -> int:
-        """As :meth:`ExponentWire.bytes_at`."""
-        return fixed_bytes(self, rung, need)
 
 
 def fixed_bytes(wire, rung: int, need: int) -> int:
