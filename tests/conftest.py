@@ -2,7 +2,8 @@
 
 Also what the suite shares to stay fast on 2 cores: one 20-step ``tiny`` training per gather
 mode for the whole session (``tiny_run``), and the tests that drop JAX's compiled functions
-(``jax.clear_caches()``) run last, so that the steps compiled before them are not compiled again.
+(``jax.clear_caches()``) run last, so that the steps compiled before them are not compiled again;
+under ``-n``, the files that use ``tiny_run`` run on one worker (``xdist_group``).
 """
 
 import functools
