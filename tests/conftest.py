@@ -2,7 +2,8 @@
 
 Also what the suite shares to stay fast on 2 cores: one 20-step ``tiny`` training per gather
 mode for the whole session (``tiny_run``), and the tests that drop JAX's compiled functions
-(``jax.clear_caches()``) run last, so that the steps compiled before them are not compiled again.
+(``jax.clear_caches()``) run last, so that the steps compiled before them are not compiled again;
+under ``-n``, the files that use ``tiny_run`` run on one worker (``xdist_group``).
 """
 
 import functools
@@ -28,10 +29,18 @@ TINY_STEPS = 20  # ``ciera train --config tiny --schedule-steps 20``: test_train
 CLEARS_CACHES = ("test_no_deprecations.py",)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(session, config, items):
     last = [i for i in items if i.path.name in CLEARS_CACHES]
     if last:
         items[:] = [i for i in items if i.path.name not in CLEARS_CACHES] + last
+    # Under ``-n`` (pyproject's ``--dist loadgroup``) every file that trains ``tiny_run``'s
+    # config runs on one worker: its step compiles and its 20-step runs train once, not once
+    # per worker (each worker is a process of its own; the files also train TC beside it).
+    shared = {i.path for i in items if "tiny_run" in getattr(i, "fixturenames", ())}
+    for i in items:
+        if i.path in shared:
+            i.add_marker(pytest.mark.xdist_group("tiny_run"))
 
 
 @pytest.fixture(scope="session")

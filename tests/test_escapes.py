@@ -8,8 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from ciera_jax.codec import escapes
 
@@ -23,21 +21,22 @@ def _packed(flags_RxN):
             escapes.select(words, escapes.running_count(words), slots))
 
 
-@settings(max_examples=20, deadline=None)
-@given(n=st.sampled_from([1, 31, 32, 33, 100, 1000]), rows=st.integers(1, 3),
-       density=st.sampled_from([0.0, 0.01, 0.3, 1.0]), seed=st.integers(0, 2**16))
-def test_flags_round_trip_count_and_select(n, rows, density, seed):
-    flags = np.random.default_rng(seed).random((rows, n)) < density
-    words, back, count, element = _packed(jnp.asarray(flags))
-    assert words.shape == (rows, -(-n // 32)) and words.dtype == jnp.uint32
-    np.testing.assert_array_equal(np.asarray(back), flags)
-    np.testing.assert_array_equal(np.asarray(count), flags.sum(axis=1))
-    past_end = 32 * words.shape[1]
-    for r in range(rows):
-        where = np.nonzero(flags[r])[0]
-        want = np.full(n + 2, past_end)
-        want[:len(where)] = where
-        np.testing.assert_array_equal(np.asarray(element[r]), want)
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 100, 1000])
+def test_flags_round_trip_count_and_select(n):
+    """Three rows of different densities in one call (one compile per length)."""
+    rng = np.random.default_rng(n)
+    for densities in ([0.0, 0.3, 1.0], [0.01, 1.0, 0.3]):
+        flags = rng.random((3, n)) < np.array(densities)[:, None]
+        words, back, count, element = _packed(jnp.asarray(flags))
+        assert words.shape == (3, -(-n // 32)) and words.dtype == jnp.uint32
+        np.testing.assert_array_equal(np.asarray(back), flags)
+        np.testing.assert_array_equal(np.asarray(count), flags.sum(axis=1))
+        past_end = 32 * words.shape[1]
+        for r in range(3):
+            where = np.nonzero(flags[r])[0]
+            want = np.full(n + 2, past_end)
+            want[:len(where)] = where
+            np.testing.assert_array_equal(np.asarray(element[r]), want)
 
 
 def _roundtrip(values, flags, cap, walk):
@@ -54,24 +53,41 @@ def _roundtrip(values, flags, cap, walk):
     return section, back
 
 
-@settings(max_examples=20, deadline=None)
-@given(n=st.sampled_from([5, 64, 777]), density=st.sampled_from([0.0, 0.05, 0.5, 1.0]),
-       slack=st.sampled_from([0, 3]), seed=st.integers(0, 2**16),
-       walk=st.sampled_from(escapes.WALKS))
-def test_pack_lists_flagged_values_in_order_and_fill_puts_them_back(n, density, slack, seed,
-                                                                     walk):
-    rng = np.random.default_rng(seed)
-    flags = rng.random(n) < density
-    values = rng.integers(0, 1 << 16, n).astype(np.uint16)
-    cap = max(int(flags.sum()) + slack, 1)
-    section, back = map(np.asarray, jax.jit(_roundtrip, static_argnums=(2, 3))(
-        jnp.asarray(values), jnp.asarray(flags), cap, walk))
-    k = int(flags.sum())
-    np.testing.assert_array_equal(section[:k], values[flags])
-    assert (section[k:] == 0).all(), "slots after the last flagged value stay zero"
-    for r in (0, 2):
-        np.testing.assert_array_equal(back[r], np.where(flags, values, 7))
-    assert (back[1] == 7).all(), "a row without flags is left as it was"
+_ROUNDTRIP = jax.jit(_roundtrip, static_argnums=(2, 3))
+# (elements, capacity): capacity above the element count, equal to it, and below it. Each shape
+# and walk compiles once; the flag patterns below run through the same program.
+PACK_SHAPES = [(5, 8), (64, 64), (777, 40)]
+
+
+def _flag_patterns(rng, n, cap):
+    """No flag, one, half the capacity, exactly the capacity (or every element, when that is
+    fewer), at random positions; and a run of flags at the row's end (a partial last word)."""
+    full = min(n, cap)
+    for k in sorted({0, 1, full // 2, full}):
+        flags = np.zeros(n, bool)
+        flags[rng.choice(n, size=k, replace=False)] = True
+        yield flags
+    flags = np.zeros(n, bool)
+    flags[n - max(full // 2, 1):] = True
+    yield flags
+
+
+# The walks a user's step compiles (walk_for): "dense", and "either", which takes the loop on the
+# sparse patterns and the dense pass on the others. The loop forced alone is no extra path.
+@pytest.mark.parametrize("walk", ["dense", "either"])
+@pytest.mark.parametrize("n,cap", PACK_SHAPES, ids=[f"n{n}-cap{c}" for n, c in PACK_SHAPES])
+def test_pack_lists_flagged_values_in_order_and_fill_puts_them_back(n, cap, walk):
+    rng = np.random.default_rng(n)
+    for flags in _flag_patterns(rng, n, cap):
+        values = rng.integers(0, 1 << 16, n).astype(np.uint16)
+        section, back = map(np.asarray, _ROUNDTRIP(jnp.asarray(values), jnp.asarray(flags),
+                                                   cap, walk))
+        k = int(flags.sum())
+        np.testing.assert_array_equal(section[:k], values[flags])
+        assert (section[k:] == 0).all(), "slots after the last flagged value stay zero"
+        for r in (0, 2):
+            np.testing.assert_array_equal(back[r], np.where(flags, values, 7))
+        assert (back[1] == 7).all(), "a row without flags is left as it was"
 
 
 @pytest.mark.parametrize("density", [0.1, 1.0], ids=["loop", "dense"])
@@ -87,8 +103,8 @@ def test_more_escapes_than_one_chunk(density):
     cap = int(flags.sum())
     assert cap > escapes.SLOT_CHUNK and n >= escapes.LOOP_MIN
     assert escapes.walk_for(n) == "either"
-    section, back = map(np.asarray, jax.jit(_roundtrip, static_argnums=(2, 3))(
-        jnp.asarray(values), jnp.asarray(flags), cap, None))
+    section, back = map(np.asarray, _ROUNDTRIP(jnp.asarray(values), jnp.asarray(flags), cap,
+                                               None))
     np.testing.assert_array_equal(section, values[flags])
     np.testing.assert_array_equal(back[0], np.where(flags, values, 7))
 

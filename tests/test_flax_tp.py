@@ -43,8 +43,11 @@ def check_run(model, history, counts, settle: int = 1):
 def gemma_runs(mesh_shape, explicit, modes=("plain", "exponent", "word")):
     mesh = make_mesh(mesh_shape, explicit_axes=explicit)
     toks = batches(mesh, STEPS)
+    # One block in the nnx.List: the loop, the wrapping and the shardings are those of any depth,
+    # and each mode's step compiles in about half the time of two blocks.
+    build = wrapped(functools.partial(Transformer, layers=1))
     # the plain baseline: the same model and caches (unused), gathered plain
-    return {m: train(wrapped(Transformer), mesh, toks, mode="exponent" if m == "plain" else m,
+    return {m: train(build, mesh, toks, mode="exponent" if m == "plain" else m,
                      gather="plain" if m == "plain" else "ciera") for m in modes}
 
 
