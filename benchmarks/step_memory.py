@@ -63,7 +63,8 @@ def abstract_args(trainer, batch: int, length: int):
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(
             a.shape, a.dtype, sharding=NamedSharding(mesh, s)), tree, specs)
 
-    model = nnx.eval_shape(lambda: Transformer(trainer.tc.model, nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Transformer(trainer.tc.model, nnx.Rngs(0), trainer.attention,
+                                               trainer.experts))
     params = nnx.state(model, nnx.Param)
     params = put(params, trainer.param_specs)
     opt = put(jax.eval_shape(trainer.tx.init, params), trainer.opt_specs)
