@@ -11,7 +11,7 @@ block is partial), and a loop runs over the blocks in use (``sum_g ceil(size_g /
 most ``rows / block + groups``), one ``[block, K] x [K, N]`` dot each against its group's
 matrix. Its backward is its own custom VJP: one loop gives each block's input gradient and
 adds its ``x_blk^T dy_blk`` to the group's weight gradient (a float32 ``[G, K, N]`` carry).
-Temporaries: the output, the padded input and that carry; nothing of ``groups x rows``.
+Temporaries: the output (its gradient) and that carry; nothing of ``groups x rows``.
 
 Numbers: bf16 operands, float32 accumulation, like ``ragged_dot(...,
 preferred_element_type=float32)``; not bitwise equal to it (another order of sums), but the
@@ -40,36 +40,33 @@ def _blocks(sizes_G, block: int):
     return blk_end_G - nblk_G, blk_end_G, row_start_G, blk_end_G[-1]
 
 
-def _where(b, blocks, sizes_G, block: int):
-    """Block ``b``'s group, its first row, and the mask of its rows inside the group."""
+def _where(b, blocks, sizes_G, block: int, rows_total: int):
+    """Block ``b``'s group, where its slice of ``block`` rows starts, and the mask of the rows
+    of that slice inside the block. A group's last block may reach past the last row: its slice
+    then starts earlier (no padded copy of the operands) and the mask moves with it."""
     blk_start_G, blk_end_G, row_start_G, _ = blocks
     g = jnp.sum(blk_end_G <= b, dtype=jnp.int32)  # one fused compare (searchsorted: a loop)
     j = b - blk_start_G[g]
     row0 = row_start_G[g] + j * block
-    valid = jnp.minimum(sizes_G[g] - j * block, block)
-    return g, row0, jnp.arange(block) < valid
-
-
-def _padded(x, block: int):
-    """``x`` with ``block`` zero rows after it: every block's slice starts where it should."""
-    return jnp.concatenate([x, jnp.zeros((block,) + x.shape[1:], x.dtype)])
+    end = row0 + jnp.minimum(sizes_G[g] - j * block, block)
+    start = jnp.minimum(row0, rows_total - block)
+    at = start + jnp.arange(block)
+    return g, start, (at >= row0) & (at < end)
 
 
 def _forward(x_AxK, w_GxKxN, sizes_G, block: int):
     A, N = x_AxK.shape[0], w_GxKxN.shape[2]
-    xp = _padded(x_AxK, block)
     blocks = _blocks(sizes_G, block)
 
     def body(b, y):
-        g, row0, rows = _where(b, blocks, sizes_G, block)
-        x_blk = lax.dynamic_slice_in_dim(xp, row0, block)
+        g, start, rows = _where(b, blocks, sizes_G, block, A)
+        x_blk = lax.dynamic_slice_in_dim(x_AxK, start, block)
         y_blk = jnp.dot(x_blk, w_GxKxN[g], preferred_element_type=F32)
-        old = lax.dynamic_slice_in_dim(y, row0, block)
-        return lax.dynamic_update_slice_in_dim(y, jnp.where(rows[:, None], y_blk, old), row0, 0)
+        old = lax.dynamic_slice_in_dim(y, start, block)
+        return lax.dynamic_update_slice_in_dim(y, jnp.where(rows[:, None], y_blk, old), start, 0)
 
-    y0 = varying_like(jnp.zeros((A + block, N), F32), (x_AxK, w_GxKxN, sizes_G), None)
-    y = lax.fori_loop(0, blocks[3], body, y0)  # (in shard_map: typed like what it is made of)
-    return y[:A]
+    y0 = varying_like(jnp.zeros((A, N), F32), (x_AxK, w_GxKxN, sizes_G), None)
+    return lax.fori_loop(0, blocks[3], body, y0)  # (in shard_map: typed like its inputs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -84,27 +81,27 @@ def _grouped_fwd(x_AxK, w_GxKxN, sizes_G, block):
 def _grouped_bwd(block, res, dy_AxN):
     x_AxK, w_GxKxN, sizes_G = res
     A, K = x_AxK.shape
-    xp, dyp = _padded(x_AxK, block), _padded(dy_AxN.astype(F32), block)
+    dy_AxN = dy_AxN.astype(F32)
     blocks = _blocks(sizes_G, block)
 
     def body(b, carry):
         dx, dw = carry
-        g, row0, rows = _where(b, blocks, sizes_G, block)
-        x_blk = jnp.where(rows[:, None], lax.dynamic_slice_in_dim(xp, row0, block), 0)
-        dy_blk = lax.dynamic_slice_in_dim(dyp, row0, block)
+        g, start, rows = _where(b, blocks, sizes_G, block, A)
+        x_blk = jnp.where(rows[:, None], lax.dynamic_slice_in_dim(x_AxK, start, block), 0)
+        dy_blk = lax.dynamic_slice_in_dim(dy_AxN, start, block)
         w = w_GxKxN[g]
         dx_blk = lax.dot_general(dy_blk, w, (((1,), (1,)), ((), ())), preferred_element_type=F32)
-        old = lax.dynamic_slice_in_dim(dx, row0, block)
-        dx = lax.dynamic_update_slice_in_dim(dx, jnp.where(rows[:, None], dx_blk, old), row0, 0)
+        old = lax.dynamic_slice_in_dim(dx, start, block)
+        dx = lax.dynamic_update_slice_in_dim(dx, jnp.where(rows[:, None], dx_blk, old), start, 0)
         dw_blk = lax.dot_general(x_blk, dy_blk, (((0,), (0,)), ((), ())),
                                  preferred_element_type=F32)
         dw = lax.dynamic_update_index_in_dim(dw, dw[g] + dw_blk, g, 0)
         return dx, dw
 
     init = tuple(varying_like(z, (x_AxK, w_GxKxN, sizes_G, dy_AxN), None) for z in (
-        jnp.zeros((A + block, K), F32), jnp.zeros(w_GxKxN.shape, F32)))
+        jnp.zeros((A, K), F32), jnp.zeros(w_GxKxN.shape, F32)))
     dx, dw = lax.fori_loop(0, blocks[3], body, init)
-    return dx[:A].astype(x_AxK.dtype), dw.astype(w_GxKxN.dtype), None
+    return dx.astype(x_AxK.dtype), dw.astype(w_GxKxN.dtype), None
 
 
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)
@@ -116,4 +113,6 @@ def grouped_matmul(x_AxK, w_GxKxN, sizes_G, block: int = BLOCK_ROWS):
     ``x`` and ``w`` must share a dtype (bf16 in the model)."""
     if x_AxK.dtype != w_GxKxN.dtype:
         raise ValueError(f"grouped_matmul: x is {x_AxK.dtype}, w is {w_GxKxN.dtype}")
-    return _grouped(x_AxK, w_GxKxN, sizes_G.astype(jnp.int32), block)
+    if x_AxK.shape[0] == 0:
+        return jnp.zeros((0, w_GxKxN.shape[2]), F32)
+    return _grouped(x_AxK, w_GxKxN, sizes_G.astype(jnp.int32), min(block, x_AxK.shape[0]))
