@@ -74,7 +74,8 @@ def _model_memory(tr, tokens_per_gpu: int) -> memory.Memory:
     by_name = {k.rsplit("/", 1)[-1]: m for k, m in tr.cache_modes.items()}
     mode_of = lambda t: {"word": "word", "exponent": "exponent"}.get(  # noqa: E731
         by_name.get(t.name, NO_CACHE), "plain")
-    return memory.memory_per_gpu(tr.tc.model, tr.n, mode_of, tokens_per_gpu=tokens_per_gpu)
+    return memory.memory_per_gpu(tr.tc.model, tr.n, mode_of, tokens_per_gpu=tokens_per_gpu,
+                                 remat=tr.tc.remat)
 
 
 def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: int,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 
 import jax
 
@@ -52,16 +53,23 @@ def planned_modes(tc, tensors: dict, n: int, platform: str) -> dict[str, str]:
 
 def cache_budget_bytes(tc, n: int, platform: str) -> float | None:
     """Bytes per device the caches may hold: ``--memory-gb`` (or an accelerator's own memory)
-    less what the memory model says the training state, gathered layers and activations need;
-    None (unlimited) on CPU without ``--memory-gb``."""
+    less ``planner.HEADROOM_GB`` and what the memory model says the training state, gathered
+    layers and activations need under ``--remat``; None (unlimited) on CPU without
+    ``--memory-gb``. When even no cache would fit, one line on stderr says so (and what
+    would fit) before the step compiles."""
     gb = tc.memory_gb
     if gb is None and platform != "cpu":
         stats = jax.devices()[0].memory_stats() or {}
         gb = stats.get("bytes_limit", 0) / memory.GB or None
     if gb is None:
         return None
-    mem = memory.memory_per_gpu(tc.model, n, tokens_per_gpu=tc.batch_size * tc.length // n)
-    return planner.cache_budget(gb, mem, f" of {tc.config} on {n} devices")
+    tokens = tc.batch_size * tc.length // n
+    advice = planner.fit_advice(tc.model, n, gb, tokens, tc.remat)
+    if advice:  # before any compile: the step would not fit, whatever the caches
+        print(f"ciera: {advice}", file=sys.stderr, flush=True)
+    mem = memory.memory_per_gpu(tc.model, n, tokens_per_gpu=tokens, remat=tc.remat)
+    return planner.cache_budget(gb, mem, f" of {tc.config} on {n} devices",
+                                headroom_gb=planner.HEADROOM_GB)
 
 
 def make_plan(tc, tensors: dict, n: int, platform: str) -> tuple[dict, str]:
