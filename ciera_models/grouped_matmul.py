@@ -14,7 +14,9 @@ adds its ``x_blk^T dy_blk`` to the group's weight gradient (a float32 ``[G, K, N
 Temporaries: the output (its gradient) and that carry; nothing of ``groups x rows``.
 
 Numbers: bf16 operands, float32 accumulation, like ``ragged_dot(...,
-preferred_element_type=float32)``; not bitwise equal to it (another order of sums), but the
+preferred_element_type=float32)``; the backward multiplies the float32 cotangent by the
+bf16 operands, as ``ragged_dot``'s transpose does. Equal to it on CPU up to the order of the
+float32 sums (tests/test_grouped_matmul.py), not bitwise, but the
 same function in every gather mode, so ``--gather plain`` and ``ciera`` stay bitwise equal.
 """
 
@@ -29,7 +31,9 @@ from jax import lax
 from ciera_jax.runtime.varying import varying_like
 
 F32 = jnp.float32
-BLOCK_ROWS = 128  # MegaBlocks' block; an H100 runs a [128, 2048] x [2048, 1024] dot at full rate
+# MegaBlocks' block. Its speed on a GPU is not measured (no GPU here): OLMoE's 32768 rows x 64
+# experts take at most 320 trips of the loop per matmul, each one [128, K] x [K, N] dot.
+BLOCK_ROWS = 128
 
 
 def _blocks(sizes_G, block: int):
