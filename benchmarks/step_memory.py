@@ -7,10 +7,13 @@ Compiles the trainer's step for an H100-80GB topology of ``--gpus`` devices (XLA
 without a GPU: the CUDA plugin, ``CUDA_VISIBLE_DEVICES=-1``) and prints
 ``compiled.memory_analysis()`` per GPU: arguments, outputs, temporaries. ``--layers`` shrinks
 the model's layer count, so the per-layer share of the temporaries can be read off two runs.
-``--dense-free-experts`` measures what the step would need with a grouped matmul that XLA does
-not expand: XLA:GPU (jaxlib 0.10.2) rewrites ``lax.ragged_dot`` into a dense dot over every
-expert (OLMoE: f32 [64, 32768, 2048] buffers, 17 GB each), so this swaps it, for the
-measurement only, for one dot of the same operand and output shapes against expert 0.
+The experts' matmul is the trainer's (``--set experts_matmul=...``; on GPU meshes ``blocked``,
+``ciera_models.grouped_matmul``). With ``--set experts_matmul=ragged``, XLA:GPU (jaxlib 0.10.2)
+rewrites ``lax.ragged_dot`` into a dense dot over every expert (OLMoE: f32 [64, 32768, 2048]
+buffers, 17 GB each); ``--dense-free-experts`` then swaps it, for the measurement only, for
+one dot of the same operand and output shapes against expert 0 (a floor for any grouped
+matmul). ``compiled.memory_analysis()`` here uses XLA's default flags; ``ciera aot`` compiles
+with the FSDP flags, whose latency-hiding scheduler counts more (docs/results.md).
 A measuring tool, not the aot command (``ciera aot``); no GPU needed.
 """
 
@@ -63,7 +66,8 @@ def abstract_args(trainer, batch: int, length: int):
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(
             a.shape, a.dtype, sharding=NamedSharding(mesh, s)), tree, specs)
 
-    model = nnx.eval_shape(lambda: Transformer(trainer.tc.model, nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Transformer(trainer.tc.model, nnx.Rngs(0), trainer.attention,
+                                               trainer.experts))
     params = nnx.state(model, nnx.Param)
     params = put(params, trainer.param_specs)
     opt = put(jax.eval_shape(trainer.tx.init, params), trainer.opt_specs)

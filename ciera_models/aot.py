@@ -75,7 +75,8 @@ def _model_memory(tr, tokens_per_gpu: int) -> memory.Memory:
     by_name = {k.rsplit("/", 1)[-1]: m for k, m in tr.cache_modes.items()}
     mode_of = lambda t: {"word": "word", "exponent": "exponent"}.get(  # noqa: E731
         by_name.get(t.name, NO_CACHE), "plain")
-    return memory.memory_per_gpu(tr.tc.model, tr.n, mode_of, tokens_per_gpu=tokens_per_gpu)
+    return memory.memory_per_gpu(tr.tc.model, tr.n, mode_of, tokens_per_gpu=tokens_per_gpu,
+                                 remat=tr.tc.remat)
 
 
 def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: int,
@@ -128,7 +129,8 @@ def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: i
                    "alias": ma.alias_size_in_bytes, "temp": ma.temp_size_in_bytes,
                    "total": xla_total, "capacity": target.memory_bytes,
                    "headroom": target.memory_bytes - xla_total},
-        "trainer": {"plan": tr.plan_summary, "attention": tr.attention, "remat": tr.tc.remat,
+        "trainer": {"plan": tr.plan_summary, "attention": tr.attention, "experts": tr.experts,
+                    "remat": tr.tc.remat,
                     "cache_modes": dict(sorted(tr.cache_modes.items())),
                     "cache_bytes": sum(math.prod(c.shape) * c.dtype.itemsize for c in caches),
                     "memory_model": model.to_json()},

@@ -124,8 +124,8 @@ def render(reports: list[dict], target, show_collectives: bool = False) -> str:
     head = (f"{r0['config']} on {r0['gpus']} x {target.name} ({target.description}, "
             f"{target.memory_gb:.1f} GB), {r0['tokens_per_gpu']} tokens per GPU, "
             f"batch {r0['batch'][0]}x{r0['batch'][1]}, --remat {r0['trainer']['remat']}, "
-            f"attention {r0['trainer']['attention']}, the {r0.get('program', 'steady')} "
-            "program")
+            f"attention {r0['trainer']['attention']}, experts {r0['trainer']['experts']}, "
+            f"the {r0.get('program', 'steady')} program")
     cols = [summary_rows(r) for r in reports]
     names = [f"--gather {r['gather']}" for r in reports]
     width = max(len(k) for k in cols[0])

@@ -28,6 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 from ciera_jax import fsdp
 from ciera_jax.fsdp import gathered
 from ciera_models.configs import ModelConfig
+from ciera_models.grouped_matmul import grouped_matmul
 from ciera_models.sharding import RULES
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -35,6 +36,9 @@ INIT_STD = 0.02
 # jax.nn.dot_product_attention's implementations: XLA's (any platform: materializes the
 # B x H x L x L scores) or cuDNN's fused flash attention (GPU only).
 ATTENTIONS = ("xla", "cudnn")
+# The experts' grouped matmul: lax.ragged_dot (XLA:GPU densifies it over every expert: 25.8 GB
+# per OLMoE layer) or ciera_models.grouped_matmul's loop over blocks of rows (bounded on GPU).
+EXPERTS_MATMULS = ("ragged", "blocked")
 
 
 def rms_norm(x, scale, eps: float = 1e-6):
@@ -165,10 +169,14 @@ class MoE(nnx.Module):
     with an optional sigmoid gate (Qwen). Returns the residual update and the aux losses.
     """
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, experts: str = "ragged"):
+        if experts not in EXPERTS_MATMULS:
+            raise ValueError(f"unknown experts matmul {experts!r}; choose one of: "
+                             f"{', '.join(EXPERTS_MATMULS)}")
         D, E, F = cfg.d_model, cfg.n_experts, cfg.d_expert
         out_std = INIT_STD / (2 * cfg.n_layers) ** 0.5
         self.cfg = cfg
+        self.experts = experts
         self.mlp_norm = _ones((D,))
         self.router_DxE = _param(rngs, (D, E))
         self.w_gate_ExDxF = _param(rngs, (E, D, F))
@@ -196,10 +204,11 @@ class MoE(nnx.Module):
         tok_A = order_A // k
         sizes_E = jnp.zeros((E,), jnp.int32).at[e_A].add(1)
         xs_AxD = h_TxD.astype(BF16)[tok_A]
-        g_AxF = lax.ragged_dot(xs_AxD, self.w_gate_ExDxF[...], sizes_E, preferred_element_type=F32)
-        u_AxF = lax.ragged_dot(xs_AxD, self.w_up_ExDxF[...], sizes_E, preferred_element_type=F32)
+        gmm = self._grouped
+        g_AxF = gmm(xs_AxD, self.w_gate_ExDxF[...], sizes_E)
+        u_AxF = gmm(xs_AxD, self.w_up_ExDxF[...], sizes_E)
         a_AxF = (jax.nn.silu(g_AxF) * u_AxF).astype(BF16)
-        y_AxD = lax.ragged_dot(a_AxF, self.w_down_ExFxD[...], sizes_E, preferred_element_type=F32)
+        y_AxD = gmm(a_AxF, self.w_down_ExFxD[...], sizes_E)
         y_TxkxD = y_AxD[jnp.argsort(order_A)].reshape(B * L, k, D)  # back to token order
         out_TxD = jnp.sum(y_TxkxD * top_p_Txk[..., None], axis=1)
         if cfg.n_shared_experts:
@@ -214,6 +223,12 @@ class MoE(nnx.Module):
         z_loss = jnp.mean(jnp.square(jax.nn.logsumexp(logits_TxE, axis=-1)))
         return out_TxD.reshape(B, L, D), {"lb_loss": lb_loss, "z_loss": z_loss}
 
+    def _grouped(self, x_AxK, w_ExKxN, sizes_E):
+        """Each expert's rows of ``x`` (sorted by expert) times its matrix, float32."""
+        if self.experts == "blocked":
+            return grouped_matmul(x_AxK, w_ExKxN.astype(x_AxK.dtype), sizes_E)
+        return lax.ragged_dot(x_AxK, w_ExKxN, sizes_E, preferred_element_type=F32)
+
 
 class Block(nnx.Module):
     """One decoder layer: attention then the MoE (or, ``dense=True``, a dense SwiGLU) FFN.
@@ -222,9 +237,9 @@ class Block(nnx.Module):
     (norms, attention, router) travel as one bucket, its large ones alone."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dense: bool = False,
-                 attention: str = "xla"):
+                 attention: str = "xla", experts: str = "ragged"):
         self.attn = Attention(cfg, rngs, attention)
-        self.mlp = DenseMLP(cfg, rngs) if dense else MoE(cfg, rngs)
+        self.mlp = DenseMLP(cfg, rngs) if dense else MoE(cfg, rngs, experts)
 
     @gathered(rules=RULES)
     def __call__(self, x_BxLxD, positions_L):
@@ -240,16 +255,18 @@ class Transformer(nnx.Module):
     A stacked parameter is the per-layer tensor of ``configs.tensor_inventory`` with the layer
     axis first (``layers/mlp/w_gate_ExDxF``: (L, E, D, F)); the stack runs under ``lax.scan``
     (:func:`ciera_jax.fsdp.scan_layers`), so one layer body is traced and compiled.
-    ``attention``: the attention's implementation (:data:`ATTENTIONS`).
+    ``attention``: the attention's implementation (:data:`ATTENTIONS`); ``experts``: the
+    experts' grouped matmul (:data:`EXPERTS_MATMULS`).
     """
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, attention: str = "xla"):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, attention: str = "xla",
+                 experts: str = "ragged"):
         self.cfg = cfg
         self.embed = Embed(cfg, rngs)
         n_dense = cfg.n_dense_layers
         self.dense_layers = (fsdp.stack(lambda r: Block(cfg, r, dense=True, attention=attention),
                                         n_dense, rngs) if n_dense else None)
-        self.layers = fsdp.stack(lambda r: Block(cfg, r, attention=attention),
+        self.layers = fsdp.stack(lambda r: Block(cfg, r, attention=attention, experts=experts),
                                  cfg.n_layers - n_dense, rngs)
         self.head = Head(cfg, rngs)
 

@@ -10,8 +10,10 @@ exponent or plain one twice. So every tensor whose word cache pays and fits is c
 
 from __future__ import annotations
 
+import functools
 import math
 import re
+import sys
 
 import jax
 
@@ -50,18 +52,30 @@ def planned_modes(tc, tensors: dict, n: int, platform: str) -> dict[str, str]:
                               cache_budget_bytes=cache_budget_bytes(tc, n, platform))
 
 
+@functools.lru_cache(maxsize=32)
+def _say_once(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def cache_budget_bytes(tc, n: int, platform: str) -> float | None:
     """Bytes per device the caches may hold: ``--memory-gb`` (or an accelerator's own memory)
-    less what the memory model says the training state, gathered layers and activations need;
-    None (unlimited) on CPU without ``--memory-gb``."""
+    less ``planner.HEADROOM_GB`` and what the memory model says the training state, gathered
+    layers and activations need under ``--remat``; None (unlimited) on CPU without
+    ``--memory-gb``. When even no cache would fit, one line on stderr says so (and what
+    would fit) before the step compiles."""
     gb = tc.memory_gb
     if gb is None and platform != "cpu":
         stats = jax.devices()[0].memory_stats() or {}
         gb = stats.get("bytes_limit", 0) / memory.GB or None
     if gb is None:
         return None
-    mem = memory.memory_per_gpu(tc.model, n, tokens_per_gpu=tc.batch_size * tc.length // n)
-    return planner.cache_budget(gb, mem, f" of {tc.config} on {n} devices")
+    tokens = tc.batch_size * tc.length // n
+    advice = planner.fit_advice(tc.model, n, gb, tokens, tc.remat)
+    if advice:  # before any compile: the step would not fit, whatever the caches
+        _say_once(f"ciera: {advice}")
+    mem = memory.memory_per_gpu(tc.model, n, tokens_per_gpu=tokens, remat=tc.remat)
+    return planner.cache_budget(gb, mem, f" of {tc.config} on {n} devices",
+                                headroom_gb=planner.HEADROOM_GB)
 
 
 def make_plan(tc, tensors: dict, n: int, platform: str) -> tuple[dict, str]:
@@ -75,14 +89,29 @@ def make_plan(tc, tensors: dict, n: int, platform: str) -> tuple[dict, str]:
             for k, t in tensors.items() for layer in range(t.stack or 1)}
     decided = planner.plan_tree(tree, n, profile)
     by_cost = {k: decided[f"{k}#0"] for k in tensors}
+    size = {k: math.prod(t.shape) * (t.stack or 1) for k, t in tensors.items()}
+    budget = None
     if tc.cache == "auto" and tc.gather == "ciera":  # the modes the trainer would run
         modes = planned_modes(tc, tensors, n, platform)
-        by_cost = {k: by_cost[k] or modes[k] != "plain" for k in tensors}
+        budget = cache_budget_bytes(tc, n, platform)
+        if budget is None:
+            by_cost = {k: by_cost[k] or modes[k] != "plain" for k in tensors}
+        else:  # within a memory budget the budgeted planner alone decides
+            by_cost = {k: modes[k] != "plain" for k in tensors}
     forced = {k: tc.plan == "all" or (tc.plan == "auto"
                                        and bool(EXPERT_WEIGHT.fullmatch(k.rsplit("/", 1)[-1])))
               for k in tensors}
+    left_out = 0
+    if budget is not None:  # a forced tensor gets an exponent cache only while it fits
+        used = sum(size[k] * memory.CACHE_BYTES["word" if modes[k] == "word" else "exponent"]
+                   for k in tensors if by_cost[k])
+        for k in sorted(tensors, key=size.get):
+            if forced[k] and not by_cost[k]:
+                need = size[k] * memory.CACHE_BYTES["exponent"]
+                forced[k] = used + need <= budget
+                used += need if forced[k] else 0
+                left_out += not forced[k]
     compress = {k: bool(by_cost[k] or forced[k]) for k in tensors}
-    size = {k: math.prod(t.shape) * (t.stack or 1) for k, t in tensors.items()}
     frac = sum(size[k] for k in tensors if compress[k]) / max(sum(size.values()), 1)
     n_cost = sum(by_cost.values())
     n_forced = sum(1 for k in tensors if compress[k] and not by_cost[k])
@@ -90,5 +119,6 @@ def make_plan(tc, tensors: dict, n: int, platform: str) -> tuple[dict, str]:
                f"ranks={n} --plan {tc.plan}: compress {sum(compress.values())}/{len(tensors)} "
                f"tensors ({100 * frac:.1f}% of gathered bytes): {n_cost} by the cost model"
                + (f", {n_forced} forced ({'expert weights' if tc.plan == 'auto' else 'all'})"
-                  if n_forced else ""))
+                  if n_forced else "")
+               + (f", {left_out} left plain (no room in the memory budget)" if left_out else ""))
     return compress, summary

@@ -103,6 +103,7 @@ class Trainer:
     policy: RungPolicy | None = None  # picks each step's rungs (rung_policy)
     programs: dict = dataclasses.field(default_factory=dict)  # rung vector -> compiled step
     attention: str = "xla"  # the attention's implementation (tc.attention resolved)
+    experts: str = "ragged"  # the experts' grouped matmul (tc.experts_matmul resolved)
 
     @property
     def n(self) -> int:
@@ -193,7 +194,7 @@ class Trainer:
         return TrainState(state.step + done, params, caches, opt_state, ahead), m
 
     def init_state(self, seed: int) -> TrainState:
-        model = Transformer(self.tc.model, nnx.Rngs(seed), self.attention)
+        model = Transformer(self.tc.model, nnx.Rngs(seed), self.attention, self.experts)
         _, params, _ = nnx.split(model, nnx.Param, ...)
         params = fsdp.put(params, self.param_specs, self.mesh)
         caches = fsdp.put(fresh_caches(self.cache_shapes, self.tensors, self.cache_modes), P(),
@@ -215,9 +216,10 @@ def build_trainer(tc, mesh: Mesh) -> Trainer:
     if tc.gather not in fsdp.GATHER_MODES:
         raise ValueError(f"unknown gather {tc.gather!r}; choose one of: "
                          f"{', '.join(fsdp.GATHER_MODES)}")
-    attention = tc.attention_on(mesh.devices.flat[0].platform)
+    platform = mesh.devices.flat[0].platform
+    attention, experts = tc.attention_on(platform), tc.experts_on(platform)
     abstract = nnx.eval_shape(lambda: fsdp.attach_caches(Transformer(cfg, nnx.Rngs(0),
-                                                                     attention)))
+                                                                     attention, experts)))
     graphdef, params, caches = nnx.split(abstract, nnx.Param, GatherCacheVar)
     # The rule table's specs; raises if the mesh does not divide a split dimension.
     param_specs = fsdp.state_specs(abstract, params, AXIS, n=n)
@@ -238,7 +240,8 @@ def build_trainer(tc, mesh: Mesh) -> Trainer:
                                     compress)
     return Trainer(tc, mesh, graphdef, param_specs, opt_specs, tx, tensor_kinds(cfg, tensors),
                    step_fn, tensors, compress, plan_summary, prepare_fn, modes,
-                   cache_shapes=caches, param_shapes=params, attention=attention)
+                   cache_shapes=caches, param_shapes=params, attention=attention,
+                   experts=experts)
 
 
 def tensor_kinds(cfg: configs.ModelConfig, tensors: dict) -> dict[str, str]:

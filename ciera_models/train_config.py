@@ -113,6 +113,11 @@ class TrainConfig:
         "auto", "jax.nn.dot_product_attention's implementation: auto (cudnn when the mesh's "
         "devices are GPUs, xla otherwise), xla (materializes the L x L scores), cudnn "
         "(cuDNN's fused flash attention, GPU only)", choices=("auto", "xla", "cudnn"))
+    experts_matmul: str = option(
+        "auto", "the experts' grouped matmul: auto (blocked when the mesh's devices are GPUs, "
+        "ragged otherwise), ragged (lax.ragged_dot; XLA:GPU turns it into a dense matmul over "
+        "every expert), blocked (a loop over blocks of 128 rows, ciera_models.grouped_matmul)",
+        choices=("auto", "ragged", "blocked"))
 
     def rung_policy_options(self) -> dict:
         """Keyword arguments of :class:`ciera_jax.planning.capacities.RungPolicy`."""
@@ -131,6 +136,12 @@ class TrainConfig:
         if self.attention != "auto":
             return self.attention
         return "cudnn" if platform in ("gpu", "cuda") else "xla"
+
+    def experts_on(self, platform: str) -> str:
+        """The experts' grouped matmul on devices of ``platform``: ``auto`` resolved."""
+        if self.experts_matmul != "auto":
+            return self.experts_matmul
+        return "blocked" if platform in ("gpu", "cuda") else "ragged"
 
 
 @dataclasses.dataclass(frozen=True)

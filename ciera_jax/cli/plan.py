@@ -21,6 +21,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "profile's memory_gb; unlimited if it has none); 'inf' for unlimited")
     p.add_argument("--tokens-per-gpu", type=int, default=4096,
                    help="tokens per GPU per step, for the activation estimate")
+    p.add_argument("--remat", default="full",
+                   choices=("full", "save_dot_except_mlp", "none"),
+                   help="what the layer scan saves for the backward (ciera train --remat); "
+                        "the activations the memory model counts")
     p.add_argument("--change-rate", type=float, default=None,
                    help="exponent change rate per step for every tensor "
                         "(default: the shipped per-kind trace)")
@@ -74,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     # (which imports this module) must not.
     from ciera_jax.planning import memory
     from ciera_jax.runtime.outputs import check_output_file
-    from ciera_jax.planning.planner import cache_budget, modes_summary, plan_model_modes
+    from ciera_jax.planning.planner import (HEADROOM_GB, cache_budget, fit_advice, modes_summary,
+                                            plan_model_modes)
 
     if args.json:
         check_output_file(args.json, "--json")
@@ -92,12 +97,18 @@ def run(args: argparse.Namespace) -> int:
         trace = load_trace(args.trace) if args.trace else None
     word = load_word_trace(args.word_trace) if args.word_trace else default_word_trace()
     gb = _memory_gb(args.memory_gb, profile)
-    base = memory.memory_per_gpu(cfg, args.gpus, tokens_per_gpu=args.tokens_per_gpu)
-    budget = cache_budget(gb, base, f" of {cfg.name} on {args.gpus} GPUs")
+    advice = fit_advice(cfg, args.gpus, gb, args.tokens_per_gpu, args.remat)
+    if advice:
+        print(advice)
+    base = memory.memory_per_gpu(cfg, args.gpus, tokens_per_gpu=args.tokens_per_gpu,
+                                 remat=args.remat)
+    budget = cache_budget(gb, base, f" of {cfg.name} on {args.gpus} GPUs",
+                          headroom_gb=HEADROOM_GB)
     plan = plan_model_modes(cfg, args.gpus, profile, budget, trace, word, args.phase)
     free = plan_model_modes(cfg, args.gpus, profile, None, trace, word, args.phase)
     modes = {(c.layer, c.name): c.mode for c in plan}
-    mem = memory.memory_per_gpu(cfg, args.gpus, modes, tokens_per_gpu=args.tokens_per_gpu)
+    mem = memory.memory_per_gpu(cfg, args.gpus, modes, tokens_per_gpu=args.tokens_per_gpu,
+                                remat=args.remat)
 
     print(f"{cfg.name} on {args.gpus} ranks, profile {profile.name} "
           f"(alpha {profile.alpha_s * 1e6:g} us, beta {profile.beta_Bps / 1e9:g} GB/s, "

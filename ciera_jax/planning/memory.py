@@ -15,14 +15,23 @@ Per GPU, for a config, ``N`` ranks on the fsdp axis and a plan (``{(layer, name)
                  size; + a 1-byte ``primed`` flag per tensor and layer. A word cache is also
                  what ``ciera train``'s backward reads (no second copy, no backward gather:
                  ``tests/test_word_backward.py`` measures the compiled step against this)
-    gathered     transient bf16 full weights: the layer being computed, ``prefetch`` layers
-                 ahead, and the full cotangent of one layer before its reduce-scatter
-    activations  an estimate for ``tokens_per_gpu`` tokens: with rematerialization the layer
-                 inputs of every layer + one layer's internals; without, every layer's internals
-                 (bf16, flash attention: no seq x seq scores) + float32 logits
+    gathered     weight-shaped transients (:func:`layer_transient_bytes`): the bf16 full weights
+                 of the layer in use, ``prefetch`` layers ahead and the backward's; one layer's
+                 float32 gradient before its reduce-scatter; the float32 gradient the experts'
+                 blocked matmul accumulates; twice, for XLA's while-loop double buffering
+    activations  per remat policy (``full``, ``save_dot_except_mlp``, ``none``, as ``ciera
+                 train --remat``) for ``tokens_per_gpu`` tokens: what the layer scan saves of
+                 every layer, one layer's working set (its recompute and backward: the top-k
+                 copies' float32 rows dominate an MoE layer), and the loss's float32 logits;
+                 derived from the shapes, with cuDNN's fused attention (no L x L scores) and
+                 the blocked experts' matmul (no experts x rows buffer)
 
 params, optimizer and caches are exact (tested against JAX's array sizes); gathered and
-activations are estimates that ignore XLA's buffer reuse and fragmentation.
+activations are estimates. XLA's own count of the compiled step (``ciera aot``) is elastic:
+the latency-hiding scheduler keeps buffers live longer to overlap collectives while the step
+stays under its memory limit (95% of the GPU), so the same step counts 25.4 GB with the
+default limit and 18.6 GB with a 17 GB one (OLMoE-1B-7B, 16 H100s, docs/results.md); the
+estimate is for the step's own needs, the headroom is the scheduler's.
 """
 
 from __future__ import annotations
@@ -104,7 +113,7 @@ class Memory:
                ("optimizer (AdamW moments)", self.optimizer),
                ("gradients (float32 shards)", self.gradients)]
         out += [(f"cache: {m}", b) for m, b in self.caches.items()]
-        out += [("gathered layers (transient, bf16)", self.gathered),
+        out += [("layer transients (bf16 weights, f32 gradients)", self.gathered),
                 ("activations (estimate)", self.activations), ("total", self.total)]
         return out
 
@@ -135,33 +144,99 @@ def _layer_groups(cfg: ModelConfig) -> list[list[TensorSpec]]:
             + [[t for t in glob if t.kind != "embed"]])
 
 
-def activation_bytes_per_token(cfg: ModelConfig, layer: int) -> int:
-    """Saved activations of one layer per token without remat, bf16 (an estimate)."""
-    D, K = cfg.d_model, cfg.kv_dim
-    attn = 4 * D + 2 * K  # input, normed input, q, attention output (+ k, v); no scores
-    if layer < cfg.n_dense_layers:
-        mlp = 2 * D + 3 * cfg.d_dense
-    else:
-        mlp = 2 * D + cfg.top_k * (D + 3 * cfg.d_expert) + 2 * cfg.n_experts  # + router f32
-        if cfg.n_shared_experts:
-            mlp += 3 * cfg.d_shared
-    return GATHER_BYTES * (attn + mlp)
+REMAT_POLICIES = ("full", "save_dot_except_mlp", "none")  # as ``ciera train --remat`` names them
+RESIDUAL_BYTES = 4  # the residual stream, norms, matmul outputs and softmaxes are float32
 
 
-def activations(cfg: ModelConfig, tokens_per_gpu: int, remat: bool = True) -> int:
-    """Activation estimate for ``tokens_per_gpu`` tokens (see the module docstring)."""
-    per_layer = [activation_bytes_per_token(cfg, l) for l in range(cfg.n_layers)]
-    logits = MASTER_BYTES * cfg.vocab_size
-    if remat:
-        per_token = cfg.n_layers * GATHER_BYTES * cfg.d_model + max(per_layer) + logits
-    else:
-        per_token = sum(per_layer) + logits
+def _policy(remat: bool | str) -> str:
+    """``remat`` as a policy name (True: ``full``, False: ``none``, the older booleans)."""
+    if remat is True or remat is False:
+        return "full" if remat else "none"
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"unknown remat policy {remat!r}; choose one of: "
+                         f"{', '.join(REMAT_POLICIES)}")
+    return remat
+
+
+def _moe(cfg: ModelConfig, layer: int) -> bool:
+    return layer >= cfg.n_dense_layers
+
+
+def saved_bytes_per_token(cfg: ModelConfig, layer: int, remat: bool | str = "full") -> int:
+    """What the layer scan's forward keeps of one layer per token for its backward.
+
+    ``full``: the layer's input (float32). ``save_dot_except_mlp``: also the attention's q, k,
+    v and output projections (float32 matmul outputs). ``none``: every residual the layer's
+    autodiff keeps: normed inputs, projections, rotated q / k (bf16), the attention's output,
+    and the MoE's router logits and probabilities, the sorted bf16 inputs of the experts, their
+    float32 gate / up outputs and bf16 product, their float32 outputs in both orders."""
+    policy = _policy(remat)
+    D, K, R = cfg.d_model, cfg.kv_dim, RESIDUAL_BYTES
+    saved = R * D
+    if policy == "full":
+        return saved
+    proj = R * (2 * D + 2 * K)  # q, k, v, out
+    if policy == "save_dot_except_mlp":
+        return saved + proj
+    attn = R * D + proj + GATHER_BYTES * (2 * D + 2 * K)  # normed x; q, k rotated, v; out
+    if not _moe(cfg, layer):
+        F = cfg.d_dense
+        return saved + attn + R * D + R * 2 * F + GATHER_BYTES * F
+    k, F, E = cfg.top_k, cfg.d_expert, cfg.n_experts
+    mlp = R * D + 2 * R * E + k * (GATHER_BYTES * D + 2 * R * F + GATHER_BYTES * F + 2 * R * D)
+    if cfg.n_shared_experts:
+        mlp += 2 * R * cfg.d_shared + GATHER_BYTES * cfg.d_shared
+    return saved + attn + mlp
+
+
+def working_bytes_per_token(cfg: ModelConfig) -> int:
+    """One layer's forward again and its backward, per token: what is live at once beyond the
+    saved activations (the largest layer). A routed layer: the top-k copies' float32 outputs
+    and their gradients (``[A, D]``: outputs in expert and in token order, their cotangents,
+    the two input gradients of the gate and up matmuls), the float32 gate / up outputs and
+    their gradients (``[A, F]``: four, and the product's), the sorted bf16 inputs; the
+    attention's float32 q, k, v, out and their gradients."""
+    D, K, R = cfg.d_model, cfg.kv_dim, RESIDUAL_BYTES
+    attn = 2 * R * (2 * D + 2 * K) + 3 * R * D
+    if cfg.n_layers <= cfg.n_dense_layers:
+        return attn + 6 * R * cfg.d_dense
+    k, F = cfg.top_k, cfg.d_expert
+    moe = k * (5 * R * D + 5 * R * F + GATHER_BYTES * (D + F))
+    dense = 6 * R * cfg.d_dense if cfg.n_dense_layers else 0
+    return attn + max(moe, dense)
+
+
+def loss_bytes_per_token(cfg: ModelConfig) -> int:
+    """The head's float32 logits, their log-softmax and its gradient."""
+    return 3 * MASTER_BYTES * cfg.vocab_size
+
+
+def activations(cfg: ModelConfig, tokens_per_gpu: int, remat: bool | str = "full") -> int:
+    """Activation bytes for ``tokens_per_gpu`` tokens under the remat policy (True: ``full``,
+    False: ``none``): every layer's saved activations, one layer's working set, the loss's."""
+    saved = sum(saved_bytes_per_token(cfg, l, remat) for l in range(cfg.n_layers))
+    per_token = saved + working_bytes_per_token(cfg) + loss_bytes_per_token(cfg)
     return int(tokens_per_gpu * per_token)
 
 
+def layer_transient_bytes(cfg: ModelConfig, prefetch: int = 1, loop_copies: int = 2) -> int:
+    """Weight-shaped buffers of the layers being computed: the bf16 full weights of the layer
+    in use, ``prefetch`` layers ahead and the backward's regathered one; the float32 gradient
+    of a layer before its reduce-scatter; the float32 gradient the experts' blocked matmul
+    accumulates for one expert tensor. ``loop_copies``: XLA:GPU's while-loop double buffering
+    (on in the FSDP flags ``ciera aot`` compiles with) unrolls the layer scan by two, so two
+    layers' buffers are live."""
+    groups = _layer_groups(cfg)
+    biggest = max(sum(t.size for t in g if gathered(t)) for g in groups)
+    experts = [t.size for t in tensor_inventory(cfg) if t.kind.startswith("expert_")]
+    carry = max(experts, default=0) * MASTER_BYTES
+    return loop_copies * ((prefetch + 2) * biggest * GATHER_BYTES + biggest * MASTER_BYTES
+                          + carry)
+
+
 def memory_per_gpu(cfg: ModelConfig | str, N: int, modes: Mapping | Callable | str | None = None,
-                   *, tokens_per_gpu: int = 4096, remat: bool = True,
-                   prefetch: int = 1) -> Memory:
+                   *, tokens_per_gpu: int = 4096, remat: bool | str = "full",
+                   prefetch: int = 1, loop_copies: int = 2) -> Memory:
     """Memory of one GPU training ``cfg`` with FSDP over ``N`` ranks; ``modes`` gives each
     tensor's gather mode (a mapping ``{(layer, name): mode}``, a function of the TensorSpec, one
     mode for all, or None: all plain)."""
@@ -180,10 +255,9 @@ def memory_per_gpu(cfg: ModelConfig | str, N: int, modes: Mapping | Callable | s
         c = cache_bytes(t, m)
         if c:
             caches[m] = caches.get(m, 0) + c
-    biggest = max(sum(t.size for t in g if gathered(t)) for g in _layer_groups(cfg))
     return Memory(params=params, optimizer=OPT_MOMENTS * params + OPT_COUNTER_BYTES,
                   gradients=params, caches=caches,
-                  gathered=(prefetch + 2) * biggest * GATHER_BYTES,
+                  gathered=layer_transient_bytes(cfg, prefetch, loop_copies),
                   activations=activations(cfg, tokens_per_gpu, remat))
 
 

@@ -305,10 +305,15 @@ def check_budget(budget: Any, what: str = "cache budget") -> float | None:
     return float(budget)
 
 
-def cache_budget(memory_gb: Any, mem: memory.Memory, what: str = "") -> float | None:
+HEADROOM_GB = 4.0  # what a plan leaves free of the GPU's memory (allocator, scheduler, estimate)
+
+
+def cache_budget(memory_gb: Any, mem: memory.Memory, what: str = "",
+                 headroom_gb: float = 0.0) -> float | None:
     """Bytes left for caches when a GPU has ``memory_gb`` (None: unlimited): the device memory
-    less the training state, the transient gathered layers and the activations (0 when those
-    already fill it). Error when the device cannot hold the training state itself."""
+    less ``headroom_gb``, the training state, the transient gathered layers and the activations
+    (0 when those already fill it). Error when the device cannot hold the training state
+    itself."""
     if memory_gb is None:
         return None
     try:
@@ -321,7 +326,38 @@ def cache_budget(memory_gb: Any, mem: memory.Memory, what: str = "") -> float | 
         raise ValueError(f"memory budget {gb:g} GB is smaller than the training state alone "
                          f"({memory.fmt_gb(mem.state)} GB per GPU: float32 params, AdamW "
                          f"moments, gradients{what}); use more GPUs or a larger budget")
-    return max(0.0, gb * memory.GB - mem.state - mem.gathered - mem.activations)
+    return max(0.0, (gb - headroom_gb) * memory.GB - mem.state - mem.gathered - mem.activations)
+
+
+def fit_advice(cfg: Any, N: int, memory_gb: float | None, tokens_per_gpu: int,
+               remat: str = "full", headroom_gb: float = HEADROOM_GB) -> str | None:
+    """None when the step fits without caches in ``memory_gb`` less ``headroom_gb`` as the
+    memory model counts it; otherwise one line saying so and naming what would fit: a remat
+    policy that saves less at these tokens per GPU, or the tokens per GPU that fit with
+    ``full`` (activations are linear in tokens), or that nothing does on ``N`` GPUs."""
+    if memory_gb is None:
+        return None
+    cfg = memory.get_config(cfg) if isinstance(cfg, str) else cfg
+    limit = (float(memory_gb) - headroom_gb) * memory.GB
+
+    def total(policy: str, tokens: int) -> int:
+        return memory.memory_per_gpu(cfg, N, tokens_per_gpu=tokens, remat=policy).total
+
+    need = total(remat, tokens_per_gpu)
+    if need <= limit:
+        return None
+    head = (f"{cfg.name} on {N} GPUs does not fit: {memory.fmt_gb(need)} GB per GPU without "
+            f"caches at {tokens_per_gpu} tokens per GPU, --remat {remat}; the GPU has "
+            f"{float(memory_gb):g} GB, less {headroom_gb:g} GB headroom")
+    order = memory.REMAT_POLICIES[::-1]  # none, save_dot_except_mlp, full: least recompute first
+    for policy in order[order.index(remat) + 1:] if remat in order else ():
+        if total(policy, tokens_per_gpu) <= limit:
+            return f"{head}; --remat {policy} fits"
+    fixed, per_token = total("full", 0), total("full", 1) - total("full", 0)
+    tokens = int((limit - fixed) // per_token) if per_token else 0
+    if tokens <= 0:
+        return f"{head}; no remat policy or batch fits: use more GPUs"
+    return f"{head}; --remat full fits up to {tokens} tokens per GPU"
 
 
 def _word_bpw(word_trace: Any, kind: str, phase: str) -> float:
