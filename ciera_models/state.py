@@ -24,7 +24,7 @@ import ciera_jax
 from ciera_jax import fsdp
 from ciera_jax.codec.wire import PLAIN_RUNG
 from ciera_jax.fsdp import AXIS, GatherCacheVar
-from ciera_jax.planning.capacities import RungPolicy, rungs_holding
+from ciera_jax.planning.capacities import RungPolicy, program_key, rungs_holding
 from ciera_models import configs
 from ciera_models.data import Dataset
 from ciera_models.model import Transformer
@@ -102,6 +102,7 @@ class Trainer:
     compiled: bool = False  # a step has run (so the next one does not compile)
     policy: RungPolicy | None = None  # picks each step's rungs (rung_policy)
     programs: dict = dataclasses.field(default_factory=dict)  # rung vector -> compiled step
+    ahead_shapes: dict | None = None  # the shapes of ``ahead`` (_ahead_shapes)
     attention: str = "xla"  # the attention's implementation (tc.attention resolved)
     experts: str = "ragged"  # the experts' grouped matmul (tc.experts_matmul resolved)
 
@@ -132,7 +133,11 @@ class Trainer:
         return dataclasses.replace(state, ahead=fsdp.put(host, AHEAD_SPECS, self.mesh))
 
     def _ahead_shapes(self, state: TrainState):
-        return jax.eval_shape(self.prepare_fn, state.params, state.caches)
+        """The shapes of ``ahead`` (a trace of the encode: once per trainer, the state's
+        shapes are the trainer's)."""
+        if self.ahead_shapes is None:
+            self.ahead_shapes = jax.eval_shape(self.prepare_fn, state.params, state.caches)
+        return self.ahead_shapes
 
     def rung_policy(self, state: TrainState) -> RungPolicy:
         """The policy that picks each step's rungs (made on first use: it prices the wire of
@@ -176,7 +181,7 @@ class Trainer:
         rungs, _ = policy.choose(needed, steps_left)
         args = self.at_rungs((state.params, state.caches, state.opt_state, state.ahead, tokens),
                              rungs)
-        key = tuple(sorted(rungs.items()))
+        key = program_key(rungs)
         compile_s = 0.0
         if key not in self.programs:
             t0 = time.perf_counter()

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 from ciera_jax.codec.wire import PLAIN_RUNG, WordWire
 from ciera_jax.codec.word_ladder import ESCAPES, RAW
 
-__all__ = ["FixedRung", "PLAIN_RUNG", "fix", "is_fixed", "needed_rung", "overflows"]
+__all__ = ["FixedRung", "PLAIN_RUNG", "exceeded", "fix", "is_fixed", "needed_rung",
+           "overflows"]
 
 
 @jax.tree_util.register_dataclass
@@ -42,8 +43,9 @@ def is_fixed(agreed) -> bool:
     return isinstance(agreed, FixedRung)
 
 
-def _over(caps: tuple[int, ...], demand: jax.Array) -> jax.Array:
-    """int32: how many capacities ``demand`` exceeds (``len(caps)``: above the top)."""
+def exceeded(caps: tuple[int, ...], demand: jax.Array) -> jax.Array:
+    """int32: how many capacities ``demand`` exceeds (``len(caps)``: above the top); the index
+    of the smallest capacity that holds it."""
     return jnp.sum(demand[..., None] > jnp.asarray(caps, jnp.int32), axis=-1, dtype=jnp.int32)
 
 
@@ -52,9 +54,9 @@ def needed_rung(wire, demand: jax.Array) -> jax.Array:
     ``demand``, or ``wire.rungs`` above the top (or for an unprimed cache). ``demand``: an
     exponent tensor's count, or a word tensor's (escapes, raw words, exponents) vector."""
     if isinstance(wire, WordWire):
-        return jnp.maximum(_over(wire.caps1, demand[..., ESCAPES]),
-                           _over(wire.caps2, demand[..., RAW]))
-    return _over(wire.caps, demand)
+        return jnp.maximum(exceeded(wire.caps1, demand[..., ESCAPES]),
+                           exceeded(wire.caps2, demand[..., RAW]))
+    return exceeded(wire.caps, demand)
 
 
 def overflows(wire, fixed: FixedRung) -> jax.Array:

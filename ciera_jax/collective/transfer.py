@@ -23,7 +23,7 @@ import numpy as np
 from jax import lax
 
 from ciera_jax.codec import bitfields
-from ciera_jax.collective import selfcheck
+from ciera_jax.collective import capacity, selfcheck
 from ciera_jax.runtime.varying import varying_like
 
 
@@ -156,7 +156,7 @@ def gather_section(parts, sizes_per_part, rung: jax.Array, axis_name):
 def pick_rung(caps: tuple[int, ...], agreed: jax.Array):
     """(rung, overflow): the smallest capacity that holds ``agreed``, and whether even the top
     is too small (the gather then falls back to plain, and the rung is 0: send nothing)."""
-    over = jnp.sum(agreed > jnp.asarray(caps, jnp.int32)).astype(jnp.int32)
+    over = capacity.exceeded(caps, agreed)
     overflow = over == len(caps)
     return jnp.where(overflow, 0, over), overflow
 

@@ -81,7 +81,7 @@ class RungPolicy:
                 or len(self.programs) >= self.max_programs):
             return best, False
         new = self._best_for(list(self._history))
-        if _key(new) in self.programs or self.cost(new, needed) >= self.cost(best, needed):
+        if program_key(new) in self.programs or self.cost(new, needed) >= self.cost(best, needed):
             new = ideal  # the window's program does not help this step: this step's does
         saving = self.cost(best, needed) - self.cost(new, needed)
         if steps_left is not None and saving * steps_left < self.patience * self.plain_cost(
@@ -90,7 +90,7 @@ class RungPolicy:
         return self._compile(new)
 
     def _compile(self, rungs: dict) -> tuple[dict, bool]:
-        self.programs.append(_key(rungs))
+        self.programs.append(program_key(rungs))
         self._regret = 0.0
         return rungs, True
 
@@ -130,5 +130,6 @@ def rungs_holding(wires: dict, escapes: float = STEADY_ESCAPES,
     return out
 
 
-def _key(rungs: dict) -> Rungs:
+def program_key(rungs: dict) -> Rungs:
+    """A rung vector as one hashable key (what names a compiled program)."""
     return tuple(sorted(rungs.items()))
