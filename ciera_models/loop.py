@@ -56,8 +56,11 @@ def check_inputs(tc: TrainConfig, run: RunConfig) -> None:
     if tc.memory_gb is not None and not tc.memory_gb > 0:
         raise ValueError(f"--memory-gb must be a positive number of GB, got {tc.memory_gb:g}")
     if tc.max_programs < 1:
-        raise ValueError(f"--max-programs must be >= 1 (the priming step's program is one), "
+        raise ValueError(f"--max-programs must be >= 1 (the first step's program is one), "
                          f"got {tc.max_programs}")
+    if not tc.program_patience >= 0:
+        raise ValueError(f"--program-patience must be >= 0 compiles' seconds, got "
+                         f"{tc.program_patience:g}")
     for flag, value in (("--log-every", run.log_every), ("--trace-every", run.trace_every),
                         ("--checkpoint-every", run.checkpoint_every)):
         if value < 0:

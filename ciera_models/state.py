@@ -24,12 +24,14 @@ import ciera_jax
 from ciera_jax import fsdp
 from ciera_jax.codec.wire import PLAIN_RUNG
 from ciera_jax.fsdp import AXIS, GatherCacheVar
-from ciera_jax.planning.capacities import RungPolicy, program_key, rungs_holding
+from ciera_jax.planning import costmodel
+from ciera_jax.planning.capacities import (RungPolicy, program_key, rungs_holding,
+                                           seconds_per_byte)
 from ciera_models import configs
 from ciera_models.data import Dataset
 from ciera_models.model import Transformer
 from ciera_models.optimizer import make_optimizer
-from ciera_models.plan_policy import NO_CACHE, cache_modes, make_plan
+from ciera_models.plan_policy import NO_CACHE, cache_modes, default_profile, make_plan
 from ciera_models.step import AHEAD_SPECS, all_words, make_step
 
 INT32_MAX = np.iinfo(np.int32).max
@@ -141,10 +143,14 @@ class Trainer:
 
     def rung_policy(self, state: TrainState) -> RungPolicy:
         """The policy that picks each step's rungs (made on first use: it prices the wire of
-        every compressed tensor, whose shapes the encode knows)."""
+        every compressed tensor, whose shapes the encode knows, on the link the plan priced:
+        ``--profile``)."""
         if self.policy is None:
             shapes = self._ahead_shapes(state)["encoded"]
+            platform = self.mesh.devices.flat[0].platform
+            link = costmodel.get_link(self.tc.profile or default_profile(platform))
             self.policy = RungPolicy(fsdp.wires(self.tensors, shapes, self.n),
+                                     seconds_per_byte(link, self.n),
                                      **self.tc.rung_policy_options())
         return self.policy
 
@@ -187,6 +193,7 @@ class Trainer:
             t0 = time.perf_counter()
             self.programs[key] = self.step_fn.lower(*args).compile()
             compile_s = time.perf_counter() - t0
+            policy.compiled(compile_s)
         params, caches, opt_state, ahead, m = self.programs[key](*args)
         self.compiled = True
         m = jax.device_get(m)

@@ -106,9 +106,13 @@ class TrainConfig:
     max_programs: int = option(
         8, "most train-step programs compiled per run (ciera only): each step's gathers send "
         "their escapes at rungs fixed when the step is compiled, picked from the demands the "
-        "previous step agreed on; a new rung vector is compiled (compile_s in the metrics) "
-        "once the programs compiled have sent a step's worth of plain's bytes more than the "
-        "ideal ones would have, and only this many times", metavar="N")
+        "previous step agreed on; the first step compiles one at the steady-state rungs, and "
+        "a new rung vector is compiled (compile_s in the metrics) only once the wire time "
+        "the compiled ones lost against each step's ideal (priced on --profile's link) passes "
+        "--program-patience compiles' seconds, and only this many times", metavar="N")
+    program_patience: float = option(
+        1.0, "how many compiles' seconds of lost wire time buy a new program (0: one whenever "
+        "a better one exists, up to --max-programs)", metavar="X")
     attention: str = option(
         "auto", "jax.nn.dot_product_attention's implementation: auto (cudnn when the mesh's "
         "devices are GPUs, xla otherwise), xla (materializes the L x L scores), cudnn "
@@ -121,7 +125,7 @@ class TrainConfig:
 
     def rung_policy_options(self) -> dict:
         """Keyword arguments of :class:`ciera_jax.planning.capacities.RungPolicy`."""
-        return {"max_programs": self.max_programs}
+        return {"max_programs": self.max_programs, "patience": self.program_patience}
 
     @property
     def model(self) -> configs.ModelConfig:

@@ -23,6 +23,12 @@ import jax  # noqa: E402
 assert len(jax.devices()) >= 8, jax.devices()
 
 TINY_STEPS = 20  # ``ciera train --config tiny --schedule-steps 20``: test_train's runs
+# ... with ``--program-patience 2e-5``: a compile priced like about one plain step's bytes (as
+# on a slow link), so the 20-step run buys programs as the warm-up's demand rises (3 of them)
+# and trains through program switches, fallbacks and compressed steps. With the defaults the
+# emulated CPU link never pays for a second program, and the run's first one (rungs for the
+# steady state) overflows to plain gathers through most of a 20-step warm-up.
+TINY_PROGRAMS = {"program_patience": 2e-5}
 
 # Files whose tests call jax.clear_caches(): everything compiled earlier in the session (the
 # shared trainers, the gather harness) would compile again after them.
@@ -46,13 +52,14 @@ def pytest_collection_modifyitems(session, config, items):
 @pytest.fixture(scope="session")
 def tiny_run():
     """``tiny_run(gather)``: the RunResult of 20 steps of ``TrainConfig(config="tiny",
-    schedule_steps=20, gather=gather)`` from seed 0 on 8 devices, trained once per session
+    schedule_steps=20, gather=gather, **TINY_PROGRAMS)`` from seed 0 on 8 devices, trained once per session
     (the ``ciera`` one is the straight run every resume test ends bitwise on)."""
     from ciera_models.train import TrainConfig, make_mesh, train
 
     @functools.cache
     def run(gather: str = "ciera"):
-        tc = TrainConfig(config="tiny", schedule_steps=TINY_STEPS, gather=gather)
+        tc = TrainConfig(config="tiny", schedule_steps=TINY_STEPS, gather=gather,
+                         **TINY_PROGRAMS)
         return train(tc, steps=TINY_STEPS, seed=0, mesh=make_mesh(8), log=None)
 
     return run

@@ -34,8 +34,10 @@ ROWS = [
     (["train", "--memory-gb", "0"], "--memory-gb must be a positive number of GB, got 0"),
     (["train", "--batch-size", "0"], "--batch-size must be a positive number of sequences"),
     (["train", "--seq-len", "0"], "--seq-len must be positive, got 0"),
-    (["train", "--max-programs", "0"], "--max-programs must be >= 1 (the priming step's "
+    (["train", "--max-programs", "0"], "--max-programs must be >= 1 (the first step's "
                                        "program is one), got 0"),
+    (["train", "--program-patience", "-1"], "--program-patience must be >= 0 compiles' "
+                                            "seconds, got -1"),
     (["train", "--steps", "-1"], "--steps must be >= 0, got -1"),
     (["train", "--log-every", "-1"], "--log-every must be >= 0 (0: never), got -1"),
     (["train", "--trace-every", "-3"], "--trace-every must be >= 0 (0: never), got -3"),

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from ciera_jax.codec.wire import PLAIN_RUNG, ExponentWire, WordWire
-from ciera_jax.planning.capacities import RungPolicy, rungs_holding
+from ciera_jax.planning.capacities import RungPolicy, rungs_holding, seconds_per_byte
+from ciera_jax.planning.costmodel import Profile
 
 WIRES = {"experts": WordWire(1 << 16, 2), "attn": ExponentWire(1 << 14, 2)}
 LAYERS = 4
@@ -19,57 +20,88 @@ def needs(word: int, exponent: int) -> dict:
 
 
 PRIMING = needs(WIRES["experts"].rungs, WIRES["attn"].rungs)
+SLOW = 1e-5  # seconds per byte of a 100 kB/s link: a few steps lose a compile's seconds
+STEADY = {"experts": 5, "attn": 2}
 
 
-def test_a_priming_step_runs_a_program_of_plain_gathers():
-    policy = RungPolicy(WIRES)
-    rungs, new = policy.choose(PRIMING)
-    assert new and rungs == {"experts": PLAIN_RUNG, "attn": PLAIN_RUNG}
-    assert policy.cost(rungs, PRIMING) == policy.plain_cost(PRIMING)
-
-
-def test_a_lasting_demand_buys_its_program_once_a_steps_worth_of_bytes_was_lost():
-    policy = RungPolicy(WIRES, patience=1.0)
+def policy_at(**kw) -> RungPolicy:
+    """A policy whose first program runs the steady rungs, one 2-second compile measured."""
+    policy = RungPolicy(WIRES, kw.pop("seconds_per_byte", SLOW), first=dict(STEADY), **kw)
     policy.choose(PRIMING)
-    steady = needs(5, 2)
-    ideal_gap = policy.plain_cost(steady) - policy.cost({"experts": 5, "attn": 2}, steady)
-    steps_to_buy = int(policy.plain_cost(steady) // ideal_gap) + 1
-    got = [policy.choose(steady) for _ in range(steps_to_buy + 3)]
+    policy.compiled(2.0)
+    return policy
+
+
+def test_the_first_step_compiles_the_steady_program_and_primes_through_its_fallback():
+    policy = RungPolicy(WIRES, SLOW)
+    rungs, new = policy.choose(PRIMING)
+    assert new and rungs == rungs_holding(WIRES) and PLAIN_RUNG not in rungs.values()
+    # fresh caches: every tensor-layer takes the fallback (plain's bytes and a check)
+    assert policy.cost(rungs, PRIMING) == sum(
+        LAYERS * w.fallback_bytes for w in WIRES.values()) >= policy.plain_cost(PRIMING)
+
+
+def test_a_lasting_demand_buys_its_program_once_the_lost_wire_time_passes_a_compile():
+    policy = policy_at(patience=1.0)
+    low = needs(3, 2)
+    ideal = {"experts": 3, "attn": 2}
+    lost_s = (policy.cost(STEADY, low) - policy.cost(ideal, low)) * SLOW
+    assert lost_s > 0
+    steps_to_buy = int(2.0 // lost_s) + 1
+    got = [policy.choose(low) for _ in range(steps_to_buy + 3)]
     new_at = [i for i, (_, new) in enumerate(got) if new]
-    assert new_at == [steps_to_buy - 1], new_at  # rent until the loss passes one plain step
-    assert got[new_at[0]][0] == {"experts": 5, "attn": 2}
-    assert all(r == {"experts": 5, "attn": 2} for r, _ in got[new_at[0]:])
+    assert new_at == [steps_to_buy - 1], new_at  # rent until the loss passes one compile
+    assert got[new_at[0]][0] == ideal
+    assert all(r == ideal for r, _ in got[new_at[0]:])
     assert len(policy.programs) == 2
 
 
+def test_a_slower_compile_or_a_faster_link_waits_longer():
+    low = needs(3, 2)
+
+    def bought_at(seconds_per_byte, compile_s):
+        policy = RungPolicy(WIRES, seconds_per_byte, first=dict(STEADY))
+        policy.choose(PRIMING)
+        policy.compiled(compile_s)
+        return next(i for i in range(1000) if policy.choose(low)[1])
+
+    base = bought_at(SLOW, 2.0)
+    assert bought_at(SLOW, 4.0) > base and bought_at(SLOW / 2, 2.0) > base
+    assert bought_at(SLOW * 4, 2.0) < base
+
+
 def test_a_one_step_spike_falls_back_instead_of_compiling():
-    policy = RungPolicy(WIRES, patience=1.0)
-    policy.choose(PRIMING)
+    policy = policy_at(patience=2.0)
     for _ in range(5):
         policy.choose(needs(5, 2))
     programs = list(policy.programs)
     spike = needs(9, 2)
     rungs, new = policy.choose(spike)
     assert not new and policy.programs == programs
-    assert rungs == {"experts": 5, "attn": 2} or rungs["experts"] == PLAIN_RUNG
+    assert rungs == STEADY
     # what the step sends: the word tensor's layers take the fallback (plain's bytes + check)
     wire = WIRES["experts"]
     assert policy._bytes("experts", 5, spike["experts"]) == LAYERS * wire.fallback_bytes
 
 
 def test_no_program_is_bought_too_late_in_the_run_to_pay_for_itself():
-    steady = needs(5, 2)
-    late, early = RungPolicy(WIRES), RungPolicy(WIRES)
-    for policy in (late, early):
-        policy.choose(PRIMING)
-    for _ in range(10):
-        late.choose(steady, steps_left=1)  # every step the last: saving one step never pays
-        early.choose(steady, steps_left=1000)
+    low = needs(3, 2)
+    late, early = policy_at(patience=0.5), policy_at(patience=0.5)
+    for _ in range(50):
+        late.choose(low, steps_left=1)  # every step the last: saving one step never pays
+        early.choose(low, steps_left=10**6)
     assert len(late.programs) == 1 and len(early.programs) == 2
 
 
+def test_a_link_that_costs_nothing_never_buys_a_second_program():
+    policy = policy_at(seconds_per_byte=0.0, patience=0.0)
+    for w in range(WIRES["experts"].rungs):
+        policy.choose(needs(w, 0))
+    assert len(policy.programs) == 1
+
+
 def test_never_more_programs_than_allowed_and_always_a_compiled_one():
-    policy = RungPolicy(WIRES, max_programs=3, patience=0.0)
+    policy = RungPolicy(WIRES, SLOW, max_programs=3, patience=0.0)
     rng = np.random.default_rng(0)
     for _ in range(50):
         step = needs(int(rng.integers(0, WIRES["experts"].rungs + 1)),
@@ -83,12 +115,15 @@ def test_the_same_demands_give_the_same_programs_on_every_process():
     rng = np.random.default_rng(1)
     seq = [PRIMING] + [needs(int(w), int(e)) for w, e in zip(rng.integers(0, 12, 40),
                                                              rng.integers(0, 11, 40))]
-    a, b = RungPolicy(WIRES), RungPolicy(WIRES)
+    a, b = RungPolicy(WIRES, SLOW, patience=0.1), RungPolicy(WIRES, SLOW, patience=0.1)
+    for policy in (a, b):
+        policy.compiled(1e-4)
     assert [a.choose(s) for s in seq] == [b.choose(s) for s in seq]
+    assert len(a.programs) > 1
 
 
 def test_per_layer_demands_are_priced_layer_by_layer():
-    policy = RungPolicy(WIRES)
+    policy = RungPolicy(WIRES, SLOW)
     mixed = {"experts": np.array([1, 1, 1, WIRES["experts"].rungs]), "attn": np.zeros(LAYERS)}
     wire = WIRES["experts"]
     assert policy._bytes("experts", 1, mixed["experts"]) == (
@@ -106,10 +141,18 @@ def test_rungs_holding_the_steady_state_shares():
 
 @pytest.mark.parametrize("kw,msg", [(dict(max_programs=0), "max_programs"),
                                     (dict(patience=-1), "patience"),
-                                    (dict(window=0), "window")])
+                                    (dict(window=0), "window"),
+                                    (dict(seconds_per_byte=-1.0), "seconds_per_byte"),
+                                    (dict(first={"experts": 1}), "first program")])
 def test_bad_options_are_clear_errors(kw, msg):
     with pytest.raises(ValueError, match=msg):
-        RungPolicy(WIRES, **kw)
+        RungPolicy(WIRES, **{"seconds_per_byte": SLOW, **kw})
+
+
+def test_seconds_per_byte_is_the_rings_bandwidth_term():
+    link = Profile.load("cpu-emulated")
+    for n in (2, 8, 16):  # a ring: each rank receives the other n - 1 shards
+        assert seconds_per_byte(link, n) == pytest.approx((n - 1) / link.beta_Bps)
 
 
 def test_fixed_bytes_refuses_a_rung_off_the_ladder():

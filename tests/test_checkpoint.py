@@ -11,9 +11,10 @@ import pytest
 
 from ciera_models import checkpoint as ckpt
 from ciera_models.train import TrainConfig, make_mesh, train
+from conftest import TINY_PROGRAMS
 
 STEPS = 20
-TC = TrainConfig(config="tiny", schedule_steps=STEPS)  # test_train's
+TC = TrainConfig(config="tiny", schedule_steps=STEPS, **TINY_PROGRAMS)  # test_train's
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ import ciera_jax
 from ciera_jax.codec import bitfields
 from ciera_jax import kernels as K
 from test_kernels import BACKENDS, BLOCK, WORDS
+from conftest import TINY_PROGRAMS
 
 SHAPE = (3, BLOCK + 7)  # ragged: padding and unpadding are part of what lowers
 ALL_CHECKS = [export.DisabledSafetyCheck.custom_call(name) for name in K.CUSTOM_CALL.values()]
@@ -187,7 +188,7 @@ def test_train_step_lowers_for_cuda():
     from ciera_models import data
     from ciera_models.train import TrainConfig, build_trainer, make_mesh
 
-    tc = TrainConfig(config="tiny", schedule_steps=20)  # test_train's: a shared trainer
+    tc = TrainConfig(config="tiny", schedule_steps=20, **TINY_PROGRAMS)  # test_train's
     tr = build_trainer(tc, make_mesh(8))
     assert any(tr.compress.values())
     state = tr.prepare(tr.init_state(0))

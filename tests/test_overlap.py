@@ -16,8 +16,9 @@ from jaxprs import outside, subjaxprs, walk
 from ciera_jax.fsdp import buckets
 from ciera_models import data
 from ciera_models.train import TrainConfig, build_trainer, make_mesh
+from conftest import TINY_PROGRAMS
 
-TC = TrainConfig(config="tiny", schedule_steps=20)  # test_train's config: shared trainer
+TC = TrainConfig(config="tiny", schedule_steps=20, **TINY_PROGRAMS)  # test_train's config: shared trainer
 
 
 GATHERS = {"all_gather", "all_gather_invariant"}  # word mode's planes: the invariant one

@@ -20,9 +20,10 @@ from ciera_jax.runtime.launch import free_port
 from ciera_models import train_cli
 from ciera_models.preemption import EXIT_PREEMPTED, PreemptionGuard
 from ciera_models.train import TrainConfig
+from conftest import TINY_PROGRAMS
 
 STEPS = 20
-TC = TrainConfig(config="tiny", schedule_steps=STEPS)  # test_train's: the trainer is shared
+TC = TrainConfig(config="tiny", schedule_steps=STEPS, **TINY_PROGRAMS)  # test_train's: the trainer is shared
 TRAIN = [sys.executable, "-m", "ciera_jax.cli.main", "train", "--steps", str(STEPS),
          "--schedule-steps", str(STEPS), "--log-every", "1"]
 

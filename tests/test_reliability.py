@@ -25,9 +25,10 @@ from ciera_models import checkpoint as ckpt
 from ciera_models import run_lock
 from ciera_models.failures import EXIT_NO_GOOD_CHECKPOINT, EXIT_WRITE_FAILED, NoGoodCheckpoint, WriteFailed
 from ciera_models.train import TrainConfig, make_mesh, train
+from conftest import TINY_PROGRAMS
 
 STEPS = 20
-TC = TrainConfig(config="tiny", schedule_steps=STEPS)  # test_train's
+TC = TrainConfig(config="tiny", schedule_steps=STEPS, **TINY_PROGRAMS)  # test_train's
 RESUMED = 16  # a resume from the newest checkpoint (15) runs to here: one step, or six from 10
 
 

@@ -22,9 +22,10 @@ from ciera_models.state import build_trainer, bytes_per_device
 from ciera_models.train import TrainConfig, train
 from ciera_models.train import make_mesh as train_mesh
 from test_flax_transforms import REMATS, D, F, call, compressed, fit_jit
+from conftest import TINY_PROGRAMS
 
 STEPS = 20
-TINY = TrainConfig(config="tiny", schedule_steps=STEPS)
+TINY = TrainConfig(config="tiny", schedule_steps=STEPS, **TINY_PROGRAMS)
 
 
 def _tc(**kw):

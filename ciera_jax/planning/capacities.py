@@ -3,16 +3,20 @@
 A step compiled with fixed rungs (:mod:`ciera_jax.collective.capacity`) sends each tensor's
 escape section at a static size inside its main transfer. The host knows the next step's
 demand exactly (the end of this step encoded and agreed on it), so it could fix the cheapest
-rungs every step, but every new rung vector is a new program to compile. :class:`RungPolicy`
-trades the two: it keeps the programs it has compiled, runs each step on the cheapest of them
-for that step's demand (a tensor whose demand is above its fixed rung takes the fallback: a
-plain gather, exact, at plain's bytes), and compiles a new one only when what the ones it has
-sent above each step's ideal program adds up to ``patience`` steps of plain's bytes, up to
-``max_programs``. A new program fits the last ``window`` steps' demands, not just this one's,
-so the demand's drift (warm-up, peak, decay) needs few of them.
+rungs every step, but every new rung vector is a new program to compile, and a compile costs
+as much as a step's codec many times over. :class:`RungPolicy` prices both in seconds (a
+ski-rental rule): the first step compiles one program, at rungs holding the steady-state
+demand (a fresh cache takes the fallback, so that program also primes the caches); every step
+runs the cheapest compiled program for its demand (a tensor above its program's rung takes
+the fallback: a plain gather, exact, at plain's bytes); a new program is bought only when the
+wire time the compiled ones lost against each step's ideal adds up to what a compile costs
+(``patience`` times the compiles measured so far), up to ``max_programs``. A new program fits
+the last ``window`` steps' demands, not just this one's, so a drift (warm-up, peak, decay)
+needs few of them.
 
-Pure Python over :mod:`ciera_jax.codec.wire`: the trainer feeds it the needed rungs the step
-returned, and prices with the wire table.
+Pure Python over :mod:`ciera_jax.codec.wire`: the trainer feeds it the needed rungs each step
+returned and each compile's seconds, and prices bytes with the plan's link
+(:func:`seconds_per_byte`).
 """
 
 from __future__ import annotations
@@ -25,12 +29,15 @@ import math
 import numpy as np
 
 from ciera_jax.codec.wire import PLAIN_RUNG, WordWire, rung_for
+from ciera_jax.planning import costmodel
 
 # Steady-state demands, as shares of a shard's elements, for a program compiled before any
-# step ran (``ciera aot``): word mode's escapes at 3 bits (8-15% on small/tiny, the word-delta
-# study) and exponent mode's changed exponents (0.1-0.2% after warm-up, the stability study).
+# step ran (the first program, ``ciera aot``): word mode's escapes at 3 bits (8-15% on
+# small/tiny, the word-delta study) and exponent mode's changed exponents (0.1-0.2% after
+# warm-up, the stability study).
 STEADY_ESCAPES = 1 / 8
 STEADY_EXPONENTS = 1 / 512
+COMPILE_S_PRIOR = 60.0  # a compile's price until one was measured (``compiled``)
 
 Rungs = tuple  # ((key, rung), ...) in key order: hashable, one per compiled program
 
@@ -38,21 +45,28 @@ Rungs = tuple  # ((key, rung), ...) in key order: hashable, one per compiled pro
 @dataclasses.dataclass
 class RungPolicy:
     """``wires``: ``{key: ExponentWire | WordWire}`` of one layer of each compressed tensor or
-    bucket (:func:`ciera_jax.fsdp.wires`). Deterministic: every process of a multi-host run
-    feeds it the same (agreed) demands and so compiles and runs the same programs.
+    bucket (:func:`ciera_jax.fsdp.wires`); ``seconds_per_byte``: what one more byte sent by
+    one rank costs the step (:func:`seconds_per_byte` of the plan's link); ``first``: the
+    first program's rungs (default :func:`rungs_holding`). Deterministic: every process of a
+    multi-host run feeds it the same agreed demands and the same compile price, and so
+    compiles and runs the same programs.
 
-    A new program is compiled when the bytes the compiled ones sent above each step's ideal,
-    summed since the last new one, pass ``patience`` steps of plain's bytes (a rent-or-buy
-    rule: a short spike does not buy a program, a lasting drift does); it is the rung vector
-    that would have sent the fewest bytes over the last ``window`` steps."""
+    A new program is compiled when the wire time the compiled ones lost against each step's
+    ideal, summed since the last new one, passes ``patience`` compiles' seconds, and what it
+    saves at this step's rate over ``steps_left`` pays for it too; it is the rung vector that
+    would have sent the fewest bytes over the last ``window`` steps. ``patience=0`` buys one
+    whenever a better one exists (up to ``max_programs``)."""
 
     wires: dict
+    seconds_per_byte: float
+    first: dict | None = None
     max_programs: int = 8
     patience: float = 1.0
     window: int = 4
     programs: list = dataclasses.field(default_factory=list)
+    compile_s: list = dataclasses.field(default_factory=list)  # seconds of each compile
     _history: collections.deque = dataclasses.field(init=False, repr=False)
-    _regret: float = dataclasses.field(default=0.0, init=False, repr=False)
+    _regret_s: float = dataclasses.field(default=0.0, init=False, repr=False)
 
     def __post_init__(self):
         if self.max_programs < 1:
@@ -61,38 +75,57 @@ class RungPolicy:
             raise ValueError(f"patience must be >= 0, got {self.patience}")
         if self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window}")
+        if not self.seconds_per_byte >= 0:
+            raise ValueError(f"seconds_per_byte must be >= 0, got {self.seconds_per_byte}")
+        if self.first is None:
+            self.first = rungs_holding(self.wires)
+        if set(self.first) != set(self.wires):
+            raise ValueError(f"first program's rungs name {sorted(self.first)}, the wires "
+                             f"{sorted(self.wires)}")
         self._history = collections.deque(maxlen=self.window)
+
+    @property
+    def compile_price_s(self) -> float:
+        """What buying a program costs: ``patience`` times the mean compile measured so far
+        (:data:`COMPILE_S_PRIOR` before any)."""
+        mean = float(np.mean(self.compile_s)) if self.compile_s else COMPILE_S_PRIOR
+        return self.patience * mean
+
+    def compiled(self, seconds: float) -> None:
+        """The trainer measured a program's compile: it prices the next one."""
+        self.compile_s.append(float(seconds))
 
     def choose(self, needed: dict, steps_left: int | None = None) -> tuple[dict, bool]:
         """``needed``: ``{key: needed rung}`` (an int, or an array per layer for stacks;
         ``wire.rungs``: above the top or unprimed); ``steps_left``: the steps the run has left,
-        this one included, when known (a new program must save ``patience`` plain steps'
-        worth of bytes over them at this step's rate, or it is not bought). Returns
-        (``{key: rung}`` to run the step at, whether that is a program not compiled before)."""
+        this one included, when known. Returns (``{key: rung}`` to run the step at, whether
+        that is a program not compiled before)."""
         needed = {k: np.atleast_1d(np.asarray(needed[k])) for k in sorted(self.wires)}
         ideal = self._best_for([needed])
         if any(r != PLAIN_RUNG for r in ideal.values()):  # a priming step tells nothing
             self._history.append(needed)
         if not self.programs:
-            return self._compile(ideal)
+            return self._compile(dict(self.first))
         best = dict(min(self.programs, key=lambda v: self.cost(dict(v), needed)))
-        self._regret += self.cost(best, needed) - self.cost(ideal, needed)
-        if (self._regret <= self.patience * self.plain_cost(needed)
-                or len(self.programs) >= self.max_programs):
+        self._regret_s += self.seconds(self.cost(best, needed) - self.cost(ideal, needed))
+        price = self.compile_price_s
+        if self._regret_s <= price or len(self.programs) >= self.max_programs:
             return best, False
         new = self._best_for(list(self._history))
         if program_key(new) in self.programs or self.cost(new, needed) >= self.cost(best, needed):
             new = ideal  # the window's program does not help this step: this step's does
-        saving = self.cost(best, needed) - self.cost(new, needed)
-        if steps_left is not None and saving * steps_left < self.patience * self.plain_cost(
-                needed):
-            return best, False  # too late in the run to pay for itself
+        saving_s = self.seconds(self.cost(best, needed) - self.cost(new, needed))
+        if saving_s <= 0 or (steps_left is not None and saving_s * steps_left < price):
+            return best, False  # nothing to gain, or too late in the run to pay for itself
         return self._compile(new)
 
     def _compile(self, rungs: dict) -> tuple[dict, bool]:
         self.programs.append(program_key(rungs))
-        self._regret = 0.0
+        self._regret_s = 0.0
         return rungs, True
+
+    def seconds(self, nbytes: float) -> float:
+        return nbytes * self.seconds_per_byte
 
     def cost(self, rungs: dict, needed: dict) -> int:
         """Bytes one rank sends for every layer of every tensor at ``rungs``."""
@@ -113,6 +146,14 @@ class RungPolicy:
             out[key] = min(options, key=lambda r: (sum(self._bytes(key, r, s[key])
                                                        for s in steps), r))
         return out
+
+
+def seconds_per_byte(link, n_ranks: int) -> float:
+    """What one more byte in every rank's shard costs an all-gather on ``link`` (a cost-model
+    Profile or Topology) over ``n_ranks``: the bandwidth term of its gather time."""
+    probe = float(1 << 20)
+    return (costmodel.gather_time(probe * n_ranks, n_ranks, link)
+            - costmodel.gather_time(0.0, n_ranks, link)) / probe
 
 
 def rungs_holding(wires: dict, escapes: float = STEADY_ESCAPES,
