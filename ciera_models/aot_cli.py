@@ -44,8 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="which of the trainer's programs: steady (every compressed gather's "
                    "escape section fixed at the rung that holds the steady-state demand: 1/8 "
                    "of a word tensor's elements escaping, 1/512 of an exponent tensor's "
-                   "exponents changing) or priming (the first step's: every gather plain) "
-                   "(default: steady)")
+                   "exponents changing; the program a run starts with) or priming (every "
+                   "gather plain) (default: steady)")
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="PATH", default=None, help="write the report(s) as JSON")
     out.add_argument("--hlo-out", metavar="DIR", default=None,

@@ -158,8 +158,8 @@ class Trainer:
         """The step's ``(params, caches, opt_state, ahead, tokens)`` with every compressed
         gather's rung fixed (the ahead's ``agreed``): ``rungs`` is ``{key: rung}``,
         ``"steady"`` (each tensor at the rung holding the steady-state demand,
-        ``capacities.rungs_holding``) or ``"priming"`` (every one plain: the first step's
-        program). Abstract arguments work too (``ciera aot``)."""
+        ``capacities.rungs_holding``: the first step's program) or ``"priming"`` (every one
+        plain). Abstract arguments work too (``ciera aot``)."""
         params, caches, opt_state, ahead, tokens = args
         if isinstance(rungs, str):
             if rungs not in PROGRAMS:

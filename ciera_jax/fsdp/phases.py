@@ -20,8 +20,9 @@ import numpy as np
 from jax import lax
 
 import ciera_jax.collective.gather as collective
+from ciera_jax.codec import bitfields
 from ciera_jax.codec.wire import ExponentWire, WordWire
-from ciera_jax.collective import capacity
+from ciera_jax.collective import capacity, encode_group
 from ciera_jax.fsdp import buckets
 from ciera_jax.fsdp.state.axes import AXIS, axis_size
 
@@ -34,7 +35,8 @@ def encode_tensors(tensors: dict, params: dict, caches: dict, compress: dict,
 
     ``params``: ``{key: local shard}`` (any float dtype; cast to the tensor's compute dtype);
     ``caches``: ``{key: cache}``; stacked tensors are encoded layer by layer, so their Encoded
-    leaves carry the layer axis first.
+    leaves carry the layer axis first. Tensors (or buckets) of one size and cache kind are
+    encoded by one traced codec (:mod:`~ciera_jax.collective.encode_group`).
     """
     keys = [k for k in tensors if compress.get(k, False)]
     bucket_of = buckets.groups(tensors, caches, axis_name, keys)
@@ -48,16 +50,35 @@ def encode_tensors(tensors: dict, params: dict, caches: dict, compress: dict,
         units[key] = (dataclasses.replace(t, stack=stack), shard, cache)
         for k in members:
             del units[k]
-    out = {}
+    by_size: dict = {}  # tensors of one size and cache kind share one traced codec
     for key, (t, shard, cache) in units.items():
-        def enc(s, c, t=t):
-            return collective.encode(s, c, axis_name, axis=t.axis, impl=impl, name=t.key)
+        lead = 1 if t.stack else 0
+        by_size.setdefault(encode_group.signature(shard, cache, lead), []).append(key)
+    out = {}
+    for keys_g in by_size.values():
+        if len(keys_g) == 1:
+            done = [_encode_alone(*units[keys_g[0]], axis_name, impl)]
+        else:
+            done = encode_group.encode_same_size(
+                [units[k][1] for k in keys_g], [units[k][2] for k in keys_g], axis_name,
+                axes=[units[k][0].axis for k in keys_g],
+                lead=1 if units[keys_g[0]][0].stack else 0, impl=impl, names=list(keys_g))
+        for key, e in zip(keys_g, done):
+            out[key] = buckets.BucketEncoded(e, bucket_of[key]) if key in bucket_of else e
+    return {key: out[key] for key in units}  # model order
 
-        # Layer by layer with lax.map (one traced body; vmap would turn the tier switch of
-        # encode into a select of all branches).
-        e = lax.map(lambda sc: enc(*sc), (shard, cache)) if t.stack else enc(shard, cache)
-        out[key] = buckets.BucketEncoded(e, bucket_of[key]) if key in bucket_of else e
-    return out
+
+def _encode_alone(t, shard, cache, axis_name, impl):
+    """One tensor's (or bucket's) encode; a stack layer by layer with ``lax.map`` over its
+    bits (one traced body; a bf16 slice on XLA:CPU may run through float32 and quiet NaN
+    payloads; vmap would turn the encode's branches into selects of all of them)."""
+    def enc(s, c):
+        return collective.encode(s, c, axis_name, axis=t.axis, impl=impl, name=t.key)
+
+    if not t.stack:
+        return enc(shard, cache)
+    return lax.map(lambda bc: enc(bitfields.from_bits(bc[0], shard.dtype), bc[1]),
+                   (bitfields.to_bits(shard), cache))
 
 
 def agree_tensors(tensors: dict, encoded: dict, axis_name: str = AXIS) -> dict:

@@ -1,0 +1,95 @@
+"""Phase 1 for several tensors of one size in ONE traced codec: the codec's ops compiled once.
+
+Every compressed tensor's encode is a few dozen ops; a step that encodes ten tensors compiles
+them ten times (XLA has no function reuse across call sites), which is most of what the codec
+adds to a step's compile. The codec reads a shard and its cached slice element by element in
+flat order, so shards of one element count can share one body: each is flattened, with its
+cached slice, its priming flag and its checksum (computed on the shard as laid out, on its own
+axis), and one ``lax.map`` encodes them all. The result of each is then given back its shape
+and axis, bitwise what :func:`~ciera_jax.collective.gather.encode` returns for it alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ciera_jax.codec import bitfields
+from ciera_jax.codec.wire import DEFAULT_CODE_BITS
+from ciera_jax.collective import exponent_option, selfcheck, validation, word_option
+from ciera_jax.collective.cache import WordCache
+
+
+def signature(x: jax.Array, cache, lead: int) -> tuple:
+    """What shards must share to be encoded together: leading (layer) dims, element count per
+    layer, dtype and cache kind (its stored dtype too)."""
+    stored = cache.words if isinstance(cache, WordCache) else cache.exp
+    return (x.shape[:lead], x[(0,) * lead].size, str(x.dtype), type(cache).__name__,
+            str(stored.dtype))
+
+
+def encode_same_size(xs: list, caches: list, axis_name, *, axes: list, lead: int = 0,
+                     impl: str = "auto", code_bits: int = DEFAULT_CODE_BITS,
+                     names: list | None = None) -> list:
+    """``xs``: shards with ``lead`` leading layer dims and the same :func:`signature`;
+    ``caches``: theirs (stacked like them); ``axes``: each one's gather axis (of one layer).
+    Returns each one's ``Encoded`` / ``WordEncoded`` (stacked like it)."""
+    names = names or [f"tensor{i}" for i in range(len(xs))]
+    if len({signature(x, c, lead) for x, c in zip(xs, caches)}) != 1:
+        raise ValueError(f"encode_same_size: {names} differ in size, dtype or cache kind")
+    word = isinstance(caches[0], WordCache)
+    n_ranks = validation.axis_size(axis_name, names[0])
+
+    def flat(x, cache, axis, name):
+        """One layer: (shard, cached slice) flat, the priming flag, the shard's checksum."""
+        axis = validation.normalize_axis(x, axis, name)
+        bitfields.word_format(x.dtype)
+        validation.check_cache(cache, x, axis, n_ranks, name)
+        x = lax.stop_gradient(x)
+        offset = lax.axis_index(axis_name).astype(jnp.int32) * x.shape[axis]
+        stored = cache.words if word else cache.exp
+        cached = lax.dynamic_slice_in_dim(stored, offset, x.shape[axis], axis=axis)
+        # carried as bits: XLA:CPU may copy a bf16 array through float32 (quiets NaN payloads)
+        return (bitfields.to_bits(x).reshape(-1), cached.reshape(-1), cache.primed,
+                selfcheck.shard_checksum(x, axis, axis_name))
+
+    rows = []
+    for x, c, ax, name in zip(xs, caches, axes, names):
+        one = lambda x, c, ax=ax, name=name: flat(x, c, ax, name)  # noqa: E731
+        for _ in range(lead):
+            one = jax.vmap(one)
+        rows.append(one(x, c))
+    per = int(np.prod(xs[0].shape[:lead], dtype=np.int64))  # rows per tensor
+    stacked = jax.tree.map(lambda *a: jnp.concatenate(
+        [b.reshape((per,) + b.shape[lead:]) for b in a]), *rows)
+
+    dtype = xs[0].dtype
+
+    def body(row):
+        bits_n, cached_n, primed, csum = row
+        x_n = bitfields.from_bits(bits_n, dtype)
+        if word:
+            return word_option.encode(x_n, cached_n, primed, 0, n_ranks, csum, impl, code_bits,
+                                      lambda i: cached_n[i])
+        return exponent_option.encode(x_n, cached_n, primed, 0, n_ranks, csum, impl)
+
+    encoded = lax.map(body, stacked)
+    out = []
+    for j, (x, ax) in enumerate(zip(xs, axes)):
+        e = jax.tree.map(lambda a: a[j * per:(j + 1) * per].reshape(
+            x.shape[:lead] + a.shape[1:]), encoded)
+        out.append(_shaped(e, x.shape[lead:], validation.normalize_axis(
+            x[(0,) * lead], ax, names[j])))
+    return out
+
+
+def _shaped(e, shard_shape: tuple, axis: int):
+    """A flat shard's Encoded -> the shard's own (its shape and gather axis): the same bytes."""
+    if isinstance(e, word_option.WordEncoded):
+        return dataclasses.replace(e, axis=axis, shard_shape=tuple(shard_shape))
+    payload = e.payload.reshape(e.payload.shape[:-1] + tuple(shard_shape))
+    return dataclasses.replace(e, payload=payload, axis=axis)
