@@ -1,13 +1,16 @@
 """What fixed rungs cost a run: programs compiled, first step, steady step and wire, side by side.
 
 Runs ``ciera train`` (a fresh process each, so nothing compiled is shared) for ``--gather
-plain``, the defaults and ``--cache exponent``, one after another per round, and reads each
+plain``, the defaults and ``--cache exponent`` (``--runs``; ``defaults+slow`` and
+``exponent+slow`` add ``--program-patience 2e-5``, a compile priced like about one plain step
+of tiny's bytes), one after another per round, and reads each
 run's JSONL: the first step (compile + priming, what a user waits for), every program the run
 compiled (count, seconds, recompiles), the median step after ``--settle`` steps (the steady
 step, compile-free steps only), the wire over the run and its last quarter (padding up to the
 programs' rungs and overflows counted), and the params hash (all equal).
 
-    python benchmarks/programs.py [--config tiny] [--steps 200] [--rounds 1] [--out PATH]
+    python benchmarks/programs.py [--config tiny] [--steps 200] [--rounds 1] [--runs ...]
+                                  [--out PATH]
 """
 
 from __future__ import annotations
@@ -21,7 +24,11 @@ import tempfile
 
 from common import parser, write_results  # benchmarks/common.py, beside this script
 
-RUNS = {"plain": ["--gather", "plain"], "defaults": [], "exponent": ["--cache", "exponent"]}
+# "+slow": a compile priced like about one plain step of tiny's bytes (as on a slow link, or a
+# cheap compile): how many programs the demand's drift buys, and what they save
+SLOW = ["--program-patience", "2e-5"]
+RUNS = {"plain": ["--gather", "plain"], "defaults": [], "exponent": ["--cache", "exponent"],
+        "defaults+slow": SLOW, "exponent+slow": ["--cache", "exponent", *SLOW]}
 
 
 def parse_args(argv=None):
@@ -31,7 +38,7 @@ def parse_args(argv=None):
     p.add_argument("--settle", type=int, default=20,
                    help="steps left out of the steady step's median (warm-up)")
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    p.add_argument("--runs", nargs="+", default=list(RUNS)[:3], choices=list(RUNS))
     return p.parse_args(argv)
 
 
@@ -66,7 +73,7 @@ def main(argv=None) -> int:
             for name in args.runs:
                 results[name].append(one_run(name, args, tmp))
                 x = results[name][-1]
-                print(f"round {r + 1}: {name:<9} first step {x['first_step_s']:6.1f} s, "
+                print(f"round {r + 1}: {name:<14} first step {x['first_step_s']:6.1f} s, "
                       f"{x['programs']} programs {x['compile_s']:6.1f} s, steady "
                       f"{x['steady_step_s']:.3f} s, wire {x['wire']:.3f} / last quarter "
                       f"{x['wire_last_quarter']:.3f}", flush=True)
@@ -75,7 +82,7 @@ def main(argv=None) -> int:
     base = med.get("plain")
     print(f"\n{args.config}, {args.steps} steps, median of {args.rounds} round(s), load average "
           f"{os.getloadavg()[0]:.1f}; x plain: the plain run's (compile: its one program)")
-    print(f"{'run':<10}{'first s':>9}{'x':>6}{'programs':>9}{'compile s':>10}{'x':>6}"
+    print(f"{'run':<15}{'first s':>9}{'x':>6}{'programs':>9}{'compile s':>10}{'x':>6}"
           f"{'steady s':>9}{'x':>6}{'wire':>7}{'last 1/4':>9}{'overflows':>10}  compiled at steps")
     rows = []
     for name, rs in results.items():
@@ -83,7 +90,7 @@ def main(argv=None) -> int:
         ratio = {k: m[k] / base[k] if base else float("nan") for k in m}
         rows.append(dict(run=name, **m, **{f"{k}_vs_plain": v for k, v in ratio.items()},
                          rounds=rs))
-        print(f"{name:<10}{m['first_step_s']:>9.1f}{ratio['first_step_s']:>6.2f}"
+        print(f"{name:<15}{m['first_step_s']:>9.1f}{ratio['first_step_s']:>6.2f}"
               f"{last['programs']:>9}{m['compile_s']:>10.1f}{ratio['compile_s']:>6.2f}"
               f"{m['steady_step_s']:>9.3f}{ratio['steady_step_s']:>6.2f}{last['wire']:>7.3f}"
               f"{last['wire_last_quarter']:>9.3f}{last['overflows']:>10}  "
