@@ -79,12 +79,30 @@ def _model_memory(tr, tokens_per_gpu: int) -> memory.Memory:
                                  remat=tr.tc.remat)
 
 
+def per_gpu_bytes(args) -> int:
+    """Bytes one GPU holds of the abstract step arguments (each leaf's shard)."""
+    return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+               for a in jax.tree.leaves(args))
+
+
+def compiler_options(flags: str, target: gpu_targets.GpuTarget, io_bytes: int,
+                     model: memory.Memory, memory_limit: str = "plan") -> dict:
+    """The flag set, and with ``memory_limit="plan"`` XLA's scheduler limited to the memory
+    model's total (``gpu``: XLA's default limit, 95% of 80% of the GPU less the inputs)."""
+    opts = dict(gpu_targets.FLAG_SETS[flags])
+    if memory_limit == "plan":
+        opts[gpu_targets.SLOP_FLAG] = gpu_targets.plan_slop_percent(target, io_bytes, model.total)
+    elif memory_limit != "gpu":
+        raise ValueError(f"memory_limit must be 'plan' or 'gpu', got {memory_limit!r}")
+    return opts
+
+
 def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: int,
                  flags: str = "fsdp", hlo_out: str | None = None, log=None,
-                 program: str = "steady") -> dict:
+                 program: str = "steady", memory_limit: str = "plan") -> dict:
     """Compile ``tc``'s train step for ``gpus`` x ``target`` and report the program
     (``program``: which of the trainer's programs, ``steady`` or ``priming``:
-    :meth:`~ciera_models.state.Trainer.at_rungs`)."""
+    :meth:`~ciera_models.state.Trainer.at_rungs`; ``memory_limit``: :func:`compiler_options`)."""
     tc = batch_for(tc, gpus, tokens_per_gpu)
     if tc.memory_gb is None:  # plan within the target's memory, never a CPU device's
         tc = dataclasses.replace(tc, memory_gb=target.memory_gb)
@@ -97,11 +115,16 @@ def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: i
         args = tr.at_rungs(abstract_step_args(tr), program)
         lowered = tr.step_fn.lower(*args)
     t_lower = time.perf_counter() - t0
+    model = _model_memory(tr, tokens_per_gpu)
+    io_bytes = per_gpu_bytes(args)
+    options = compiler_options(flags, target, io_bytes, model, memory_limit)
+    slop = options.get(gpu_targets.SLOP_FLAG, gpu_targets.DEFAULT_SLOP_PERCENT)
     if log:
         log(f"ciera aot: {tc.gather} step of {tc.config} on {gpus} x {target.name}: lowered in "
-            f"{t_lower:.1f} s, compiling with XLA:GPU ({flags} flags)")
+            f"{t_lower:.1f} s, compiling with XLA:GPU ({flags} flags, scheduler memory "
+            f"limit {memory_limit}: {gpu_targets.SLOP_FLAG}={slop})")
     t1, c1 = time.perf_counter(), time.process_time()
-    compiled = lowered.compile(compiler_options=dict(gpu_targets.FLAG_SETS[flags]))
+    compiled = lowered.compile(compiler_options=options)
     # CPU seconds as well as wall: on a shared machine the wall clock is mostly the load
     t_compile, cpu_compile = time.perf_counter() - t1, time.process_time() - c1
     text = compiled.as_text()
@@ -114,12 +137,14 @@ def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: i
     xla_total = (ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
                  + ma.temp_size_in_bytes)
     caches = jax.tree.leaves(args[1])
-    model = _model_memory(tr, tokens_per_gpu)
     return {
         "config": tc.config, "gather": tc.gather, "cache": tc.cache, "plan": tc.plan,
         "program": program,
         "gpus": gpus, "gpu": target.name, "tokens_per_gpu": tokens_per_gpu,
-        "batch": [tc.batch_size, tc.length], "flags": gpu_targets.FLAG_SETS[flags],
+        "batch": [tc.batch_size, tc.length], "flags": options,
+        "scheduler_limit": {"memory_limit": memory_limit, "slop_percent": slop,
+                            "io": io_bytes,
+                            "bytes": gpu_targets.scheduler_limit_bytes(target, io_bytes, slop)},
         "lower_s": t_lower, "compile_s": t_compile, "compile_cpu_s": cpu_compile,
         "hlo_bytes": len(text),
         **prog.kernels(),

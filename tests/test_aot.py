@@ -162,3 +162,30 @@ def test_no_steady_path_collective_inside_a_conditional(tiny_reports, mode):
     assert 0 < rep["conditionals"] <= compressed
     assert rep["fusions"] <= 1.5 * plain["fusions"]
     assert rep["hlo_bytes"] <= 2 * plain["hlo_bytes"]
+
+
+def test_plan_memory_limit_puts_xlas_scheduler_at_the_plan():
+    """XLA's scheduler limit (slop % of 80% of the GPU less the inputs and outputs) lands on
+    the plan's total, within a percent of the base; never above XLA's default 95%."""
+    io = 5_190_886_038  # OLMoE-1B-7B plain on 16 H100s: params and AdamW state
+    for plan in (12e9, 22e9, 40e9, 60e9):
+        slop = gpu_targets.plan_slop_percent(H100, io, int(plan))
+        limit = io + gpu_targets.scheduler_limit_bytes(H100, io, slop)
+        assert 1 <= slop <= gpu_targets.DEFAULT_SLOP_PERCENT
+        if slop < gpu_targets.DEFAULT_SLOP_PERCENT:
+            assert plan - 0.01 * H100.memory_bytes < limit <= plan
+    assert gpu_targets.plan_slop_percent(H100, io, int(80e9)) == gpu_targets.DEFAULT_SLOP_PERCENT
+    assert gpu_targets.plan_slop_percent(H100, io, io // 2) == 1  # a plan below its inputs
+
+
+def test_compiler_options_carry_the_plan_limit_only_when_asked():
+    from ciera_jax.planning import memory
+    from ciera_models.aot import compiler_options
+
+    model = memory.memory_per_gpu("olmoe-1b-7b", 16)
+    plan = compiler_options("fsdp", H100, int(5e9), model)
+    assert plan.pop(gpu_targets.SLOP_FLAG) < gpu_targets.DEFAULT_SLOP_PERCENT
+    assert plan == gpu_targets.FSDP_XLA_FLAGS
+    assert compiler_options("fsdp", H100, int(5e9), model, "gpu") == gpu_targets.FSDP_XLA_FLAGS
+    with pytest.raises(ValueError, match="plan"):
+        compiler_options("fsdp", H100, int(5e9), model, "none")
