@@ -30,8 +30,16 @@ def _limit(r: dict) -> str:
     lim = r.get("scheduler_limit")
     if not lim:
         return "-"
-    return (f"{lim['slop_percent']}%: {_size(lim['io'])} + {_size(lim['bytes'])}"
-            f" ({lim['memory_limit']})")
+    return f"{lim['slop_percent']}%: {_size(lim['io'])} + {_size(lim['bytes'])}"
+
+
+def _other(r: dict) -> str:
+    """The compile that was not kept (memory limit auto): its slop, total and overlap."""
+    o = r.get("scheduler_limit", {}).get("other")
+    if not o:
+        return "-"
+    return (f"{o['slop_percent']}%: {_size(o['total'])}, "
+            f"{100 * o['all_gather_overlap_share']:.0f}% overlapped")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,11 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fsdp: NVIDIA JAX-Toolbox's FSDP flags (latency-hiding scheduler, "
                    "pipelined collectives, loop double buffering); default: XLA's defaults "
                    "(default: fsdp)")
-    g.add_argument("--memory-limit", choices=("plan", "gpu"), default="plan",
-                   help="plan: XLA's scheduler may use what the memory model plans per GPU "
-                   "(xla_gpu_memory_limit_slop_factor; the GPU run sets the same, see the "
-                   "report's flags); gpu: XLA's default limit, 95%% of 80%% of the GPU less the "
-                   "step's inputs (default: plan)")
+    g.add_argument("--memory-limit", choices=("auto", "plan", "gpu"), default="auto",
+                   help="XLA's scheduler memory limit (xla_gpu_memory_limit_slop_factor). "
+                   "gpu: XLA's default, 95%% of 80%% of the GPU less the step's inputs; plan: "
+                   "what the memory model plans per GPU; auto: XLA's default, compiled again "
+                   "at the plan's when XLA counts more than the plan, the smaller count kept "
+                   "(a GPU run sets the kept limit: the report's flags) (default: auto)")
     g.add_argument("--compare", choices=("plain",), default=None,
                    help="also compile --gather plain and print the two side by side")
     g.add_argument("--program", choices=("steady", "priming"), default="steady",
@@ -127,7 +136,8 @@ def summary_rows(r: dict) -> dict[str, str]:
         "XLA memory: total per GPU": f"{_size(mem['total'])} of {_size(mem['capacity'])} ("
                                      + ("fits" if mem["headroom"] >= 0 else "does NOT fit")
                                      + f", {mem['headroom'] / GB:+.1f} GB)",
-        "XLA scheduler memory limit": _limit(r),
+        "XLA scheduler limit: inputs + temporaries": _limit(r),
+        "  the other compile (not kept)": _other(r),
         "memory model total": _size(tr["memory_model"]["total"]),
         "caches per GPU": f"{_size(tr['cache_bytes'])} ("
                           + ", ".join(f"{n} {m}" for m, n in sorted(modes.items())) + ")",

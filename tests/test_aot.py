@@ -178,14 +178,36 @@ def test_plan_memory_limit_puts_xlas_scheduler_at_the_plan():
     assert gpu_targets.plan_slop_percent(H100, io, io // 2) == 1  # a plan below its inputs
 
 
-def test_compiler_options_carry_the_plan_limit_only_when_asked():
-    from ciera_jax.planning import memory
+def test_compiler_options_carry_the_limit_only_when_given():
     from ciera_models.aot import compiler_options
 
-    model = memory.memory_per_gpu("olmoe-1b-7b", 16)
-    plan = compiler_options("fsdp", H100, int(5e9), model)
-    assert plan.pop(gpu_targets.SLOP_FLAG) < gpu_targets.DEFAULT_SLOP_PERCENT
-    assert plan == gpu_targets.FSDP_XLA_FLAGS
-    assert compiler_options("fsdp", H100, int(5e9), model, "gpu") == gpu_targets.FSDP_XLA_FLAGS
-    with pytest.raises(ValueError, match="plan"):
-        compiler_options("fsdp", H100, int(5e9), model, "none")
+    limited = compiler_options("fsdp", 23)
+    assert limited.pop(gpu_targets.SLOP_FLAG) == 23
+    assert limited == compiler_options("fsdp") == gpu_targets.FSDP_XLA_FLAGS
+
+
+@pytest.mark.parametrize("limit,first,second,kept,compiles", [
+    ("auto", 25e9, 19e9, 19e9, 2),  # XLA over the plan: again at the plan's limit, smaller kept
+    ("auto", 25e9, 26e9, 25e9, 2),  # the limit did not help: XLA's default kept
+    ("auto", 18e9, None, 18e9, 1),  # XLA within the plan: one compile
+    ("gpu", 25e9, None, 25e9, 1),
+    ("plan", 19e9, None, 19e9, 1),
+])
+def test_auto_limit_compiles_again_only_when_xla_exceeds_the_plan(monkeypatch, limit, first,
+                                                                   second, kept, compiles):
+    from ciera_models import aot
+
+    seen = []
+
+    def fake_compile(lowered, options):
+        seen.append(options.get(gpu_targets.SLOP_FLAG))
+        total = first if len(seen) == 1 else second
+        return type("C", (), {"total": total, "options": options})()
+
+    monkeypatch.setattr(aot, "_compile", fake_compile)
+    got, other = aot.compile_within_plan(None, "fsdp", limit, 23, int(20e9))
+    assert got.total == kept and len(seen) == compiles
+    assert (other is None) == (compiles == 1)
+    assert seen[0] == (23 if limit == "plan" else None)
+    with pytest.raises(ValueError, match="memory_limit"):
+        aot.compile_within_plan(None, "fsdp", "none", 23, int(20e9))
