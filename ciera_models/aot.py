@@ -131,11 +131,12 @@ def _compile(lowered, options: dict) -> _Compiled:
                      prog.kernels(), wall, cpu)
 
 
-def compile_within_plan(lowered, flags: str, memory_limit: str, slop: int,
-                        plan_bytes: int, log=None) -> tuple[_Compiled, _Compiled | None]:
+def compile_within_plan(lowered, flags: str, memory_limit: str, slop: int, plan_bytes: int,
+                        tolerance: int = 0, log=None) -> tuple[_Compiled, _Compiled | None]:
     """``(kept, other)``. ``gpu``: XLA's default limit. ``plan``: the plan's (``slop``).
-    ``auto``: XLA's default, and again at the plan's when XLA counts more than the plan and
-    the plan's limit is tighter; the smaller count is kept. The latency-hiding scheduler
+    ``auto``: XLA's default, and again at the plan's when XLA counts more than the plan by more
+    than ``tolerance`` (one step of the slop factor: the limit is no finer) and the plan's
+    limit is tighter; the smaller count is kept. The latency-hiding scheduler
     spends what room it has on overlap, so unlimited it can spend what the plan gave caches;
     it also overestimates a compressed step's needs (OLMoE-1B-7B's word caches, 16 H100s:
     13.2-13.3 GB of temporaries at every limit from 17 to 46 GB, while the share of its
@@ -147,7 +148,7 @@ def compile_within_plan(lowered, flags: str, memory_limit: str, slop: int,
     if memory_limit == "plan":
         return _compile(lowered, compiler_options(flags, slop if tighter else None)), None
     first = _compile(lowered, compiler_options(flags))
-    if memory_limit == "gpu" or first.total <= plan_bytes or not tighter:
+    if memory_limit == "gpu" or first.total <= plan_bytes + tolerance or not tighter:
         return first, None
     if log:
         log(f"ciera aot: XLA counts {first.total / 1e9:.1f} GB, the plan {plan_bytes / 1e9:.1f}"
@@ -195,7 +196,8 @@ def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: i
         log(f"ciera aot: {tc.gather} step of {tc.config} on {gpus} x {target.name}: lowered in "
             f"{t_lower:.1f} s, compiling with XLA:GPU ({flags} flags, memory limit "
             f"{memory_limit})")
-    kept, other = compile_within_plan(lowered, flags, memory_limit, slop, model.total, log)
+    step = gpu_targets.scheduler_limit_bytes(target, io_bytes, 1)
+    kept, other = compile_within_plan(lowered, flags, memory_limit, slop, model.total, step, log)
     text = kept.text
     if hlo_out:
         Path(hlo_out).mkdir(parents=True, exist_ok=True)

@@ -190,6 +190,7 @@ def test_compiler_options_carry_the_limit_only_when_given():
     ("auto", 25e9, 19e9, 19e9, 2),  # XLA over the plan: again at the plan's limit, smaller kept
     ("auto", 25e9, 26e9, 25e9, 2),  # the limit did not help: XLA's default kept
     ("auto", 18e9, None, 18e9, 1),  # XLA within the plan: one compile
+    ("auto", 20.5e9, None, 20.5e9, 1),  # over the plan by less than one step of the limit
     ("gpu", 25e9, None, 25e9, 1),
     ("plan", 19e9, None, 19e9, 1),
 ])
@@ -205,7 +206,7 @@ def test_auto_limit_compiles_again_only_when_xla_exceeds_the_plan(monkeypatch, l
         return type("C", (), {"total": total, "options": options})()
 
     monkeypatch.setattr(aot, "_compile", fake_compile)
-    got, other = aot.compile_within_plan(None, "fsdp", limit, 23, int(20e9))
+    got, other = aot.compile_within_plan(None, "fsdp", limit, 23, int(20e9), int(0.6e9))
     assert got.total == kept and len(seen) == compiles
     assert (other is None) == (compiles == 1)
     assert seen[0] == (23 if limit == "plan" else None)
