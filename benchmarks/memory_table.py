@@ -1,13 +1,15 @@
 """Which CIERA mode fits on which GPU: memory per GPU and the best plan that fits, by scale.
 
     python benchmarks/memory_table.py [--out results/memory_table.json] [--tokens-per-gpu 4096]
+        [--remat full|save_dot_except_mlp|none]
 
 For olmoe-1b-7b, qwen1.5-moe-a2.7b, deepseek-moe-16b and mixtral-8x7b on 16, 128 and 1024 GPUs
 of H100-80GB and H200-141GB (clusters of 8 GPUs per NVLink node on 400G InfiniBand): the FSDP
 training state per GPU (float32 params, AdamW moments, gradients: shrinks with the GPU count),
-the transient gathered layers and activations (estimates), what a cache of every gathered
-tensor costs per GPU in exponent mode (1 B/param) and word mode (2 B/param; does not shrink),
-the memory left for caches, the budgeted planner's best plan within it (per tensor plain /
+the transient gathered layers and activations (the memory model's estimates, per remat policy),
+what a cache of every gathered tensor costs per GPU in exponent mode (1 B/param) and word mode
+(2 B/param; does not shrink), the memory left for caches (less the planner's headroom, as
+``ciera plan`` and ``--cache auto`` leave it), the budgeted planner's best plan within it (per tensor plain /
 exponent / word) and its simulated step-time speedup over plain FSDP and over the equal-memory
 baseline (plain FSDP that keeps the gathered weights for the backward: 2 B/param, marked when
 it does not fit either). Prints a markdown table (docs/planning.md, "Memory") and writes JSON.
@@ -24,10 +26,11 @@ GPUS = (16, 128, 1024)
 CLUSTERS = {"H100-80GB": "h100", "H200-141GB": "h200"}
 
 
-def one(cfg, N: int, cluster, tokens: int, trace, word, remat: bool = True) -> dict:
+def one(cfg, N: int, cluster, tokens: int, trace, word, remat: str = "full") -> dict:
     """Memory and the best plan that fits for one config, GPU count and cluster."""
     from ciera_jax.planning import memory
-    from ciera_jax.planning.planner import cache_budget, modes_summary, plan_model_modes
+    from ciera_jax.planning.planner import (HEADROOM_GB, cache_budget, modes_summary,
+                                            plan_model_modes)
     from ciera_jax.sim import simulate_step
 
     topo = cluster.topology
@@ -37,9 +40,12 @@ def one(cfg, N: int, cluster, tokens: int, trace, word, remat: bool = True) -> d
     row = {"config": cfg.name, "gpus": N, "gpu": cluster.name, "memory_gb": topo.memory_gb,
            "memory": base.to_json(), "full_cache_bytes": full}
     try:
-        budget = cache_budget(topo.memory_gb, base)
+        budget = cache_budget(topo.memory_gb, base, headroom_gb=HEADROOM_GB)
     except ValueError as e:
         return {**row, "fits": False, "reason": str(e)}
+    if base.total > (topo.memory_gb - HEADROOM_GB) * memory.GB:  # no plan runs at all
+        return {**row, "fits": False,
+                "reason": f"{memory.fmt_gb(base.total)} GB per GPU without caches"}
     plan = plan_model_modes(cfg, N, topo, budget, trace, word)
     modes = {(c.layer, c.name): c.mode for c in plan if c.mode != "plain"}
     sim = {m: simulate_step(cfg, N, cluster, m, tokens, trace, word_trace=word)
@@ -69,7 +75,8 @@ def markdown(rows: list[dict]) -> str:
                 f"{gb(m['gathered'] + m['activations'])} | {gb(r['full_cache_bytes']['exponent'])}"
                 f" | {gb(r['full_cache_bytes']['word'])} | ")
         if not r["fits"]:
-            lines.append(head + "state does not fit | - | - | - |")
+            why = r["reason"] if "without caches" in r["reason"] else "state does not fit"
+            lines.append(head + f"step does not fit: {why} | - | - | - |")
             continue
         p = r["plan"]
         plan = ("none: no memory left for a cache" if r["no_cache"] else
@@ -85,9 +92,9 @@ def markdown(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__, "memory_table")
     p.add_argument("--tokens-per-gpu", type=int, default=4096)
-    p.add_argument("--no-remat", action="store_true",
-                   help="activations of every layer kept (default: rematerialized, as the "
-                        "trainer does)")
+    p.add_argument("--remat", default="full",
+                   choices=("full", "save_dot_except_mlp", "none"),
+                   help="the layer scan's remat policy, as ciera train --remat (default: full)")
     a = p.parse_args(argv)
     from ciera_jax.planning.shapes import get_config
     from ciera_jax.sim import default_trace, default_word_trace, get_cluster
@@ -99,17 +106,17 @@ def main(argv: list[str] | None = None) -> int:
             for gpu, cl in CLUSTERS.items():
                 cluster = get_cluster(cl)
                 r = one(get_config(name), N, cluster, a.tokens_per_gpu, trace, word,
-                        remat=not a.no_remat)
+                        remat=a.remat)
                 rows.append({**r, "gpu": gpu})
     table = markdown(rows)
-    none = [f"{r['config']} x {r['gpus']} x {r['gpu']}" for r in rows
-            if not r["fits"] or r["no_cache"]]
+    none = [f"{r['config']} x {r['gpus']} x {r['gpu']}" + ("" if r["fits"] else " (step)")
+            for r in rows if not r["fits"] or r["no_cache"]]
     print(table)
-    print("\nNo cache fits: " + ("; ".join(none) if none else "none"))
-    print(f"\n{a.tokens_per_gpu} tokens/GPU, remat {not a.no_remat}, word mode at {word.bpw('default'):.3f} B/weight "
+    print("\nNo cache fits ((step): nor the step without one): " + ("; ".join(none) if none else "none"))
+    print(f"\n{a.tokens_per_gpu} tokens/GPU, --remat {a.remat}, word mode at {word.bpw('default'):.3f} B/weight "
           f"(steady), exponent mode at the measured change rates; speedups: simulated step time")
     write_results(a.out, {"rows": rows, "markdown": table, "no_cache": none,
-                          "tokens_per_gpu": a.tokens_per_gpu, "remat": not a.no_remat,
+                          "tokens_per_gpu": a.tokens_per_gpu, "remat": a.remat,
                           "word_trace": word.to_json(),
                           "trace": trace.to_json()})
     return 0

@@ -13,7 +13,8 @@ rewrites ``lax.ragged_dot`` into a dense dot over every expert (OLMoE: f32 [64, 
 buffers, 17 GB each); ``--dense-free-experts`` then swaps it, for the measurement only, for
 one dot of the same operand and output shapes against expert 0 (a floor for any grouped
 matmul). ``compiled.memory_analysis()`` here uses XLA's default flags; ``ciera aot`` compiles
-with the FSDP flags, whose latency-hiding scheduler counts more (docs/results.md).
+with the FSDP flags, whose latency-hiding scheduler counts more unless its memory limit is the
+plan's (``--memory-limit``; docs/results.md, "XLA's scheduler within the plan").
 A measuring tool, not the aot command (``ciera aot``); no GPU needed.
 """
 

@@ -14,6 +14,7 @@ import dataclasses
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -79,12 +80,103 @@ def _model_memory(tr, tokens_per_gpu: int) -> memory.Memory:
                                  remat=tr.tc.remat)
 
 
+def per_gpu_bytes(args) -> int:
+    """Bytes one GPU holds of the abstract step arguments (each leaf's shard)."""
+    return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+               for a in jax.tree.leaves(args))
+
+
+MEMORY_LIMITS = ("auto", "plan", "gpu")
+
+
+def compiler_options(flags: str, slop_percent: int | None = None) -> dict:
+    """The flag set, with XLA's scheduler memory limit at ``slop_percent`` (None: XLA's)."""
+    opts = dict(gpu_targets.FLAG_SETS[flags])
+    if slop_percent is not None:
+        opts[gpu_targets.SLOP_FLAG] = slop_percent
+    return opts
+
+
+@dataclasses.dataclass(frozen=True)
+class _Compiled:
+    """One XLA:GPU compile of the lowered step, and what the report reads of it."""
+
+    options: dict
+    text: str
+    memory: Any  # compiled.memory_analysis()
+    collectives: list
+    kernels: dict
+    wall_s: float
+    cpu_s: float
+
+    @property
+    def total(self) -> int:
+        ma = self.memory
+        return (ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
+                + ma.temp_size_in_bytes)
+
+    @property
+    def overlap(self) -> float:
+        return schedule.overlap_share(self.collectives)
+
+
+def _compile(lowered, options: dict) -> _Compiled:
+    t, c = time.perf_counter(), time.process_time()
+    compiled = lowered.compile(compiler_options=options)
+    # CPU seconds as well as wall: on a shared machine the wall clock is mostly the load
+    wall, cpu = time.perf_counter() - t, time.process_time() - c
+    text = compiled.as_text()
+    prog = schedule.Program(text)
+    return _Compiled(options, text, compiled.memory_analysis(), prog.collectives(),
+                     prog.kernels(), wall, cpu)
+
+
+def compile_within_plan(lowered, flags: str, memory_limit: str, slop: int, plan_bytes: int,
+                        tolerance: int = 0, log=None) -> tuple[_Compiled, _Compiled | None]:
+    """``(kept, other)``. ``gpu``: XLA's default limit. ``plan``: the plan's (``slop``).
+    ``auto``: XLA's default, and again at the plan's when XLA counts more than the plan by more
+    than ``tolerance`` (one step of the slop factor: the limit is no finer) and the plan's
+    limit is tighter; the smaller count is kept. The latency-hiding scheduler
+    spends what room it has on overlap, so unlimited it can spend what the plan gave caches;
+    it also overestimates a compressed step's needs (OLMoE-1B-7B's word caches, 16 H100s:
+    13.2-13.3 GB of temporaries at every limit from 17 to 46 GB, while the share of its
+    gathers overlapped went from 17% to 100%), so the plan's limit is no default where XLA
+    already keeps within the plan."""
+    if memory_limit not in MEMORY_LIMITS:
+        raise ValueError(f"memory_limit must be one of {MEMORY_LIMITS}, got {memory_limit!r}")
+    tighter = slop < gpu_targets.DEFAULT_SLOP_PERCENT
+    if memory_limit == "plan":
+        return _compile(lowered, compiler_options(flags, slop if tighter else None)), None
+    first = _compile(lowered, compiler_options(flags))
+    if memory_limit == "gpu" or first.total <= plan_bytes + tolerance or not tighter:
+        return first, None
+    if log:
+        log(f"ciera aot: XLA counts {first.total / 1e9:.1f} GB, the plan {plan_bytes / 1e9:.1f}"
+            f" GB: compiling again with {gpu_targets.SLOP_FLAG}={slop}")
+    second = _compile(lowered, compiler_options(flags, slop))
+    return (second, first) if second.total < first.total else (first, second)
+
+
+def _limit_row(kept: _Compiled, other: _Compiled | None, memory_limit: str, io: int,
+               target) -> dict:
+    slop = kept.options.get(gpu_targets.SLOP_FLAG, gpu_targets.DEFAULT_SLOP_PERCENT)
+    row = {"memory_limit": memory_limit, "slop_percent": slop, "io": io,
+           "bytes": gpu_targets.scheduler_limit_bytes(target, io, slop)}
+    if other is not None:  # the compile not kept, for the comparison
+        row["other"] = {"slop_percent": other.options.get(gpu_targets.SLOP_FLAG,
+                                                          gpu_targets.DEFAULT_SLOP_PERCENT),
+                        "total": other.total, "all_gather_overlap_share": other.overlap,
+                        "compile_cpu_s": other.cpu_s}
+    return row
+
+
 def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: int,
                  flags: str = "fsdp", hlo_out: str | None = None, log=None,
-                 program: str = "steady") -> dict:
+                 program: str = "steady", memory_limit: str = "auto") -> dict:
     """Compile ``tc``'s train step for ``gpus`` x ``target`` and report the program
     (``program``: which of the trainer's programs, ``steady`` or ``priming``:
-    :meth:`~ciera_models.state.Trainer.at_rungs`)."""
+    :meth:`~ciera_models.state.Trainer.at_rungs`; ``memory_limit``: XLA's scheduler limit,
+    :func:`compile_within_plan`)."""
     tc = batch_for(tc, gpus, tokens_per_gpu)
     if tc.memory_gb is None:  # plan within the target's memory, never a CPU device's
         tc = dataclasses.replace(tc, memory_gb=target.memory_gb)
@@ -97,34 +189,32 @@ def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: i
         args = tr.at_rungs(abstract_step_args(tr), program)
         lowered = tr.step_fn.lower(*args)
     t_lower = time.perf_counter() - t0
+    model = _model_memory(tr, tokens_per_gpu)
+    io_bytes = per_gpu_bytes(args)
+    slop = gpu_targets.plan_slop_percent(target, io_bytes, model.total)
     if log:
         log(f"ciera aot: {tc.gather} step of {tc.config} on {gpus} x {target.name}: lowered in "
-            f"{t_lower:.1f} s, compiling with XLA:GPU ({flags} flags)")
-    t1, c1 = time.perf_counter(), time.process_time()
-    compiled = lowered.compile(compiler_options=dict(gpu_targets.FLAG_SETS[flags]))
-    # CPU seconds as well as wall: on a shared machine the wall clock is mostly the load
-    t_compile, cpu_compile = time.perf_counter() - t1, time.process_time() - c1
-    text = compiled.as_text()
+            f"{t_lower:.1f} s, compiling with XLA:GPU ({flags} flags, memory limit "
+            f"{memory_limit})")
+    step = gpu_targets.scheduler_limit_bytes(target, io_bytes, 1)
+    kept, other = compile_within_plan(lowered, flags, memory_limit, slop, model.total, step, log)
+    text = kept.text
     if hlo_out:
         Path(hlo_out).mkdir(parents=True, exist_ok=True)
         (Path(hlo_out) / f"{tc.config}-{gpus}x{target.name}-{tc.gather}.hlo.txt").write_text(text)
-    prog = schedule.Program(text)
-    colls = prog.collectives()
-    ma = compiled.memory_analysis()
-    xla_total = (ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
-                 + ma.temp_size_in_bytes)
+    ma, xla_total = kept.memory, kept.total
     caches = jax.tree.leaves(args[1])
-    model = _model_memory(tr, tokens_per_gpu)
     return {
         "config": tc.config, "gather": tc.gather, "cache": tc.cache, "plan": tc.plan,
         "program": program,
         "gpus": gpus, "gpu": target.name, "tokens_per_gpu": tokens_per_gpu,
-        "batch": [tc.batch_size, tc.length], "flags": gpu_targets.FLAG_SETS[flags],
-        "lower_s": t_lower, "compile_s": t_compile, "compile_cpu_s": cpu_compile,
+        "batch": [tc.batch_size, tc.length], "flags": kept.options,
+        "scheduler_limit": _limit_row(kept, other, memory_limit, io_bytes, target),
+        "lower_s": t_lower, "compile_s": kept.wall_s, "compile_cpu_s": kept.cpu_s,
         "hlo_bytes": len(text),
-        **prog.kernels(),
-        "collectives": [_collective_row(c) for c in colls],
-        "all_gather_overlap_share": schedule.overlap_share(colls),
+        **kept.kernels,
+        "collectives": [_collective_row(c) for c in kept.collectives],
+        "all_gather_overlap_share": kept.overlap,
         "memory": {"argument": ma.argument_size_in_bytes, "output": ma.output_size_in_bytes,
                    "alias": ma.alias_size_in_bytes, "temp": ma.temp_size_in_bytes,
                    "total": xla_total, "capacity": target.memory_bytes,

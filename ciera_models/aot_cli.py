@@ -26,6 +26,22 @@ def _size(b: float) -> str:
     return fmt_bytes(b) if abs(b) < 0.1 * GB else f"{b / GB:.1f} GB"
 
 
+def _limit(r: dict) -> str:
+    lim = r.get("scheduler_limit")
+    if not lim:
+        return "-"
+    return f"{lim['slop_percent']}%: {_size(lim['io'])} + {_size(lim['bytes'])}"
+
+
+def _other(r: dict) -> str:
+    """The compile that was not kept (memory limit auto): its slop, total and overlap."""
+    o = r.get("scheduler_limit", {}).get("other")
+    if not o:
+        return "-"
+    return (f"{o['slop_percent']}%: {_size(o['total'])}, "
+            f"{100 * o['all_gather_overlap_share']:.0f}% overlapped")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("the cluster")
     g.add_argument("--gpus", type=int, default=16, help="GPUs on the fsdp axis, hosts of 8 "
@@ -38,6 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fsdp: NVIDIA JAX-Toolbox's FSDP flags (latency-hiding scheduler, "
                    "pipelined collectives, loop double buffering); default: XLA's defaults "
                    "(default: fsdp)")
+    g.add_argument("--memory-limit", choices=("auto", "plan", "gpu"), default="auto",
+                   help="XLA's scheduler memory limit (xla_gpu_memory_limit_slop_factor). "
+                   "gpu: XLA's default, 95%% of 80%% of the GPU less the step's inputs; plan: "
+                   "what the memory model plans per GPU; auto: XLA's default, compiled again "
+                   "at the plan's when XLA counts more than the plan, the smaller count kept "
+                   "(a GPU run sets the kept limit: the report's flags) (default: auto)")
     g.add_argument("--compare", choices=("plain",), default=None,
                    help="also compile --gather plain and print the two side by side")
     g.add_argument("--program", choices=("steady", "priming"), default="steady",
@@ -77,7 +99,8 @@ def run(args) -> int:
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     runs = [tc] + ([dataclasses.replace(tc, gather="plain")] if args.compare else [])
     reports = [compile_step(t, target, args.gpus, args.tokens_per_gpu, args.xla_flags,
-                            args.hlo_out, log, program=args.program) for t in runs]
+                            args.hlo_out, log, program=args.program,
+                            memory_limit=args.memory_limit) for t in runs]
     print(render(reports, target, show_collectives=args.collectives))
     if args.json:
         with open(args.json, "w") as f:
@@ -113,6 +136,8 @@ def summary_rows(r: dict) -> dict[str, str]:
         "XLA memory: total per GPU": f"{_size(mem['total'])} of {_size(mem['capacity'])} ("
                                      + ("fits" if mem["headroom"] >= 0 else "does NOT fit")
                                      + f", {mem['headroom'] / GB:+.1f} GB)",
+        "XLA scheduler limit: inputs + temporaries": _limit(r),
+        "  the other compile (not kept)": _other(r),
         "memory model total": _size(tr["memory_model"]["total"]),
         "caches per GPU": f"{_size(tr['cache_bytes'])} ("
                           + ", ".join(f"{n} {m}" for m, n in sorted(modes.items())) + ")",
@@ -120,6 +145,8 @@ def summary_rows(r: dict) -> dict[str, str]:
 
 
 def render(reports: list[dict], target, show_collectives: bool = False) -> str:
+    from ciera_jax.runtime import gpu_targets
+
     r0 = reports[0]
     head = (f"{r0['config']} on {r0['gpus']} x {target.name} ({target.description}, "
             f"{target.memory_gb:.1f} GB), {r0['tokens_per_gpu']} tokens per GPU, "
@@ -129,7 +156,8 @@ def render(reports: list[dict], target, show_collectives: bool = False) -> str:
     cols = [summary_rows(r) for r in reports]
     names = [f"--gather {r['gather']}" for r in reports]
     width = max(len(k) for k in cols[0])
-    lines = [head, f"XLA flags: {' '.join(f'--{k}={v}' for k, v in r0['flags'].items()) or 'defaults'}",
+    lines = [head, "XLA flags: " + (" ".join(f"--{k}={v}" for k, v in r0["flags"].items()
+                                             if k != gpu_targets.SLOP_FLAG) or "defaults"),
              "", f"{'':<{width}}  " + "  ".join(f"{n:>28}" for n in names)]
     for k in cols[0]:
         lines.append(f"{k:<{width}}  " + "  ".join(f"{c[k]:>28}" for c in cols))

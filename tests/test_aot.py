@@ -162,3 +162,53 @@ def test_no_steady_path_collective_inside_a_conditional(tiny_reports, mode):
     assert 0 < rep["conditionals"] <= compressed
     assert rep["fusions"] <= 1.5 * plain["fusions"]
     assert rep["hlo_bytes"] <= 2 * plain["hlo_bytes"]
+
+
+def test_plan_memory_limit_puts_xlas_scheduler_at_the_plan():
+    """XLA's scheduler limit (slop % of 80% of the GPU less the inputs and outputs) lands on
+    the plan's total, within a percent of the base; never above XLA's default 95%."""
+    io = 5_190_886_038  # OLMoE-1B-7B plain on 16 H100s: params and AdamW state
+    for plan in (12e9, 22e9, 40e9, 60e9):
+        slop = gpu_targets.plan_slop_percent(H100, io, int(plan))
+        limit = io + gpu_targets.scheduler_limit_bytes(H100, io, slop)
+        assert 1 <= slop <= gpu_targets.DEFAULT_SLOP_PERCENT
+        if slop < gpu_targets.DEFAULT_SLOP_PERCENT:
+            assert plan - 0.01 * H100.memory_bytes < limit <= plan
+    assert gpu_targets.plan_slop_percent(H100, io, int(80e9)) == gpu_targets.DEFAULT_SLOP_PERCENT
+    assert gpu_targets.plan_slop_percent(H100, io, io // 2) == 1  # a plan below its inputs
+
+
+def test_compiler_options_carry_the_limit_only_when_given():
+    from ciera_models.aot import compiler_options
+
+    limited = compiler_options("fsdp", 23)
+    assert limited.pop(gpu_targets.SLOP_FLAG) == 23
+    assert limited == compiler_options("fsdp") == gpu_targets.FSDP_XLA_FLAGS
+
+
+@pytest.mark.parametrize("limit,first,second,kept,compiles", [
+    ("auto", 25e9, 19e9, 19e9, 2),  # XLA over the plan: again at the plan's limit, smaller kept
+    ("auto", 25e9, 26e9, 25e9, 2),  # the limit did not help: XLA's default kept
+    ("auto", 18e9, None, 18e9, 1),  # XLA within the plan: one compile
+    ("auto", 20.5e9, None, 20.5e9, 1),  # over the plan by less than one step of the limit
+    ("gpu", 25e9, None, 25e9, 1),
+    ("plan", 19e9, None, 19e9, 1),
+])
+def test_auto_limit_compiles_again_only_when_xla_exceeds_the_plan(monkeypatch, limit, first,
+                                                                   second, kept, compiles):
+    from ciera_models import aot
+
+    seen = []
+
+    def fake_compile(lowered, options):
+        seen.append(options.get(gpu_targets.SLOP_FLAG))
+        total = first if len(seen) == 1 else second
+        return type("C", (), {"total": total, "options": options})()
+
+    monkeypatch.setattr(aot, "_compile", fake_compile)
+    got, other = aot.compile_within_plan(None, "fsdp", limit, 23, int(20e9), int(0.6e9))
+    assert got.total == kept and len(seen) == compiles
+    assert (other is None) == (compiles == 1)
+    assert seen[0] == (23 if limit == "plan" else None)
+    with pytest.raises(ValueError, match="memory_limit"):
+        aot.compile_within_plan(None, "fsdp", "none", 23, int(20e9))

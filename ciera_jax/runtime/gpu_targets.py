@@ -35,6 +35,30 @@ FSDP_XLA_FLAGS: dict[str, bool] = {
 FLAG_SETS = {"fsdp": FSDP_XLA_FLAGS, "default": {}}
 GPUS_PER_HOST = 8
 
+# XLA:GPU's scheduler memory limit (gpu_hlo_schedule.cc, GetSchedulerMemoryLimit): temporaries
+# up to slop % of (80% of the GPU's memory less the step's inputs and outputs). The latency-
+# hiding scheduler keeps buffers live to overlap collectives until it reaches the limit, so
+# XLA's count grows with the room it is given (docs/results.md); the limit bounds it.
+SCHEDULER_BASE_SHARE = 0.8
+SLOP_FLAG = "xla_gpu_memory_limit_slop_factor"
+DEFAULT_SLOP_PERCENT = 95  # XLA's default
+
+
+def plan_slop_percent(t: "GpuTarget", io_bytes: int, plan_bytes: int) -> int:
+    """The slop factor that puts XLA's scheduler limit at ``plan_bytes`` per GPU in all (the
+    step's inputs and outputs, ``io_bytes``, included): what the memory model planned, so the
+    scheduler does not spend memory the plan gave to caches or headroom. Never more than XLA's
+    default (nor below 1)."""
+    base = int(t.memory_bytes * SCHEDULER_BASE_SHARE) - io_bytes
+    if base <= 0:
+        return DEFAULT_SLOP_PERCENT
+    return max(1, min(DEFAULT_SLOP_PERCENT, (plan_bytes - io_bytes) * 100 // base))
+
+
+def scheduler_limit_bytes(t: "GpuTarget", io_bytes: int, slop_percent: int) -> int:
+    """XLA's scheduler limit on temporaries at ``slop_percent``."""
+    return max(0, int(t.memory_bytes * SCHEDULER_BASE_SHARE) - io_bytes) * slop_percent // 100
+
 
 @dataclasses.dataclass(frozen=True)
 class GpuTarget:
