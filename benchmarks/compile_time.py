@@ -6,9 +6,11 @@ no mode reuses another's compiled pieces) and in interleaved rounds (plain, expo
 plain, ...: every mode sees the same machine load):
 
 * ``lower+compile``: ``jax.jit(step).lower(...).compile()`` of the steady program alone (every
-  compressed gather's rung fixed at the steady-state demand: ``Trainer.at_rungs``);
-* ``first step``: building, compiling and running the first step (the priming program: every
-  gather plain), what a user waits for before the first progress line.
+  compressed gather's rung fixed at the steady-state demand: ``Trainer.at_rungs``), in wall
+  seconds and in the process's CPU seconds (every compile thread; the steadier figure on a
+  loaded machine);
+* ``first step``: building, compiling and running the first step (the steady program, whose
+  fallback primes the fresh caches), what a user waits for before the first progress line.
 
 It prints both with their ratio to plain (median over rounds), the optimized HLO's size, and
 how many all-gathers sit inside conditional branches against all of them (CIERA's main
@@ -77,11 +79,11 @@ def worker(args) -> dict:
     state = tr.prepare(tr.init_state(0))
     batch = tr.batch(load_dataset(None, tr.tc.model.vocab_size, tr.tc.length), 0, 0)
     build_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     # the steady program: every compressed gather's rung fixed at the steady-state demand
     compiled = jax.jit(tr.step_fn).lower(*tr.at_rungs(
         (state.params, state.caches, state.opt_state, state.ahead, batch), "steady")).compile()
-    compile_s = time.perf_counter() - t0
+    compile_s, compile_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     text = compiled.as_text()
     inside, total = branch_gathers(text)
     fusions = hlo.fusion_sources(text)
@@ -92,7 +94,8 @@ def worker(args) -> dict:
     state, _ = tr.step(state, batch)  # what `ciera train` runs first: compile + priming
     jax.block_until_ready(state.params)
     first_s = time.perf_counter() - t0
-    return dict(mode=args.worker, build_s=build_s, compile_s=compile_s, first_step_s=first_s,
+    return dict(mode=args.worker, build_s=build_s, compile_s=compile_s,
+                compile_cpu_s=compile_cpu_s, first_step_s=first_s,
                 hlo_bytes=len(text), gathers_in_branches=inside, gathers=total,
                 fusions=sum(fusions.values()), fusion_sources=dict(fusions))
 
@@ -112,24 +115,28 @@ def main(argv=None) -> int:
                 sys.stderr.write(out.stderr[-3000:])
                 raise SystemExit(f"compile_time: the {mode} worker failed")
             runs[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
-            print(f"round {r + 1}: {mode:<9} compile {runs[mode][-1]['compile_s']:6.1f} s, "
-                  f"first step {runs[mode][-1]['first_step_s']:6.1f} s", flush=True)
+            x = runs[mode][-1]
+            print(f"round {r + 1}: {mode:<9} compile {x['compile_s']:6.1f} s "
+                  f"({x['compile_cpu_s']:.1f} CPU s), first step {x['first_step_s']:6.1f} s",
+                  flush=True)
     med = {m: {k: statistics.median(x[k] for x in runs[m]) for k in
-               ("compile_s", "first_step_s")} for m in MODES}
+               ("compile_s", "compile_cpu_s", "first_step_s")} for m in MODES}
     print(f"\n{args.config}, --plan {args.plan}, {args.devices} emulated devices, median of "
           f"{args.rounds} interleaved rounds (load average {os.getloadavg()[0]:.1f})")
-    print(f"{'mode':<10}{'compile s':>10}{'x plain':>9}{'first step s':>14}{'x plain':>9}"
-          f"{'HLO MB':>8}{'gathers in branches':>21}")
+    print(f"{'mode':<10}{'compile s':>10}{'x plain':>9}{'CPU s':>8}{'x plain':>9}"
+          f"{'first step s':>14}{'x plain':>9}{'HLO MB':>8}{'gathers in branches':>21}")
     rows = []
     for m in MODES:
         last = runs[m][-1]
         row = dict(mode=m, **med[m], compile_vs_plain=med[m]["compile_s"] / med["plain"]["compile_s"],
+                   compile_cpu_vs_plain=med[m]["compile_cpu_s"] / med["plain"]["compile_cpu_s"],
                    first_step_vs_plain=med[m]["first_step_s"] / med["plain"]["first_step_s"],
                    hlo_bytes=last["hlo_bytes"], gathers_in_branches=last["gathers_in_branches"],
                    gathers=last["gathers"], fusions=last["fusions"],
                    fusion_sources=last["fusion_sources"], rounds=runs[m])
         rows.append(row)
         print(f"{m:<10}{row['compile_s']:>10.1f}{row['compile_vs_plain']:>9.2f}"
+              f"{row['compile_cpu_s']:>8.1f}{row['compile_cpu_vs_plain']:>9.2f}"
               f"{row['first_step_s']:>14.1f}{row['first_step_vs_plain']:>9.2f}"
               f"{row['hlo_bytes'] / 1e6:>8.2f}{row['gathers_in_branches']:>12} of {row['gathers']}")
     plain = rows[0]["fusion_sources"]
