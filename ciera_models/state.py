@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -78,6 +79,14 @@ def fresh_caches(abstract, tensors: dict, modes: dict):
     if missing:
         raise ValueError(f"no cache mode for {sorted(missing)}")
     return fsdp.with_caches(abstract, {k: fresh(tensors[k], m) for k, m in modes.items()})
+
+
+def agreed_seconds(seconds: float) -> float:
+    """Process 0's figure on every process (a compile's seconds, which price the next
+    program): each process's policy must decide the same, and each measures its own."""
+    if jax.process_count() == 1:
+        return seconds
+    return float(multihost_utils.broadcast_one_to_all(np.float32(seconds)))
 
 
 def is_spec(x) -> bool:
@@ -193,7 +202,7 @@ class Trainer:
             t0 = time.perf_counter()
             self.programs[key] = self.step_fn.lower(*args).compile()
             compile_s = time.perf_counter() - t0
-            policy.compiled(compile_s)
+            policy.compiled(agreed_seconds(compile_s))
         params, caches, opt_state, ahead, m = self.programs[key](*args)
         self.compiled = True
         m = jax.device_get(m)
