@@ -12,10 +12,10 @@ and axis, bitwise what :func:`~ciera_jax.collective.gather.encode` returns for i
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from ciera_jax.codec import bitfields
@@ -28,7 +28,7 @@ def signature(x: jax.Array, cache, lead: int) -> tuple:
     """What shards must share to be encoded together: leading (layer) dims, element count per
     layer, dtype and cache kind (its stored dtype too)."""
     stored = cache.words if isinstance(cache, WordCache) else cache.exp
-    return (x.shape[:lead], x[(0,) * lead].size, str(x.dtype), type(cache).__name__,
+    return (x.shape[:lead], math.prod(x.shape[lead:]), str(x.dtype), type(cache).__name__,
             str(stored.dtype))
 
 
@@ -63,7 +63,7 @@ def encode_same_size(xs: list, caches: list, axis_name, *, axes: list, lead: int
         for _ in range(lead):
             one = jax.vmap(one)
         rows.append(one(x, c))
-    per = int(np.prod(xs[0].shape[:lead], dtype=np.int64))  # rows per tensor
+    per = math.prod(xs[0].shape[:lead])  # rows per tensor
     stacked = jax.tree.map(lambda *a: jnp.concatenate(
         [b.reshape((per,) + b.shape[lead:]) for b in a]), *rows)
 
@@ -82,8 +82,8 @@ def encode_same_size(xs: list, caches: list, axis_name, *, axes: list, lead: int
     for j, (x, ax) in enumerate(zip(xs, axes)):
         e = jax.tree.map(lambda a: a[j * per:(j + 1) * per].reshape(
             x.shape[:lead] + a.shape[1:]), encoded)
-        out.append(_shaped(e, x.shape[lead:], validation.normalize_axis(
-            x[(0,) * lead], ax, names[j])))
+        layer = jax.ShapeDtypeStruct(x.shape[lead:], x.dtype)
+        out.append(_shaped(e, x.shape[lead:], validation.normalize_axis(layer, ax, names[j])))
     return out
 
 
