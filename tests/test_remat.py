@@ -101,7 +101,7 @@ def test_cases_cover_every_policy_and_cache_mode():
 
 
 @pytest.mark.parametrize("policy, cache", CASES)
-def test_each_policy_trains_bitwise_plain_in_both_cache_modes(policy, cache):
+def test_each_policy_and_cache_mode_trains_bitwise_plain(policy, cache):
     """The default policy is the session's ``tiny_run`` (word caches: tests/test_train.py) and
     test_train's injected-fault run (exponent caches). Three steps run the priming program
     (a 3-step horizon buys no coded one): plain gathers fill the caches, and the backward
