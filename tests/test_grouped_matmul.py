@@ -61,7 +61,12 @@ def test_mixed_dtypes_are_refused():
         grouped_matmul(x.astype(jnp.float32), w, jnp.array(SIZES))
 
 
-@pytest.mark.parametrize("policy", fsdp.REMAT_POLICIES)
+# save_dot_except_mlp keeps the attention's projections only: the experts' matmul runs as under
+# full (forward again in the backward, then its VJP) and its saving goes through the VJP that
+# none's does, so it is slow; tests/test_remat.py trains the policy itself in the fast lane.
+@pytest.mark.parametrize("policy", [
+    pytest.param(p, marks=pytest.mark.slow) if p == "save_dot_except_mlp" else p
+    for p in fsdp.REMAT_POLICIES])
 def test_each_policy_trains_bitwise_plain_with_blocked_experts(policy):
     def sha(**kw):
         tc = TrainConfig(config="tiny", schedule_steps=3, remat=policy,

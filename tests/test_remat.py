@@ -2,6 +2,8 @@
 --remat``): the saved VJP is the VJP, keeps no weight, saves what the policy names; and a train
 step under each policy stays bitwise plain FSDP's, in both cache modes."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ciera_jax import fsdp
 from ciera_jax.fsdp import remat
-from ciera_models.train import TrainConfig, make_mesh, train
+from ciera_models.train import TrainConfig, build_trainer, make_mesh, train
 
 STEPS = 3
 
@@ -65,14 +67,46 @@ def test_unknown_policy_is_refused():
     assert set(fsdp.REMAT_POLICIES) == {"none", "save_dot_except_mlp", "full"}
 
 
-@pytest.mark.parametrize("policy", [p for p in fsdp.REMAT_POLICIES
-                                    if p != TrainConfig().remat])
-def test_each_policy_trains_bitwise_plain_in_both_cache_modes(policy):
-    """The default policy is the session's ``tiny_run`` (tests/test_train.py)."""
-    def sha(**kw):
-        tc = TrainConfig(config="tiny", schedule_steps=STEPS, remat=policy, **kw)
-        return train(tc, steps=STEPS, seed=0, mesh=make_mesh(8), log=None).sha256
+def _tc(policy, cache="auto", gather="ciera"):
+    return TrainConfig(config="tiny", schedule_steps=STEPS, remat=policy, plan="all",
+                       cache=cache, gather=gather)
 
-    plain = sha(gather="plain")
-    assert sha(gather="ciera") == plain  # --cache auto: word caches on every tensor on CPU
-    assert sha(gather="ciera", cache="exponent") == plain
+
+def _train(tc):
+    return train(tc, steps=STEPS, seed=0, mesh=make_mesh(8), log=None)
+
+
+@functools.cache
+def _plain(policy):
+    return _train(_tc(policy, gather="plain")).sha256
+
+
+# Each non-default policy with one cache mode in the fast lane, the other mode in the slow one:
+# the policy (which residuals the layer's forward keeps) and the cache (how the backward gets
+# the weights again: a word cache's words, or an exponent cache's exponents plus a regather)
+# meet only at the weights handed to the rebuilt VJP, so each fast case covers its policy and
+# its cache's backward, and the default policy is run with both (tests/test_train.py).
+CASES = [pytest.param("none", "auto", id="none-word"),
+         pytest.param("save_dot_except_mlp", "exponent", id="save_dot_except_mlp-exponent"),
+         pytest.param("none", "exponent", id="none-exponent", marks=pytest.mark.slow),
+         pytest.param("save_dot_except_mlp", "auto", id="save_dot_except_mlp-word",
+                      marks=pytest.mark.slow)]
+
+
+def test_cases_cover_every_policy_and_cache_mode():
+    fast = [c.values for c in CASES if not c.marks]
+    assert {p for p, _ in fast} == set(fsdp.REMAT_POLICIES) - {TrainConfig().remat}
+    assert {c for _, c in fast} == {"auto", "exponent"}
+    assert {tuple(c.values) for c in CASES} == {(p, c) for p, _ in fast for _, c in fast}
+
+
+@pytest.mark.parametrize("policy, cache", CASES)
+def test_each_policy_and_cache_mode_trains_bitwise_plain(policy, cache):
+    """The default policy is the session's ``tiny_run`` (word caches: tests/test_train.py) and
+    test_train's injected-fault run (exponent caches). Three steps run the priming program
+    (a 3-step horizon buys no coded one): plain gathers fill the caches, and the backward
+    reads the weights back from them under the policy."""
+    tc = _tc(policy, cache)
+    want = "word" if cache == "auto" else cache  # --cache auto: word caches everywhere on CPU
+    assert set(build_trainer(tc, make_mesh(8)).cache_modes.values()) == {want}
+    assert _train(tc).sha256 == _plain(policy)

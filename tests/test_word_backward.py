@@ -2,7 +2,11 @@
 and the parameters stay bitwise those of a plain gather (trainer, Flax layers under nnx.jit and
 the user's shard_map, nnx.remat, nnx.scan). ``tests/test_train.py`` covers the trainer's
 defaults (``--cache auto --plan auto``: word caches on every tensor on CPU) and
-``tests/test_train_multihost.py`` two processes."""
+``tests/test_train_multihost.py`` two processes.
+
+The trainer tests use test_train's configs (its defaults, the same step as ``--plan all
+--cache word`` on CPU, and its ``--cache exponent`` run), so they share its trainers and
+compiled programs: the file runs in conftest's ``tiny_run`` group."""
 
 import functools
 import math
@@ -16,6 +20,7 @@ from flax import nnx
 from ciera_jax import fsdp
 from ciera_jax.planning import memory
 from ciera_jax.fsdp import buckets
+from ciera_jax.planning.capacities import program_key, rungs_holding
 from flax_nets import LM, MLP, batches, make_mesh, same_bits, train_jit, train_shard_map
 from ciera_models import data
 from ciera_models.state import build_trainer, bytes_per_device
@@ -59,9 +64,14 @@ def test_small_defaults_bitwise_plain():
 
 
 def _compiled(tc):
+    """``(trainer, primed state, the step compiled at its steady rungs)``: the trainer's own
+    program where a run in this process compiled it (plain's only one, tiny_run's)."""
     tr = build_trainer(tc, train_mesh(8))
     state = tr.prepare(tr.init_state(0))
     batch = tr.batch(data.load_dataset(None, 256, tc.length), 0, 0)
+    key = program_key(rungs_holding(fsdp.wires(tr.tensors, state.ahead["encoded"], tr.n)))
+    if key in tr.programs:
+        return tr, state, tr.programs[key]
     return tr, state, tr.step_fn.lower(*tr.at_rungs(
         (state.params, state.caches, state.opt_state, state.ahead, batch), "steady")).compile()
 
@@ -79,24 +89,28 @@ def _gathers(hlo: str) -> dict:
 
 @functools.cache
 def _step(**kw):
-    return _compiled(_tc(**kw))
+    """The defaults on CPU: word caches on every tensor (``--plan all --cache word``)."""
+    tr, state, compiled = _compiled(_tc(**kw))
+    assert kw.get("gather") == "plain" or set(tr.cache_modes.values()) == {"word"}
+    return tr, state, compiled
 
 
 @pytest.mark.slow
 def test_compiled_word_step_has_no_backward_gather():
     """In the compiled step with word caches on every tensor, no all-gather belongs to the
     backward: it reads the full weights from the caches."""
-    got = _gathers(_step(plan="all", cache="word")[2].as_text())
+    got = _gathers(_step()[2].as_text())
     assert got["forward"] > 0 and got["backward"] == 0, got
 
 
-def test_cache_backward_keeps_no_second_copy_of_the_words():
+def test_cache_backward_keeps_no_second_copy_of_the_words(tiny_run):
     """Measured (XLA's memory analysis of the compiled step): word caches add less than half
     of their own size to the step's temporaries over plain FSDP, besides a bucket's transient
     join (no gathered weights kept, no copy of the words: the backward reads the cache, which
     the step updates in place), and the caches it carries are the memory model's word-cache
     bytes."""
-    tr, state, word = _step(plan="all", cache="word")
+    tiny_run("plain")  # compiles plain's one program (the same TrainConfig as _tc(gather=...))
+    tr, state, word = _step()
     _, plain_state, plain = _step(gather="plain")
     assert bytes_per_device(plain_state.caches) < 64  # plain carries the primed flags only
     caches = bytes_per_device(state.caches)
@@ -116,7 +130,7 @@ def test_cache_backward_keeps_no_second_copy_of_the_words():
 @pytest.mark.slow
 def test_regather_backward_gathers_again():
     """The check above can fail: word_backward="regather" compiles backward all-gathers."""
-    got = _gathers(_step(plan="all", cache="word", word_backward="regather")[2].as_text())
+    got = _gathers(_step(word_backward="regather")[2].as_text())
     assert got["backward"] > 0, got
 
 
@@ -167,16 +181,20 @@ def test_nnx_scan_word_caches_bitwise_plain():
     assert words and all(np.asarray(w).shape[0] == 3 for w in words)  # word caches per layer
 
 
-@pytest.mark.parametrize("cache", ["word", "exponent"])
+@pytest.mark.parametrize("cache", [pytest.param("auto", id="word"), "exponent"])
 def test_planner_prices_the_bytes_a_train_step_reports(cache):
     """Per tensor and layer, the bytes a real step reports for the whole step (forward gather,
     the backward's gather where there is one, the gradient's reduce-scatter) are what
-    ``planner.step_wire_bytes`` prices for the tensor's mode; plain FSDP's are three shards."""
+    ``planner.step_wire_bytes`` prices for the tensor's mode; plain FSDP's are three shards.
+    test_train's trainers: its defaults (word caches on every tensor on CPU) and its exponent
+    run (the expert weights with exponent caches, the other tensors plain)."""
     from ciera_jax.planning import planner
     from ciera_jax.codec.wire import agreement_bytes
 
-    tc = _tc(plan="all", cache=cache)
+    tc = _tc(cache=cache)
     tr = build_trainer(tc, train_mesh(8))
+    want = {"word"} if cache == "auto" else {"exponent", "none"}
+    assert set(tr.cache_modes.values()) == want
     ds = data.load_dataset(None, 256, tc.length)
     state = tr.init_state(0)
     for i in range(3):  # priming (plain fallbacks), then coded steps
