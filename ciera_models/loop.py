@@ -158,6 +158,8 @@ def _start(tc: TrainConfig, run: RunConfig, mesh, saver, log):
         if (note := ckpt.layout_note(saved, layout)) is not None:
             log(f"note: {note}")
     tr = build_trainer(tc, mesh)
+    if tr.policy is not None:  # an earlier run in this process: its programs stay compiled
+        tr.policy.start_run()
     state = tr.init_state(run.seed)
     if run.resume:
         state = _restore(saver, state, log)

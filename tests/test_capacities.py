@@ -56,6 +56,18 @@ def test_a_lasting_demand_buys_its_program_once_the_lost_wire_time_passes_a_comp
     assert len(policy.programs) == 2
 
 
+def test_a_new_run_starts_without_the_last_runs_losses():
+    low = needs(3, 2)
+    policy = policy_at(patience=1.0)
+    steps = [policy.choose(low)[1] for _ in range(50)].index(True)
+    again = policy_at(patience=1.0)
+    for _ in range(steps):  # one step short of buying
+        assert not again.choose(low)[1]
+    again.start_run()
+    assert not again.choose(low)[1]  # the next run's first step buys nothing
+    assert len(again.programs) == 1
+
+
 def test_a_slower_compile_or_a_faster_link_waits_longer():
     low = needs(3, 2)
 

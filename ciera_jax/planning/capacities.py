@@ -91,6 +91,13 @@ class RungPolicy:
         mean = float(np.mean(self.compile_s)) if self.compile_s else COMPILE_S_PRIOR
         return self.patience * mean
 
+    def start_run(self) -> None:
+        """A new run on the same compiled programs: what earlier runs lost or asked for does
+        not buy this one a program (its choices depend on the programs it has, not on the
+        history of the process)."""
+        self._history.clear()
+        self._regret_s = 0.0
+
     def compiled(self, seconds: float) -> None:
         """The trainer measured a program's compile: it prices the next one."""
         self.compile_s.append(float(seconds))
