@@ -103,10 +103,13 @@ def test_cases_cover_every_policy_and_cache_mode():
 @pytest.mark.parametrize("policy, cache", CASES)
 def test_each_policy_and_cache_mode_trains_bitwise_plain(policy, cache):
     """The default policy is the session's ``tiny_run`` (word caches: tests/test_train.py) and
-    test_train's injected-fault run (exponent caches). Three steps run the priming program
-    (a 3-step horizon buys no coded one): plain gathers fill the caches, and the backward
-    reads the weights back from them under the policy."""
+    test_train's injected-fault run (exponent caches). Three steps on the run's first
+    program: the first primes the caches through its fallback, a later one sends coded
+    gathers (the demand fits its rungs), and the backward reads the weights back from the
+    caches under the policy."""
     tc = _tc(policy, cache)
     want = "word" if cache == "auto" else cache  # --cache auto: word caches everywhere on CPU
     assert set(build_trainer(tc, make_mesh(8)).cache_modes.values()) == {want}
-    assert _train(tc).sha256 == _plain(policy)
+    res = _train(tc)
+    assert res.sha256 == _plain(policy)
+    assert any(r["fallbacks"] < sum(r["tiers"].values()) for r in res.history[1:])
