@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import ciera_jax
 from bitdata import BF16, F32, adversarial, bits_of, special_words
-from ciera_jax.collective import encode_group
+from ciera_jax.fsdp import encode_group
 from ciera_jax.fsdp import phases
 from ciera_jax.collective import gather as G
 

@@ -22,8 +22,8 @@ from jax import lax
 import ciera_jax.collective.gather as collective
 from ciera_jax.codec import bitfields
 from ciera_jax.codec.wire import ExponentWire, WordWire
-from ciera_jax.collective import capacity, encode_group
-from ciera_jax.fsdp import buckets
+from ciera_jax.collective import capacity
+from ciera_jax.fsdp import buckets, encode_group
 from ciera_jax.fsdp.state.axes import AXIS, axis_size
 
 
@@ -36,7 +36,7 @@ def encode_tensors(tensors: dict, params: dict, caches: dict, compress: dict,
     ``params``: ``{key: local shard}`` (any float dtype; cast to the tensor's compute dtype);
     ``caches``: ``{key: cache}``; stacked tensors are encoded layer by layer, so their Encoded
     leaves carry the layer axis first. Tensors (or buckets) of one size and cache kind are
-    encoded by one traced codec (:mod:`~ciera_jax.collective.encode_group`).
+    encoded by one traced codec (:mod:`~ciera_jax.fsdp.encode_group`).
     """
     keys = [k for k in tensors if compress.get(k, False)]
     bucket_of = buckets.groups(tensors, caches, axis_name, keys)
