@@ -89,7 +89,8 @@ def replay(wires: dict, needs: list, seconds_per_byte_: float, compile_s: float,
 def main(argv=None) -> int:
     args = parse_args(argv)
     wires, needs = demands(args.counts)
-    print(f"{args.counts}: {len(needs)} steps, {len(wires)} tensors; a compile {args.compile_s:g} s")
+    print(f"{args.counts}: {len(needs)} steps, {len(wires)} tensors; "
+          f"a compile {args.compile_s:g} s")
     print(f"{'price':<30}{'programs':>9}{'run':>7}{'steady':>8}{'late':>7}  bought at steps")
     rows = []
     for label, profile, patience, max_programs in PRICES:

@@ -52,8 +52,8 @@ def pytest_collection_modifyitems(session, config, items):
 @pytest.fixture(scope="session")
 def tiny_run():
     """``tiny_run(gather)``: the RunResult of 20 steps of ``TrainConfig(config="tiny",
-    schedule_steps=20, gather=gather, **TINY_PROGRAMS)`` from seed 0 on 8 devices, trained once per session
-    (the ``ciera`` one is the straight run every resume test ends bitwise on)."""
+    schedule_steps=20, gather=gather, **TINY_PROGRAMS)`` from seed 0 on 8 devices, trained
+    once per session (the ``ciera`` one is the straight run every resume test ends bitwise on)."""
     from ciera_models.train import TrainConfig, make_mesh, train
 
     @functools.cache

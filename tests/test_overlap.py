@@ -18,7 +18,8 @@ from ciera_models import data
 from ciera_models.train import TrainConfig, build_trainer, make_mesh
 from conftest import TINY_PROGRAMS
 
-TC = TrainConfig(config="tiny", schedule_steps=20, **TINY_PROGRAMS)  # test_train's config: shared trainer
+# test_train's config: a shared trainer
+TC = TrainConfig(config="tiny", schedule_steps=20, **TINY_PROGRAMS)
 
 
 GATHERS = {"all_gather", "all_gather_invariant"}  # word mode's planes: the invariant one

@@ -23,7 +23,8 @@ from ciera_models.train import TrainConfig
 from conftest import TINY_PROGRAMS
 
 STEPS = 20
-TC = TrainConfig(config="tiny", schedule_steps=STEPS, **TINY_PROGRAMS)  # test_train's: the trainer is shared
+# test_train's: the trainer is shared
+TC = TrainConfig(config="tiny", schedule_steps=STEPS, **TINY_PROGRAMS)
 TRAIN = [sys.executable, "-m", "ciera_jax.cli.main", "train", "--steps", str(STEPS),
          "--schedule-steps", str(STEPS), "--log-every", "1"]
 
