@@ -148,6 +148,12 @@ def get_link(p: Union[str, Path, "Link"]) -> "Link":
     return p if isinstance(p, (Profile, Topology)) else Profile.load(p)
 
 
+def _from_intra(name: str) -> property:
+    """A :class:`Topology` field read from its intra-node profile (a device-side rate)."""
+    return property(lambda self: getattr(self.intra, name),
+                    doc=f"The intra-node profile's ``{name}`` (the GPU's).")
+
+
 @dataclasses.dataclass(frozen=True)
 class Topology:
     """``gpus_per_node`` GPUs on NVLink (``intra``), nodes joined by ``inter`` (one NIC per GPU)."""
@@ -157,49 +163,17 @@ class Topology:
     gpus_per_node: int = 8
 
     # Device-side rates come from the GPU, i.e. the intra-node profile.
-    @property
-    def codec_Bps(self) -> float:
-        return self.intra.codec_Bps
-
-    @property
-    def hbm_Bps(self) -> float:
-        return self.intra.hbm_Bps
-
-    @property
-    def entropy_Bps(self) -> float:
-        return self.intra.entropy_Bps
-
-    @property
-    def codec_launch_s(self) -> float:
-        return self.intra.codec_launch_s
-
-    @property
-    def memory_gb(self) -> float | None:
-        return self.intra.memory_gb
-
-    @property
-    def codec_pricing(self) -> str:
-        return self.intra.codec_pricing
-
-    @property
-    def word_codec_Bps(self) -> float | None:
-        return self.intra.word_codec_Bps
-
-    @property
-    def escape_s(self) -> float:
-        return self.intra.escape_s
-
-    @property
-    def fault_Bps(self) -> float:
-        return self.intra.fault_Bps
-
-    @property
-    def fresh_from_bytes(self) -> float:
-        return self.intra.fresh_from_bytes
-
-    @property
-    def fresh_per_byte(self) -> float:
-        return self.intra.fresh_per_byte
+    codec_Bps = _from_intra("codec_Bps")
+    hbm_Bps = _from_intra("hbm_Bps")
+    entropy_Bps = _from_intra("entropy_Bps")
+    codec_launch_s = _from_intra("codec_launch_s")
+    memory_gb = _from_intra("memory_gb")
+    codec_pricing = _from_intra("codec_pricing")
+    word_codec_Bps = _from_intra("word_codec_Bps")
+    escape_s = _from_intra("escape_s")
+    fault_Bps = _from_intra("fault_Bps")
+    fresh_from_bytes = _from_intra("fresh_from_bytes")
+    fresh_per_byte = _from_intra("fresh_per_byte")
 
     def agreement(self, N: int) -> float:
         return self.intra.agreement_s if N <= self.gpus_per_node else self.inter.agreement_s
