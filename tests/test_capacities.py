@@ -167,6 +167,6 @@ def test_seconds_per_byte_is_the_rings_bandwidth_term():
         assert seconds_per_byte(link, n) == pytest.approx((n - 1) / link.beta_Bps)
 
 
-def test_fixed_bytes_refuses_a_rung_off_the_ladder():
+def test_bytes_at_refuses_a_rung_off_the_ladder():
     with pytest.raises(ValueError, match="outside 0.."):
         WIRES["attn"].bytes_at(WIRES["attn"].rungs, 0)

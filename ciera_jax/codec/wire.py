@@ -102,7 +102,13 @@ class _FixedRungs:
         """Bytes one rank sends with the rung fixed at ``rung`` when the agreed demand needs
         rung ``need`` (:attr:`rungs`: above the top, or unprimed): the fixed section, or the
         fallback's plain bytes when it overflows; :data:`PLAIN_RUNG`: a plain gather."""
-        return fixed_bytes(self, rung, need)
+        if rung == PLAIN_RUNG:
+            return self.plain_bytes
+        if not 0 <= rung < self.rungs:
+            raise ValueError(f"rung {rung} is outside 0..{self.rungs - 1} (or PLAIN_RUNG)")
+        if need > rung:
+            return self.fallback_bytes
+        return self.main_bytes + self.section_bytes(rung)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,19 +221,6 @@ class WordWire(_FixedRungs):
         if k is None:
             return self.fallback_bytes
         return self.main_bytes + self.section_bytes(k)
-
-
-def fixed_bytes(wire, rung: int, need: int) -> int:
-    """Bytes one rank sends for a tensor whose rung is fixed at ``rung`` (or
-    :data:`PLAIN_RUNG`) when its agreed demand needs rung ``need`` (``wire.rungs``: above the
-    top rung or unprimed)."""
-    if rung == PLAIN_RUNG:
-        return wire.plain_bytes
-    if not 0 <= rung < wire.rungs:
-        raise ValueError(f"rung {rung} is outside 0..{wire.rungs - 1} (or PLAIN_RUNG)")
-    if need > rung:
-        return wire.fallback_bytes
-    return wire.main_bytes + wire.section_bytes(rung)
 
 
 def agreement_bytes(mode: str) -> int:
