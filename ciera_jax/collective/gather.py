@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -149,25 +150,42 @@ def encode(x: jax.Array, cache, axis_name, *, axis: int = 0, impl: str = "auto",
     """Phase 1: compare this rank's shard with its slice of the cache and pack what travels:
     an :class:`Encoded` (exponent cache) or a :class:`WordEncoded` (word cache)."""
     validation.check_impl(impl)
+    v = local_view(x, cache, axis_name, axis, name)
+    if isinstance(cache, WordCache):
+        words_flat = cache.words.reshape(-1)
+
+        def cached_at(i):  # read in place: the escapes need a few cached words, not the slice
+            return words_flat[full_index(i, v.x.shape, v.axis, v.n_ranks, v.offset)]
+
+        return word_option.encode(v.x, v.cached, cache.primed, v.axis, v.n_ranks, v.checksum,
+                                  impl, code_bits, cached_at)
+    return exponent_option.encode(v.x, v.cached, cache.primed, v.axis, v.n_ranks, v.checksum,
+                                  impl)
+
+
+class LocalView(NamedTuple):
+    """What an encode reads of one rank's shard (:func:`local_view`)."""
+
+    x: jax.Array  # the shard, without gradient
+    axis: int  # its gather axis, normalized
+    n_ranks: int
+    offset: jax.Array  # where the shard starts on ``axis`` in the full tensor
+    cached: jax.Array  # its slice of the cache's words (word mode) or exponents
+    checksum: jax.Array  # the sender's checksum of the shard (selfcheck)
+
+
+def local_view(x: jax.Array, cache, axis_name, axis: int, name: str) -> LocalView:
+    """The shard and its slice of ``cache``, checked (axis, dtype, cache shape and kind)."""
     axis = validation.normalize_axis(x, axis, name)
     n_ranks = validation.axis_size(axis_name, name)
     bitfields.word_format(x.dtype)
     validation.check_cache(cache, x, axis, n_ranks, name)
     x = lax.stop_gradient(x)
-    shard_len = x.shape[axis]
-    offset = lax.axis_index(axis_name).astype(jnp.int32) * shard_len
-    csum = selfcheck.shard_checksum(x, axis, axis_name)
-    if isinstance(cache, WordCache):
-        cached = lax.dynamic_slice_in_dim(cache.words, offset, shard_len, axis=axis)
-        words_flat = cache.words.reshape(-1)
-
-        def cached_at(i):  # read in place: the escapes need a few cached words, not the slice
-            return words_flat[full_index(i, x.shape, axis, n_ranks, offset)]
-
-        return word_option.encode(x, cached, cache.primed, axis, n_ranks, csum, impl,
-                                  code_bits, cached_at)
-    cached = lax.dynamic_slice_in_dim(cache.exp, offset, shard_len, axis=axis)
-    return exponent_option.encode(x, cached, cache.primed, axis, n_ranks, csum, impl)
+    offset = lax.axis_index(axis_name).astype(jnp.int32) * x.shape[axis]
+    stored = cache.words if isinstance(cache, WordCache) else cache.exp
+    cached = lax.dynamic_slice_in_dim(stored, offset, x.shape[axis], axis=axis)
+    return LocalView(x, axis, n_ranks, offset, cached,
+                     selfcheck.shard_checksum(x, axis, axis_name))
 
 
 def priming_encoded(abstract, n_local: int):

@@ -20,7 +20,8 @@ from jax import lax
 
 from ciera_jax.codec import bitfields
 from ciera_jax.codec.wire import DEFAULT_CODE_BITS
-from ciera_jax.collective import exponent_option, selfcheck, validation, word_option
+import ciera_jax.collective.gather as collective
+from ciera_jax.collective import exponent_option, validation, word_option
 from ciera_jax.collective.cache import WordCache
 
 
@@ -46,16 +47,10 @@ def encode_same_size(xs: list, caches: list, axis_name, *, axes: list, lead: int
 
     def flat(x, cache, axis, name):
         """One layer: (shard, cached slice) flat, the priming flag, the shard's checksum."""
-        axis = validation.normalize_axis(x, axis, name)
-        bitfields.word_format(x.dtype)
-        validation.check_cache(cache, x, axis, n_ranks, name)
-        x = lax.stop_gradient(x)
-        offset = lax.axis_index(axis_name).astype(jnp.int32) * x.shape[axis]
-        stored = cache.words if word else cache.exp
-        cached = lax.dynamic_slice_in_dim(stored, offset, x.shape[axis], axis=axis)
+        v = collective.local_view(x, cache, axis_name, axis, name)
         # carried as bits: XLA:CPU may copy a bf16 array through float32 (quiets NaN payloads)
-        return (bitfields.to_bits(x).reshape(-1), cached.reshape(-1), cache.primed,
-                selfcheck.shard_checksum(x, axis, axis_name))
+        return (bitfields.to_bits(v.x).reshape(-1), v.cached.reshape(-1), cache.primed,
+                v.checksum)
 
     rows = []
     for x, c, ax, name in zip(xs, caches, axes, names):
