@@ -22,6 +22,7 @@ from typing import Callable
 from ciera_jax.runtime.devices import make_mesh
 from ciera_jax.runtime.outputs import check_output_file
 from ciera_models import checkpoint as ckpt
+from ciera_models import checkpoint_meta
 from ciera_models import faults, metrics, peers, run_lock, supervisor
 from ciera_models.failures import WriteFailed, describe_os_error
 from ciera_models.data import load_dataset
@@ -153,9 +154,9 @@ def _start(tc: TrainConfig, run: RunConfig, mesh, saver, log):
     identity = {**dataclasses.asdict(tc), "seed": run.seed}
     layout = {"devices": int(mesh.devices.size), "processes": _process_count()}
     if saver and run.resume and (saved := saver.newest_meta(log)) is not None:
-        for note in ckpt.check_resumable(saved, identity, run.checkpoint_dir):
+        for note in checkpoint_meta.check_resumable(saved, identity, run.checkpoint_dir):
             log(f"note: {note}")
-        if (note := ckpt.layout_note(saved, layout)) is not None:
+        if (note := checkpoint_meta.layout_note(saved, layout)) is not None:
             log(f"note: {note}")
     tr = build_trainer(tc, mesh)
     if tr.policy is not None:  # an earlier run in this process: its programs stay compiled

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from ciera_models import checkpoint as ckpt
+from ciera_models import checkpoint_meta
 from ciera_models.train import TrainConfig, make_mesh, train
 from conftest import TINY_PROGRAMS
 
@@ -58,17 +59,18 @@ def test_checkpoint_of_another_run_is_refused(tmp_path):
     this = {**TC.__dict__, "seed": 0}
     meta = ckpt.latest_meta(str(tmp_path / "ck"))
     with pytest.raises(ValueError, match=r"--gather plain \(this run: ciera\)"):
-        ckpt.check_resumable(meta, this, "ck")
+        checkpoint_meta.check_resumable(meta, this, "ck")
     with pytest.raises(ValueError, match=r"--config tiny \(this run: small\).*--seed 0 \(this "
                                          r"run: 1\)"):
-        ckpt.check_resumable(meta, {**this, "gather": "plain", "config": "small", "seed": 1}, "ck")
+        checkpoint_meta.check_resumable(
+            meta, {**this, "gather": "plain", "config": "small", "seed": 1}, "ck")
     # what is sent may change; what is computed may too, with a note that the runs now differ
-    notes = ckpt.check_resumable(meta, {**this, "gather": "plain", "plan": "all", "lr": 2e-3},
-                                 "ck")
+    notes = checkpoint_meta.check_resumable(
+        meta, {**this, "gather": "plain", "plan": "all", "lr": 2e-3}, "ck")
     assert len(notes) == 1 and notes[0].startswith("--lr is 0.002 (the checkpoint's run had 0.001)")
     # a checkpoint written before the config was stored: its top-level keys are checked
     with pytest.raises(ValueError, match="--config small"):
-        ckpt.check_resumable({"config": "small", "seed": 0, "step": 5}, this, "ck")
+        checkpoint_meta.check_resumable({"config": "small", "seed": 0, "step": 5}, this, "ck")
 
 
 def test_check_dir(tmp_path):

@@ -22,6 +22,7 @@ import pytest
 
 from ciera_jax.cli import main as cli
 from ciera_models import checkpoint as ckpt
+from ciera_models import checkpoint_meta
 from ciera_models import run_lock
 from ciera_models.failures import EXIT_NO_GOOD_CHECKPOINT, EXIT_WRITE_FAILED, NoGoodCheckpoint, WriteFailed
 from ciera_models.train import TrainConfig, make_mesh, train
@@ -181,7 +182,7 @@ def test_a_checkpoint_without_digests_still_restores(saved, tmp_path, resumed_sh
     ck = _copy(saved, tmp_path)
     meta = ck / "15" / "meta" / "metadata"
     m = {k: v for k, v in json.loads(meta.read_text()).items()
-         if k not in ckpt.DIGESTS + ckpt.FORMAT_KEYS}
+         if k not in checkpoint_meta.DIGESTS + checkpoint_meta.FORMAT_KEYS}
     meta.write_text(json.dumps(m))
     logs: list[str] = []
     assert _resume(ck, logs).sha256 == resumed_sha
