@@ -6,6 +6,7 @@ mode's run trained once per session (conftest's ``tiny_run``).
 """
 
 import json
+import re
 
 import jax
 import pytest
@@ -94,11 +95,14 @@ def test_the_default_price_compiles_one_program_on_the_emulated_link(runs):
     tc = TrainConfig(**{**TC.__dict__, "program_patience": 1.0, "max_programs": 8})
     res = train(tc, steps=4, seed=0, mesh=make_mesh(8), log=None)
     assert [r["program"] for r in res.history] == [0] * 4
-    assert [r["compile_s"] > 0 for r in res.history] == [True, False, False, False]
+    # The trainer is memoized: a CLI test with the same flags may have compiled its one
+    # program earlier in this process, so step 1 compiles it or finds it compiled.
+    assert [r["compile_s"] > 0 for r in res.history][1:] == [False] * 3
+    assert len(build_trainer(tc, make_mesh(8)).programs) == 1
     plain = train(TrainConfig(**{**TC.__dict__, "gather": "plain"}), steps=4, seed=0,
                   mesh=make_mesh(8), log=None)
     assert res.sha256 == plain.sha256
-    assert res.summary.splitlines()[-1].startswith("programs: 1 compiled")
+    assert re.match(r"programs: [01] compiled", res.summary.splitlines()[-1])
 
 
 def test_loss_falls(runs):
