@@ -108,9 +108,8 @@ def exchange(e: Encoded, cache_exp, agreed, shard, axis_name, dtype, impl: str):
                                   overflow, e.checksum, axis_name))
     else:
         rung, overflow = transfer.pick_rung(wire.caps, agreed)
-        main_NxL, sent_N = transfer.gather_main(e.payload.reshape(-1), shard, overflow,
-                                                e.checksum, axis_name)
-        plane_NxL = main_NxL
+        main_NxL, sent_N, plane_NxL = transfer.gather_main(e.payload.reshape(-1), shard,
+                                                           overflow, e.checksum, axis_name)
         summary_NxS, listed_NxC, patch_NxK = transfer.gather_section(parts, sizes, rung,
                                                                      axis_name)
     # Escapes of escapes: the nonzero flag words back in place (1/32 of the tensor: dense),

@@ -27,10 +27,15 @@ def with_checksum(wire_L: jax.Array, csum: jax.Array) -> jax.Array:
     return jnp.concatenate([wire_L, tail])
 
 
-def split_checksums(wire_NxL: jax.Array):
-    """Gathered rows -> (rows without their checksums, every rank's checksum (N,))."""
-    sent_N = lax.bitcast_convert_type(wire_NxL[:, -CHECKSUM_BYTES:], jnp.uint32)
-    return wire_NxL[:, :-CHECKSUM_BYTES], sent_N
+def sent_checksums(wire_NxL: jax.Array) -> jax.Array:
+    """Every rank's checksum (N,), read off the tail of its gathered row."""
+    return lax.bitcast_convert_type(wire_NxL[:, -CHECKSUM_BYTES:], jnp.uint32)
+
+
+def without_checksums(wire_NxL: jax.Array) -> jax.Array:
+    """The gathered rows without their checksum tails: a slice, so taken only where the bytes
+    are needed whole (the fallback), and the common path reads the rows in place."""
+    return wire_NxL[:, :-CHECKSUM_BYTES]
 
 
 def failed_shards(full: jax.Array, sent_N: jax.Array, axis: int, got_N=None) -> jax.Array:

@@ -35,7 +35,8 @@ def gather_rows(buf_L: jax.Array, axis_name) -> jax.Array:
 def gather_main(plane_L: jax.Array, shard: jax.Array, fallback: jax.Array, csum: jax.Array,
                 axis_name):
     """The main transfer, unconditional: every rank's plane (uint8) and checksum; returns
-    (rows (N, L), every rank's checksum (N,)).
+    (rows (N, L + CHECKSUM_BYTES): what travelled, checksum tails included, for
+    :func:`plain_rest`; every rank's checksum (N,); the plane's rows (N, L)).
 
     On a fallback step (``fallback``: rank-invariant) the same bytes carry the first L bytes
     of the shard's bits instead, so the plain gather that follows sends only the rest
@@ -43,16 +44,17 @@ def gather_main(plane_L: jax.Array, shard: jax.Array, fallback: jax.Array, csum:
     """
     head = _head_bytes(shard, plane_L.shape[0])
     plane = jnp.where(fallback, head, plane_L)
-    return selfcheck.split_checksums(gather_rows(selfcheck.with_checksum(plane, csum),
-                                                 axis_name))
+    rows = gather_rows(selfcheck.with_checksum(plane, csum), axis_name)
+    return rows, selfcheck.sent_checksums(rows), rows[:, :plane_L.shape[0]]
 
 
 def gather_fixed(plane_L: jax.Array, parts, sizes, lengths, shard: jax.Array,
                  fallback: jax.Array, csum: jax.Array, axis_name):
     """The main plane, the checksum and the first ``sizes[i]`` entries of each of ``parts``
-    (a static rung's section), in ONE unconditional all-gather. Returns (rows (N, T): what
-    travelled, without the checksums, for :func:`plain_rest`; every rank's checksum (N,);
-    the plane's rows (N, L); each part's rows (N, lengths[i]), zero past its prefix).
+    (a static rung's section), in ONE unconditional all-gather. Returns (rows (N, T +
+    CHECKSUM_BYTES): what travelled, checksum tails included, for :func:`plain_rest`; every
+    rank's checksum (N,); the plane's rows (N, L); each part's rows (N, lengths[i]), zero
+    past its prefix). The rows are read in place: no copy of the gathered wire is made.
 
     On a fallback step (``fallback``: rank-invariant) the same T bytes carry the head of the
     shard's bits instead, as :func:`gather_main` does.
@@ -60,16 +62,15 @@ def gather_fixed(plane_L: jax.Array, parts, sizes, lengths, shard: jax.Array,
     pieces = [plane_L] + [_to_bytes(p[:size]) for p, size in zip(parts, sizes) if size]
     buf = jnp.concatenate(pieces) if len(pieces) > 1 else plane_L
     buf = jnp.where(fallback, _head_bytes(shard, buf.shape[0]), buf)
-    rows_NxT, sent_N = selfcheck.split_checksums(
-        gather_rows(selfcheck.with_checksum(buf, csum), axis_name))
+    rows = gather_rows(selfcheck.with_checksum(buf, csum), axis_name)
     at = plane_L.shape[0]
     out = []
     for part, size, length in zip(parts, sizes, lengths):
         width = np.dtype(part.dtype).itemsize
-        piece = _from_bytes(rows_NxT[:, at:at + size * width], part.dtype, size)
+        piece = _from_bytes(rows[:, at:at + size * width], part.dtype, size)
         at += size * width
         out.append(jnp.pad(piece, ((0, 0), (0, length - size))))
-    return rows_NxT, sent_N, rows_NxT[:, :plane_L.shape[0]], out
+    return rows, selfcheck.sent_checksums(rows), rows[:, :plane_L.shape[0]], out
 
 
 # The functions whose transfers run only on a fallback step (an overflow, a fresh cache): a
@@ -78,9 +79,11 @@ def gather_fixed(plane_L: jax.Array, parts, sizes, lengths, shard: jax.Array,
 FALLBACK_FUNCTIONS = ("plain_rest",)
 
 
-def plain_rest(main_NxL: jax.Array, bits: jax.Array, axis_name) -> jax.Array:
+def plain_rest(main_rows: jax.Array, bits: jax.Array, axis_name) -> jax.Array:
     """The fallback's transfer: the bytes of the shard's bits past what the main transfer
-    carried; returns every rank's bits (N, n) in the bits' dtype."""
+    carried (``main_rows``: its rows, checksum tails included); returns every rank's bits
+    (N, n) in the bits' dtype."""
+    main_NxL = selfcheck.without_checksums(main_rows)
     shard_bytes = _to_bytes(bits.reshape(-1))
     if main_NxL.shape[1] >= shard_bytes.shape[0]:  # a tiny shard: the main transfer held it
         return _from_bytes(main_NxL[:, :shard_bytes.shape[0]], bits.dtype, bits.size)

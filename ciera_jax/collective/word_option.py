@@ -122,8 +122,8 @@ def exchange(e: WordEncoded, cache_words, agreed, shard, axis_name, dtype, impl:
         rung2, over2 = transfer.pick_rung(wire.caps2, agreed[RAW])
         overflow = over1 | over2
         rung = jnp.where(overflow, 0, jnp.maximum(rung1, rung2))
-        main_NxL, sent_N = transfer.gather_main(e.codes, shard, overflow, e.checksum, axis_name)
-        plane_NxL = main_NxL
+        main_NxL, sent_N, plane_NxL = transfer.gather_main(e.codes, shard, overflow,
+                                                           e.checksum, axis_name)
         level1_NxC, level2_NxC = transfer.gather_section(
             [e.level1, e.level2], [wire.caps1, wire.caps2], rung, axis_name)
 
