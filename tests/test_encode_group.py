@@ -81,9 +81,16 @@ def _uint(a):
     return np.asarray(a)
 
 
-@pytest.mark.parametrize("lead", [0, 1], ids=["one", "stacked"])
-@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("mode", ["exponent", "word"])
+# Two of the eight in the fast lane, between them each mode, dtype and layout (the grouping is
+# the same code for all; the stacked bf16 one is where XLA:CPU quieted NaN payloads).
+FAST = {("word", "bf16", "stacked"), ("exponent", "f32", "one")}
+CASES = [pytest.param(mode, dtype, lead, id=f"{mode}-{dname}-{lname}",
+                      marks=() if (mode, dname, lname) in FAST else pytest.mark.slow)
+         for mode in ("exponent", "word") for dtype, dname in ((BF16, "bf16"), (F32, "f32"))
+         for lead, lname in ((0, "one"), (1, "stacked"))]
+
+
+@pytest.mark.parametrize("mode, dtype, lead", CASES)
 def test_grouped_encode_is_bitwise_each_alone(mode, dtype, lead):
     rng = np.random.default_rng(7)
     names = list(SHAPES)
