@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from ciera_jax.codec import checksum as checksums
 from ciera_jax.codec.wire import CHECKSUM_BYTES
+
+_SHIFTS = np.arange(CHECKSUM_BYTES, dtype=np.uint32) * np.uint32(8)  # little-endian bytes
 
 
 def shard_checksum(x: jax.Array, axis: int, axis_name) -> jax.Array:
@@ -22,14 +25,16 @@ def shard_checksum(x: jax.Array, axis: int, axis_name) -> jax.Array:
 
 
 def with_checksum(wire_L: jax.Array, csum: jax.Array) -> jax.Array:
-    """A uint8 wire buffer with the checksum appended as its last CHECKSUM_BYTES."""
-    tail = lax.bitcast_convert_type(csum.astype(jnp.uint32), jnp.uint8).reshape(CHECKSUM_BYTES)
-    return jnp.concatenate([wire_L, tail])
+    """A uint8 wire buffer with the checksum appended as its last CHECKSUM_BYTES
+    (little-endian: shifts, not a bitcast, so XLA fuses it into the buffer's build)."""
+    return jnp.concatenate([wire_L, _le_bytes(csum.astype(jnp.uint32))])
 
 
 def sent_checksums(wire_NxL: jax.Array) -> jax.Array:
-    """Every rank's checksum (N,), read off the tail of its gathered row."""
-    return lax.bitcast_convert_type(wire_NxL[:, -CHECKSUM_BYTES:], jnp.uint32)
+    """Every rank's checksum (N,), read off the tail of its gathered row (shifts and a sum:
+    fused into the compare that reads it, where a bitcast would be a kernel of its own)."""
+    tail = wire_NxL[:, -CHECKSUM_BYTES:].astype(jnp.uint32)
+    return jnp.sum(tail << _SHIFTS, axis=1, dtype=jnp.uint32)  # the bytes do not overlap
 
 
 def without_checksums(wire_NxL: jax.Array) -> jax.Array:
@@ -44,3 +49,8 @@ def failed_shards(full: jax.Array, sent_N: jax.Array, axis: int, got_N=None) -> 
     if got_N is None:
         got_N = checksums.checksum_shards(full, axis, sent_N.shape[0])
     return jnp.sum(got_N != sent_N, dtype=jnp.int32)
+
+
+def _le_bytes(word: jax.Array) -> jax.Array:
+    """A uint32 scalar's CHECKSUM_BYTES bytes, least significant first."""
+    return ((word >> _SHIFTS) & jnp.uint32(0xFF)).astype(jnp.uint8)
