@@ -11,6 +11,7 @@ what the trainer's plan and the memory model said.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from pathlib import Path
@@ -89,14 +90,6 @@ def per_gpu_bytes(args) -> int:
 MEMORY_LIMITS = ("auto", "plan", "gpu")
 
 
-def compiler_options(flags: str, slop_percent: int | None = None) -> dict:
-    """The flag set, with XLA's scheduler memory limit at ``slop_percent`` (None: XLA's)."""
-    opts = dict(gpu_targets.FLAG_SETS[flags])
-    if slop_percent is not None:
-        opts[gpu_targets.SLOP_FLAG] = slop_percent
-    return opts
-
-
 @dataclasses.dataclass(frozen=True)
 class _Compiled:
     """One XLA:GPU compile of the lowered step, and what the report reads of it."""
@@ -145,15 +138,16 @@ def compile_within_plan(lowered, flags: str, memory_limit: str, slop: int, plan_
     if memory_limit not in MEMORY_LIMITS:
         raise ValueError(f"memory_limit must be one of {MEMORY_LIMITS}, got {memory_limit!r}")
     tighter = slop < gpu_targets.DEFAULT_SLOP_PERCENT
+    options = functools.partial(gpu_targets.compiler_options, flags)
     if memory_limit == "plan":
-        return _compile(lowered, compiler_options(flags, slop if tighter else None)), None
-    first = _compile(lowered, compiler_options(flags))
+        return _compile(lowered, options(slop if tighter else None)), None
+    first = _compile(lowered, options())
     if memory_limit == "gpu" or first.total <= plan_bytes + tolerance or not tighter:
         return first, None
     if log:
         log(f"ciera aot: XLA counts {first.total / 1e9:.1f} GB, the plan {plan_bytes / 1e9:.1f}"
             f" GB: compiling again with {gpu_targets.SLOP_FLAG}={slop}")
-    second = _compile(lowered, compiler_options(flags, slop))
+    second = _compile(lowered, options(slop))
     return (second, first) if second.total < first.total else (first, second)
 
 
@@ -171,7 +165,7 @@ def _limit_row(kept: _Compiled, other: _Compiled | None, memory_limit: str, io: 
 
 
 def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: int,
-                 flags: str = "fsdp", hlo_out: str | None = None, log=None,
+                 hlo_out: str | None = None, log=None,
                  program: str = "steady", memory_limit: str = "auto") -> dict:
     """Compile ``tc``'s train step for ``gpus`` x ``target`` and report the program
     (``program``: which of the trainer's programs, ``steady`` or ``priming``:
@@ -194,10 +188,11 @@ def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: i
     slop = gpu_targets.plan_slop_percent(target, io_bytes, model.total)
     if log:
         log(f"ciera aot: {tc.gather} step of {tc.config} on {gpus} x {target.name}: lowered in "
-            f"{t_lower:.1f} s, compiling with XLA:GPU ({flags} flags, memory limit "
+            f"{t_lower:.1f} s, compiling with XLA:GPU ({tc.xla_flags} flags, memory limit "
             f"{memory_limit})")
     step = gpu_targets.scheduler_limit_bytes(target, io_bytes, 1)
-    kept, other = compile_within_plan(lowered, flags, memory_limit, slop, model.total, step, log)
+    kept, other = compile_within_plan(lowered, tc.xla_flags, memory_limit, slop, model.total,
+                                      step, log)
     text = kept.text
     if hlo_out:
         Path(hlo_out).mkdir(parents=True, exist_ok=True)

@@ -50,10 +50,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: h100-80gb)")
     g.add_argument("--tokens-per-gpu", type=int, default=4096, help="tokens each GPU trains "
                    "on per step; the global batch follows (default: 4096)")
-    g.add_argument("--xla-flags", default="fsdp", choices=("fsdp", "default"),
-                   help="fsdp: NVIDIA JAX-Toolbox's FSDP flags (latency-hiding scheduler, "
-                   "pipelined collectives, loop double buffering); default: XLA's defaults "
-                   "(default: fsdp)")
     g.add_argument("--memory-limit", choices=("auto", "plan", "gpu"), default="auto",
                    help="XLA's scheduler memory limit (xla_gpu_memory_limit_slop_factor). "
                    "gpu: XLA's default, 95%% of 80%% of the GPU less the step's inputs; plan: "
@@ -98,8 +94,8 @@ def run(args) -> int:
 
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     runs = [tc] + ([dataclasses.replace(tc, gather="plain")] if args.compare else [])
-    reports = [compile_step(t, target, args.gpus, args.tokens_per_gpu, args.xla_flags,
-                            args.hlo_out, log, program=args.program,
+    reports = [compile_step(t, target, args.gpus, args.tokens_per_gpu, args.hlo_out, log,
+                            program=args.program,
                             memory_limit=args.memory_limit) for t in runs]
     print(render(reports, target, show_collectives=args.collectives))
     if args.json:

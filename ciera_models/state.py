@@ -26,6 +26,7 @@ from ciera_jax import fsdp
 from ciera_jax.codec.wire import PLAIN_RUNG
 from ciera_jax.fsdp import AXIS, GatherCacheVar
 from ciera_jax.planning import costmodel
+from ciera_jax.runtime import gpu_targets
 from ciera_jax.planning.capacities import (RungPolicy, program_key, rungs_holding,
                                            seconds_per_byte)
 from ciera_models import configs
@@ -121,6 +122,15 @@ class Trainer:
     def n(self) -> int:
         return self.mesh.shape[AXIS]
 
+    @property
+    def compiler_options(self) -> dict:
+        """XLA's options for the step: on GPUs the flag set ``ciera aot`` reports with
+        (``tc.xla_flags``: the FSDP set overlaps each layer's gathers with compute), none on
+        other platforms."""
+        platform = self.mesh.devices.flat[0].platform
+        return gpu_targets.compiler_options(self.tc.xla_flags) if platform in (
+            "gpu", "cuda") else {}
+
     def prepare(self, state: TrainState) -> TrainState:
         """Fill ``state.ahead`` at the start (first step, after a restore): encode against
         the current (unprimed) caches, so the first gather primes them."""
@@ -200,7 +210,8 @@ class Trainer:
         compile_s = 0.0
         if key not in self.programs:
             t0 = time.perf_counter()
-            self.programs[key] = self.step_fn.lower(*args).compile()
+            self.programs[key] = self.step_fn.lower(*args).compile(
+                compiler_options=self.compiler_options or None)
             compile_s = time.perf_counter() - t0
             policy.compiled(agreed_seconds(compile_s))
         params, caches, opt_state, ahead, m = self.programs[key](*args)

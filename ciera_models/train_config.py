@@ -122,6 +122,11 @@ class TrainConfig:
         "ragged otherwise), ragged (lax.ragged_dot; XLA:GPU turns it into a dense matmul over "
         "every expert), blocked (a loop over blocks of 128 rows, ciera_models.grouped_matmul)",
         choices=("auto", "ragged", "blocked"))
+    xla_flags: str = option(
+        "fsdp", "XLA:GPU's flags for the step (ignored on other devices): fsdp (NVIDIA "
+        "JAX-Toolbox's FSDP set: latency-hiding scheduler, pipelined collectives, loop double "
+        "buffering, so each layer's gathers overlap compute), default (XLA's own)",
+        choices=("fsdp", "default"))
 
     def rung_policy_options(self) -> dict:
         """Keyword arguments of :class:`ciera_jax.planning.capacities.RungPolicy`."""

@@ -179,11 +179,28 @@ def test_plan_memory_limit_puts_xlas_scheduler_at_the_plan():
 
 
 def test_compiler_options_carry_the_limit_only_when_given():
-    from ciera_models.aot import compiler_options
-
-    limited = compiler_options("fsdp", 23)
+    limited = gpu_targets.compiler_options("fsdp", 23)
     assert limited.pop(gpu_targets.SLOP_FLAG) == 23
-    assert limited == compiler_options("fsdp") == gpu_targets.FSDP_XLA_FLAGS
+    assert limited == gpu_targets.compiler_options("fsdp") == gpu_targets.FSDP_XLA_FLAGS
+    assert gpu_targets.compiler_options("default") == {}
+    with pytest.raises(ValueError, match="fsdp"):
+        gpu_targets.compiler_options("fast")
+
+
+def test_the_trainer_compiles_gpu_steps_with_the_flags_the_report_names(mesh8):
+    """``ciera train`` on GPUs compiles each program with ``--xla-flags``' set, the one ``ciera
+    aot`` reports with; on CPU devices with none."""
+    import dataclasses
+
+    from ciera_models.train import TrainConfig, build_trainer, make_mesh
+
+    tr = build_trainer(TrainConfig(config="tiny", schedule_steps=4, gather="plain"),
+                       make_mesh(8))
+    assert tr.compiler_options == {}
+    on_gpus = dataclasses.replace(tr, mesh=mesh8)
+    assert on_gpus.compiler_options == gpu_targets.FSDP_XLA_FLAGS
+    default = dataclasses.replace(on_gpus, tc=dataclasses.replace(tr.tc, xla_flags="default"))
+    assert default.compiler_options == {}
 
 
 @pytest.mark.parametrize("limit,first,second,kept,compiles", [

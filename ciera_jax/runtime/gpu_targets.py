@@ -44,6 +44,18 @@ SLOP_FLAG = "xla_gpu_memory_limit_slop_factor"
 DEFAULT_SLOP_PERCENT = 95  # XLA's default
 
 
+def compiler_options(flags: str, slop_percent: int | None = None) -> dict:
+    """XLA:GPU's options for a step: the flag set (:data:`FLAG_SETS`), with the scheduler
+    memory limit at ``slop_percent`` (None: XLA's). ``ciera train`` on GPUs and ``ciera aot``
+    compile with the same, so the report is the program a pod runs."""
+    if flags not in FLAG_SETS:
+        raise ValueError(f"unknown XLA flag set {flags!r}; choose one of: {', '.join(FLAG_SETS)}")
+    opts = dict(FLAG_SETS[flags])
+    if slop_percent is not None:
+        opts[SLOP_FLAG] = slop_percent
+    return opts
+
+
 def plan_slop_percent(t: "GpuTarget", io_bytes: int, plan_bytes: int) -> int:
     """The slop factor that puts XLA's scheduler limit at ``plan_bytes`` per GPU in all (the
     step's inputs and outputs, ``io_bytes``, included): what the memory model planned, so the
