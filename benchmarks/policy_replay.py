@@ -77,7 +77,7 @@ def replay(wires: dict, needs: list, seconds_per_byte_: float, compile_s: float,
             bought.append(i + 1)
         sent.append(p.cost(rungs, need))
         plain.append(p.plain_cost(need))
-        ideal.append(p.cost(p._best_for([need]), need))
+        ideal.append(p.cost(p.best_for([need]), need))
     sent, plain, ideal = (np.array(a, np.float64) for a in (sent, plain, ideal))
     parts = {"run": slice(None), "steady": slice(len(sent) // 2, None),
              "late": slice(len(sent) - len(sent) // 4, None)}

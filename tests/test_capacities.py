@@ -93,7 +93,7 @@ def test_a_one_step_spike_falls_back_instead_of_compiling():
     assert rungs == STEADY
     # what the step sends: the word tensor's layers take the fallback (plain's bytes + check)
     wire = WIRES["experts"]
-    assert policy._bytes("experts", 5, spike["experts"]) == LAYERS * wire.fallback_bytes
+    assert policy.tensor_bytes("experts", 5, spike["experts"]) == LAYERS * wire.fallback_bytes
 
 
 def test_no_program_is_bought_too_late_in_the_run_to_pay_for_itself():
@@ -138,9 +138,9 @@ def test_per_layer_demands_are_priced_layer_by_layer():
     policy = RungPolicy(WIRES, SLOW)
     mixed = {"experts": np.array([1, 1, 1, WIRES["experts"].rungs]), "attn": np.zeros(LAYERS)}
     wire = WIRES["experts"]
-    assert policy._bytes("experts", 1, mixed["experts"]) == (
+    assert policy.tensor_bytes("experts", 1, mixed["experts"]) == (
         3 * (wire.main_bytes + wire.section_bytes(1)) + wire.fallback_bytes)
-    assert policy._best_for([mixed])["attn"] == 0
+    assert policy.best_for([mixed])["attn"] == 0
 
 
 def test_rungs_holding_the_steady_state_shares():

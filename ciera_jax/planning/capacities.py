@@ -108,7 +108,7 @@ class RungPolicy:
         this one included, when known. Returns (``{key: rung}`` to run the step at, whether
         that is a program not compiled before)."""
         needed = {k: np.atleast_1d(np.asarray(needed[k])) for k in sorted(self.wires)}
-        ideal = self._best_for([needed])
+        ideal = self.best_for([needed])
         if any(r != PLAIN_RUNG for r in ideal.values()):  # a priming step tells nothing
             self._history.append(needed)
         if not self.programs:
@@ -118,7 +118,7 @@ class RungPolicy:
         price = self.compile_price_s
         if self._regret_s <= price or len(self.programs) >= self.max_programs:
             return best, False
-        new = self._best_for(list(self._history))
+        new = self.best_for(list(self._history))
         if program_key(new) in self.programs or self.cost(new, needed) >= self.cost(best, needed):
             new = ideal  # the window's program does not help this step: this step's does
         saving_s = self.seconds(self.cost(best, needed) - self.cost(new, needed))
@@ -136,21 +136,24 @@ class RungPolicy:
 
     def cost(self, rungs: dict, needed: dict) -> int:
         """Bytes one rank sends for every layer of every tensor at ``rungs``."""
-        return sum(self._bytes(k, rungs[k], needed[k]) for k in needed)
+        return sum(self.tensor_bytes(k, rungs[k], needed[k]) for k in needed)
 
     def plain_cost(self, needed: dict) -> int:
         return sum(self.wires[k].plain_bytes * np.size(needed[k]) for k in needed)
 
-    def _bytes(self, key, rung: int, need) -> int:
+    def tensor_bytes(self, key, rung: int, need) -> int:
+        """Bytes one rank sends for every layer of tensor ``key`` at ``rung``, each layer's
+        demand ``need`` (a fallback's where it does not fit)."""
         wire = self.wires[key]
         return sum(wire.bytes_at(rung, int(n)) for n in np.ravel(need))
 
-    def _best_for(self, steps: list) -> dict:
-        """Per key, the rung (or PLAIN_RUNG) that sends the fewest bytes over ``steps``."""
+    def best_for(self, steps: list) -> dict:
+        """Per key, the rung (or PLAIN_RUNG) that sends the fewest bytes over ``steps`` (each a
+        ``needed`` dict as :meth:`choose` takes it): one step's ideal, or a window's program."""
         out = {}
         for key, wire in self.wires.items():
             options = (PLAIN_RUNG, *range(wire.rungs))
-            out[key] = min(options, key=lambda r: (sum(self._bytes(key, r, s[key])
+            out[key] = min(options, key=lambda r: (sum(self.tensor_bytes(key, r, s[key])
                                                        for s in steps), r))
         return out
 
