@@ -33,7 +33,8 @@ per series, mode and process count the crossover rate below which the mode beats
 and predicted (``sweep_report.py``). ``--png`` draws it (``crossover_plot.py``).
 
 Per rate row: median seconds per gather (the slowest process's median), time and wire ratios
-to plain. ``--checks`` also times the self-check as in ``gather_bench.py``.
+to plain. Every timed gather of a series starts after a barrier of all processes (``--no-sync``:
+none), so its time does not hold its peers still decoding the mode timed before it. ``--checks`` also times the self-check as in ``gather_bench.py``.
 
     python benchmarks/gather_multiprocess.py [--procs 2 4] [--links 50mbit ... 10gbit]
         [--experts 4] [--churn 0.01] [--word-experts 4] [--series churn word]

@@ -42,8 +42,9 @@ on GPUs): the ranks time-sharing one core each copy the full tensor through the 
 working set of ``W = B * max(1, N / host_cores)`` for a gather of ``B`` full bytes on ``N``
 ranks over ``host_cores`` cores. Copies that sweep more than the cache in a cycle miss on every
 line (LRU), so above ``llc_bytes`` all ``W`` bytes (:func:`spill_bytes`) run from memory at
-``spill_Bps``, on top of the link's line (4 processes on 2 cores: 16 MB gathers took 1.3-5.4x
-the line through 1 and 8 MB; ``docs/results.md``, "Where CIERA pays").
+``spill_Bps``, on top of the link's line (4 processes on 2 cores at load 10-24: plain gathers
+of 8 / 16 / 24 MB in 24 / 87 / 141 ms with no fresh memory; ``docs/results.md``, "Where CIERA
+pays"). Both host rates are as loaded as the host they were calibrated on.
 
 ``n`` is the element count of the FULL tensor, ``b`` its bytes per element. The link is a
 :class:`Profile` (one flat ring) or a :class:`Topology` (NVLink ring inside a node, then a
