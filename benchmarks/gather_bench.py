@@ -103,7 +103,7 @@ def checksum_fns(mesh, ndim: int, axis: int) -> dict:
 
 
 def measure_all(mesh, shape, axis: int, churn: float, fns: dict, methods, reps: int,
-                warmup: int) -> list[dict]:
+                warmup: int, sync=None) -> list[dict]:
     """``measure_gathers`` for ``methods``, the ``checksum`` one given the rebuilt tensor of the
     same weights the gathers move (what a receiver would check)."""
     import jax
@@ -118,7 +118,7 @@ def measure_all(mesh, shape, axis: int, churn: float, fns: dict, methods, reps: 
         check = fns["checksum"]
         fns["checksum"] = lambda x: check(x, full_stack)
     return measure_gathers(mesh, shape, axis, churn, methods, reps=reps, warmup=warmup,
-                           dtype=jnp.bfloat16, fns=fns)
+                           dtype=jnp.bfloat16, fns=fns, sync=sync)
 
 
 def main(argv=None) -> int:

@@ -22,16 +22,19 @@ The prediction: each launch first calibrates (``ciera_jax.calibrate.calibrate``,
 calibrate`` measures, over the unshaped sockets: codec rates, escape cost, agreement), times
 each codec pass alone (``--passes-mb``: where the codec's time goes), and at each rate fits the
 link's alpha and beta from plain gathers of ``--link-sizes`` (the calibration's own fit, at
-sizes other than the series', through the gathers that faulted in no fresh host memory: the
-calibration prices those faults apart, its ``fault_Bps``, and every gather counts the fresh
-bytes its process faulted in per call). ``--reprice`` prices a sweep's JSON again with the
-current model, measuring nothing. Every measured point is then priced by the planner's cost model
+sizes other than the series', through the gathers that faulted in no fresh host memory and
+whose working set fit the last-level cache: the calibration prices both apart, its
+``fault_Bps`` and ``spill_Bps`` over this host's ``llc_bytes`` and ``host_cores``, and every
+gather counts the fresh bytes its process faulted in per call). ``--reprice`` prices a sweep's
+JSON again with the current model, measuring nothing (a calibration from before the spill term
+gets this host's cache and cores and its host rates fitted again from its fault gathers). Every measured point is then priced by the planner's cost model
 (``ciera_jax.planning.crossover.predict``) and printed as measured, predicted and their ratio;
 per series, mode and process count the crossover rate below which the mode beats plain, measured
 and predicted (``sweep_report.py``). ``--png`` draws it (``crossover_plot.py``).
 
 Per rate row: median seconds per gather (the slowest process's median), time and wire ratios
-to plain. ``--checks`` also times the self-check as in ``gather_bench.py``.
+to plain. Every timed gather of a series starts after a barrier of all processes (``--no-sync``:
+none), so its time does not hold its peers still decoding the mode timed before it. ``--checks`` also times the self-check as in ``gather_bench.py``.
 
     python benchmarks/gather_multiprocess.py [--procs 2 4] [--links 50mbit ... 10gbit]
         [--experts 4] [--churn 0.01] [--word-experts 4] [--series churn word]
@@ -87,6 +90,9 @@ def parse_args(argv=None):
     p.add_argument("--reprice", metavar="JSON", default=None,
                    help="measure nothing: price a sweep's JSON again with this code (link fits "
                         "from its gathers, every point), written to --out and --png")
+    p.add_argument("--no-sync", dest="sync", action="store_false",
+                   help="time the series without a barrier before each gather (then a gather's "
+                        "time holds its peers still finishing the mode before it)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=float, default=300, help="seconds per link of a launch")
@@ -233,7 +239,7 @@ def main(argv=None) -> int:
                 word_shapes=([[e, D_MODEL, D_FF] for e in args.word_experts]
                              if "word" in args.series else []),
                 link_sizes=args.link_sizes, calibrate=args.calibrate,
-                calibrate_reps=max(3, args.reps), passes_mb=args.passes_mb)
+                calibrate_reps=max(3, args.reps), passes_mb=args.passes_mb, sync=args.sync)
     env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     shaped = [lk for lk in args.links if lk != "loopback"]
     ns_ok, ns_why = (netns.available() if shaped else (False, "no namespace links asked for"))

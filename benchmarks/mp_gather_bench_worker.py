@@ -63,7 +63,18 @@ def churn_fns(mesh, ndim: int, axis: int) -> dict:
     return {**gather_fns(mesh, ndim, axis), **checksum_fns(mesh, ndim, axis)}
 
 
-def measure_modes(mesh, shape, axis: int, reps: int, warmup: int) -> list[dict]:
+def barrier(spec: dict):
+    """What runs untimed before each timed gather of a series (``"sync": true``): a barrier
+    of every process, so no gather's time holds its peers still finishing the one before
+    (another mode's codec); None: no barrier."""
+    if not spec.get("sync"):
+        return None
+    from jax.experimental import multihost_utils
+
+    return functools.partial(multihost_utils.sync_global_devices, "timed call")
+
+
+def measure_modes(mesh, shape, axis: int, reps: int, warmup: int, sync=None) -> list[dict]:
     """Plain bits, exponent mode and word mode on :func:`word_pair`, timed interleaved."""
     import jax
     import jax.numpy as jnp
@@ -81,7 +92,7 @@ def measure_modes(mesh, shape, axis: int, reps: int, warmup: int) -> list[dict]:
              "exponent": CieraStepper(fns["ciera"], xa, xb, cache["exponent"]),
              "word": CieraStepper(fns["ciera"], xa, xb, cache["word"])}
     fresh: dict = {}
-    times = time_interleaved(calls, reps=reps, warmup=warmup, fresh=fresh)
+    times = time_interleaved(calls, reps=reps, warmup=warmup, fresh=fresh, sync=sync)
     N, n_bytes = mesh.devices.size, math.prod(shape) * 2
     recs = []
     for m, ts in times.items():
@@ -107,12 +118,13 @@ def series(mesh, spec: dict, pid: int, link: str) -> list[dict]:
         fns = churn_fns(mesh, len(shape), axis)
         for churn in spec["churn"]:
             for r in measure_all(mesh, shape, axis, churn, fns, methods, spec["reps"],
-                                 spec["warmup"]):
+                                 spec["warmup"], sync=barrier(spec)):
                 recs.append(dict(r, link=link))
                 print(f"process {pid} {link} {shape} churn {churn} {r['method']} "
                       f"{r['seconds'] * 1e3:.2f} ms", flush=True)
     for shape in spec.get("word_shapes", []):
-        for r in measure_modes(mesh, tuple(shape), axis, spec["reps"], spec["warmup"]):
+        for r in measure_modes(mesh, tuple(shape), axis, spec["reps"], spec["warmup"],
+                               sync=barrier(spec)):
             recs.append(dict(r, link=link))
             print(f"process {pid} {link} {tuple(shape)} word deltas {r['method']} "
                   f"{r['seconds'] * 1e3:.2f} ms wire {r['wire_ratio']:.3f}", flush=True)

@@ -10,8 +10,10 @@ fitted alpha and beta, so a miss here is a miss of the planner; ``counted_s`` is
 every codec priced as its counted bytes (the model before this sweep). ``host_s`` is the part of
 the prediction the host spends faulting in fresh memory (the calibrated ``fault_Bps`` on the
 profile's fresh bytes for the size, ``fresh_predicted``; ``fresh_bytes`` is what the slowest
-process counted per call; ``fresh_priced_s`` the prediction with those instead), and the link
-fits take each gather's counted faults off its time.
+process counted per call; ``fresh_priced_s`` the prediction with those instead). ``spill_s``
+is the part its copies beyond the last-level cache take (``spill_bytes`` at the calibrated
+``spill_Bps``). The link fits run through the gathers that did neither, or take each gather's
+host time off.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import math
 
 from common import print_table  # benchmarks/common.py, beside this script
 
-from ciera_jax.calibrate.fit import fit_alpha_beta
+from ciera_jax.calibrate import host as host_info
+from ciera_jax.calibrate.fit import clean, fit_alpha_beta, fit_host_rates
 from ciera_jax.planning import costmodel as cm
 from ciera_jax.planning import crossover as xo
 from ciera_jax.runtime.netns import rate_bits
@@ -52,22 +55,42 @@ def link_recs(results: list[dict], link: str, N: int) -> list[dict] | None:
     return recs
 
 
-def fit_link_recs(recs: list[dict] | None, fault_Bps: float = 0.0) -> dict | None:
+def fit_link_recs(recs: list[dict] | None, base: cm.Profile | None = None) -> dict | None:
     """alpha and beta of a link: the line through the gathers that faulted in no fresh memory
-    (under 1% of their bytes) where there are two, so the faults, priced apart, cannot bend it;
-    else every gather less its counted faults at ``fault_Bps``."""
+    and spilled nothing beyond the cache (``fit.clean``) where there are two, so the host's
+    costs, priced apart, cannot bend it; else every gather less its host time at ``base``'s
+    rates."""
     if not recs:
         return None
-    clean = [r for r in recs if r.get("fresh_bytes", 0.0) <= 0.01 * r["n_bytes"]]
-    use = clean if len(clean) >= 2 else recs
-    alpha, beta = fit_alpha_beta(use, fault_Bps)
-    return dict(alpha_s=alpha, beta_Bps=beta, fault_Bps=fault_Bps, gathers=recs,
-                fitted_on=[r["n_bytes"] for r in use])
+    fault_Bps = base.fault_Bps if base else 0.0
+    spill_Bps = base.spill_Bps if base else 0.0
+    recs = [dict(r, spill_bytes=cm.spill_bytes(r["n_bytes"], r["N"], base) if base else 0.0)
+            for r in recs]
+    use = clean(recs)
+    use = use if len(use) >= 2 else recs
+    alpha, beta = fit_alpha_beta(use, fault_Bps, spill_Bps)
+    return dict(alpha_s=alpha, beta_Bps=beta, fault_Bps=fault_Bps, spill_Bps=spill_Bps,
+                gathers=recs, fitted_on=[r["n_bytes"] for r in use])
 
 
-def fit_link(results: list[dict], link: str, N: int, fault_Bps: float = 0.0) -> dict | None:
+def fit_link(results: list[dict], link: str, N: int, base: cm.Profile | None) -> dict | None:
     """alpha and beta of ``link`` from every process's plain gathers (:func:`fit_link_recs`)."""
-    return fit_link_recs(link_recs(results, link, N), fault_Bps)
+    return fit_link_recs(link_recs(results, link, N), base)
+
+
+def refit_host(calib: dict) -> cm.Profile:
+    """A calibration's profile; one from before the cache-spill term (no ``llc_bytes``) gets
+    this host's cache and cores and both host rates fitted again from its fault gathers
+    (``fit.fit_host_rates`` on its alpha and beta), as ``ciera calibrate`` now fits them."""
+    prof = cm.Profile(**calib["profile"])
+    recs = (calib.get("details") or {}).get("faults")
+    if "llc_bytes" in calib["profile"] or not recs:
+        return prof
+    prof = dataclasses.replace(prof, llc_bytes=host_info.llc_bytes(),
+                               host_cores=host_info.host_cores())
+    recs = [dict(r, spill_bytes=cm.spill_bytes(r["n_bytes"], r["N"], prof)) for r in recs]
+    fault_Bps, spill_Bps = fit_host_rates(recs, prof.alpha_s, prof.beta_Bps)
+    return dataclasses.replace(prof, fault_Bps=fault_Bps, spill_Bps=spill_Bps)
 
 
 def measured(results: list[dict], link: str) -> dict:
@@ -108,13 +131,14 @@ def make_point(series: str, link: str, N: int, mode: str, shape, t: float, plain
     # the model before the sweep: every codec priced as its counted bytes
     counted = dataclasses.replace(prof, codec_pricing="counted") if prof else None
     host = cm.host_fault_time(full_bytes, prof) if prof else None
+    spill = cm.host_spill_time(full_bytes, N, prof) if prof else None
     return dict(
         series=series, link=link, rate_bps=link_rate(link), procs=N, mode=mode,
         mb=full_bytes / 2**20, shape=list(shape), inputs=kw, measured_s=t, ratio=t / plain_s,
         wire_ratio=wire_ratio, predicted_s=pred,
         counted_s=xo.predict(mode, n, N, counted, **kw) if prof else None,
         predicted_ratio=(pred / pred_plain if pred is not None else None),
-        host_s=host, fresh_bytes=fresh,
+        host_s=host, spill_s=spill, fresh_bytes=fresh,
         fresh_predicted=cm.fresh_bytes(full_bytes, prof) if prof else None,
         # the same prediction with the fresh bytes this point counted
         fresh_priced_s=(pred - host + fresh / prof.fault_Bps if prof and prof.fault_Bps and
@@ -129,7 +153,7 @@ def launch_points(launch: dict) -> tuple[list[dict], dict]:
     base = cm.Profile(**calib["profile"]) if calib else None
     points, fits = [], {}
     for link in launch["links"]:
-        fit = fit_link(results, link, N, base.fault_Bps if base else 0.0)
+        fit = fit_link(results, link, N, base)
         fits[link] = fit
         prof = xo.link_profile(base, fit["alpha_s"], fit["beta_Bps"]) if base and fit else None
         for (series, shape), modes in measured(results, link).items():
@@ -153,12 +177,14 @@ def reprice(res: dict) -> dict:
         for m in ("exponent", "word"):
             stats_of[("word", r["link"], r["procs"], m)] = inputs(m, r["shape"], r["devices"],
                                                                  r[f"{m}_stats"])
-    bases = {c["procs"]: cm.Profile(**c["profile"]) for c in res["calibrations"]}
+    bases = {c["procs"]: refit_host(c) for c in res["calibrations"]}
+    calibrations = [dict(c, profile=dataclasses.asdict(bases[c["procs"]]))
+                    for c in res["calibrations"]]
     fits, points = [], []
     for f in res["link_fits"]:
         base = bases.get(f["procs"])
         recs = [dict(g, N=f["procs"]) for g in f.get("gathers") or []]
-        fit = fit_link_recs(recs, base.fault_Bps if base else 0.0)
+        fit = fit_link_recs(recs, base)
         fits.append(dict(procs=f["procs"], link=f["link"], **(fit or {})))
         prof = xo.link_profile(base, fit["alpha_s"], fit["beta_Bps"]) if base and fit else None
         for p in res["points"]:
@@ -171,7 +197,7 @@ def reprice(res: dict) -> dict:
                                      p["measured_s"], p["measured_s"] / p["ratio"], kw,
                                      p["wire_ratio"], p.get("fresh_bytes"), prof))
     return dict(res, points=points, link_fits=fits, crossovers=crossovers(points),
-                within_25=within(points))
+                within_25=within(points), calibrations=calibrations)
 
 
 def crossovers(points: list[dict]) -> list[dict]:
@@ -218,6 +244,7 @@ POINT_COLUMNS = [
     ("meas ms", 8, _ms("measured_s")), ("pred ms", 8, _ms("predicted_s")),
     ("meas/pred", 9, lambda r: "-" if r["error"] is None else f"{r['error'] + 1:.2f}"),
     ("counted ms", 10, _ms("counted_s")), ("host ms", 7, _ms("host_s")),
+    ("spill ms", 8, _ms("spill_s")),
     ("fresh MB", 8, lambda r: "-" if r.get("fresh_bytes") is None else
      f"{r['fresh_bytes'] / 2**20:.0f}"),
     ("x plain", 7, _x("ratio")), ("pred x", 6, _x("predicted_ratio")),

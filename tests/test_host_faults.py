@@ -9,7 +9,7 @@ import mmap
 import numpy as np
 import pytest
 
-from ciera_jax.calibrate.fit import fit_alpha_beta, fit_fresh_bytes, fit_link_and_faults
+from ciera_jax.calibrate.fit import fit_alpha_beta, fit_fresh_bytes, fit_link_and_host
 from ciera_jax.calibrate.kit import time_interleaved
 from ciera_jax.planning import costmodel as cm
 from ciera_jax.planning import crossover as xo
@@ -43,9 +43,9 @@ def test_hinge_fit_recovers_where_fresh_memory_starts_and_its_slope():
     assert fit_fresh_bytes(SIZES, [0] * len(SIZES)) == (0.0, 0.0)
 
 
-def test_joint_fit_recovers_alpha_beta_and_the_fault_rate():
-    a, b, f = fit_link_and_faults(gathers())
-    assert (a, b, f) == pytest.approx((ALPHA, BETA, FAULT), rel=1e-6)
+def test_link_and_host_fit_recovers_alpha_beta_and_the_fault_rate():
+    a, b, f, s = fit_link_and_host(gathers())
+    assert (a, b, f) == pytest.approx((ALPHA, BETA, FAULT), rel=1e-6) and s == 0.0
     # the ring fit alone bends: the faults of the big gathers read as a slower link
     a0, b0 = fit_alpha_beta(gathers())
     assert b0 < 0.8 * BETA
@@ -54,8 +54,8 @@ def test_joint_fit_recovers_alpha_beta_and_the_fault_rate():
     # nothing fresh: no fault term, the ring fit as before
     clean = [dict(r, fresh_bytes=0.0, seconds=r["seconds"] - r["fresh_bytes"] / FAULT)
              for r in gathers()]
-    a, b, f = fit_link_and_faults(clean)
-    assert f == 0.0 and (a, b) == pytest.approx((ALPHA, BETA), rel=1e-6)
+    a, b, f, s = fit_link_and_host(clean)
+    assert f == s == 0.0 and (a, b) == pytest.approx((ALPHA, BETA), rel=1e-6)
 
 
 HOST = cm.Profile("host", alpha_s=ALPHA, beta_Bps=BETA, codec_Bps=2e8, agreement_s=1e-3,

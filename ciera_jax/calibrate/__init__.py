@@ -7,7 +7,8 @@ kit.py       the gather timing kit: weight pairs with controlled exponent churn,
              interleaved timing (also used by the gather benchmarks and the simulator tests)
 measure.py   calibration's measurements: plain gathers, the codec, CIERA's overhead beyond the
              wire, the agreement, the memory rate
-fit.py       the fits: ring model ``t = (N-1)*alpha + (N-1)/N * bytes/beta``, rate lines
+fit.py       the fits: ring model ``t = (N-1)*alpha + (N-1)/N * bytes/beta``, host rates, lines
+host.py      the host's last-level cache and cores (sysfs, affinity)
 profile.py   :func:`calibrate`: measure, fit, and return a :class:`~ciera_jax.planning.costmodel.Profile`
 
 What is measured (every figure a median of interleaved repetitions of one jitted call):
@@ -23,11 +24,16 @@ What is measured (every figure a median of interleaved repetitions of one jitted
   The kernels alone (encode of each rank's shard + decode of the full tensor on every rank at
   once) are timed too and reported in the source. On one device (no gather) the kernels' rate
   is the value.
-* ``fault_Bps``, ``fresh_from_bytes``, ``fresh_per_byte`` (CPU only): plain gathers on the full
-  mesh at sizes across glibc's mmap threshold (:data:`.defaults.CPU_FAULT_SIZES`), each with the
-  fresh memory it faulted in per call (minor faults x page size, ``getrusage``): one least-squares
-  fit of ``t = ring(alpha, beta) + fresh_bytes / fault_Bps`` over every plain gather, and a hinge
-  of fresh bytes against size. On a GPU all three stay 0 (pooled device buffers).
+* ``fault_Bps``, ``fresh_from_bytes``, ``fresh_per_byte``, ``spill_Bps`` (CPU only): plain
+  gathers on the full mesh at sizes across glibc's mmap threshold and the last-level cache
+  (:data:`.defaults.CPU_FAULT_SIZES`), each with the fresh memory it faulted in per call (minor
+  faults x page size, ``getrusage``) and its bytes copied from memory once its working set
+  exceeds the cache (``llc_bytes`` from sysfs, ``host_cores`` from the affinity: the cost
+  model's ``spill_bytes``). alpha and beta come from
+  the gathers that did neither; one least-squares fit of ``t - ring(alpha, beta) = fresh_bytes /
+  fault_Bps + spill_bytes / spill_Bps`` over every plain gather gives the two host rates, and a
+  hinge of fresh bytes against size the fresh rule. On a GPU all of them stay 0 (pooled device
+  buffers, no host copies).
 * ``agreement_s``: one ``pmax`` of an int32 vector (one count per layer), less an empty call.
 * ``hbm_Bps``: ``w ^ salt`` over a full-tensor-sized buffer on every rank at once.
 

@@ -5,8 +5,9 @@ Kept free of JAX so the command's help can quote them without starting it.
 
 CPU_SIZES = ("4K", "64K", "1M", "8M")  # gather fit (alpha, beta)
 CPU_CODEC_SIZES = ("1M", "8M")  # codec fit
-# host fault fit: plain gathers on the full mesh from below glibc's mmap threshold (fresh memory
-# on every call above it, 32 MB at most) to above it; GPUs have none (XLA's pooled buffers)
+# host fault and cache-spill fit: plain gathers on the full mesh from below glibc's mmap
+# threshold (fresh memory on every call above it, 32 MB at most) and the last-level cache (tens
+# of MB) to above both; GPUs have neither (XLA's pooled buffers, no host copies)
 CPU_FAULT_SIZES = ("8M", "16M", "24M", "32M", "48M")
 GPU_SIZES = ("4K", "64K", "16M", "128M")
 GPU_CODEC_SIZES = ("16M", "256M")

@@ -1,5 +1,6 @@
 """The fits that turn timings into profile values: the ring all-gather model (with the host's
-fresh-memory faults), rate lines, and the fresh bytes a gather of a size faults in."""
+fresh-memory faults and its copies beyond the last-level cache), rate lines, and the fresh
+bytes a gather of a size faults in."""
 
 from __future__ import annotations
 
@@ -9,16 +10,30 @@ from collections.abc import Sequence
 import numpy as np
 
 
-def fit_alpha_beta(recs: Sequence[dict], fault_Bps: float = 0.0) -> tuple[float, float]:
+def host_s(r: dict, fault_Bps: float = 0.0, spill_Bps: float = 0.0) -> float:
+    """Seconds of gather ``r`` that are its host's: its measured ``fresh_bytes`` at
+    ``fault_Bps`` and its ``spill_bytes`` (beyond the last-level cache) at ``spill_Bps``."""
+    return ((r.get("fresh_bytes", 0.0) / fault_Bps if fault_Bps else 0.0) +
+            (r.get("spill_bytes", 0.0) / spill_Bps if spill_Bps else 0.0))
+
+
+def clean(recs: Sequence[dict]) -> list[dict]:
+    """The gathers that neither faulted in fresh memory (under 1% of their bytes) nor spilled
+    beyond the cache: the link's own line runs through them."""
+    return [r for r in recs if r.get("fresh_bytes", 0.0) <= 0.01 * r["n_bytes"]
+            and not r.get("spill_bytes", 0.0)]
+
+
+def fit_alpha_beta(recs: Sequence[dict], fault_Bps: float = 0.0,
+                   spill_Bps: float = 0.0) -> tuple[float, float]:
     """Least squares on relative error of ``t = (N-1)*alpha + (N-1)/N*bytes/beta``, both >= 0.
 
-    ``recs`` hold ``N``, ``n_bytes`` (full tensor) and ``seconds`` per gather. With a
-    ``fault_Bps``, each gather's ``fresh_bytes`` (measured) at that rate are taken off its time
-    first, so a gather that faulted in fresh memory does not bend the link's line.
+    ``recs`` hold ``N``, ``n_bytes`` (full tensor) and ``seconds`` per gather. Each gather's
+    host time at the given rates (:func:`host_s`) is taken off first, so a gather that faulted
+    in fresh memory or spilled beyond the cache does not bend the link's line.
     """
     A = np.array([[r["N"] - 1, (r["N"] - 1) / r["N"] * r["n_bytes"]] for r in recs], float)
-    t = np.array([r["seconds"] - (r.get("fresh_bytes", 0.0) / fault_Bps if fault_Bps else 0.0)
-                  for r in recs], float)
+    t = np.array([r["seconds"] - host_s(r, fault_Bps, spill_Bps) for r in recs], float)
     t = np.maximum(t, 0.1 * np.array([r["seconds"] for r in recs], float))
     Aw, tw = A / t[:, None], np.ones_like(t)
     coef, *_ = np.linalg.lstsq(Aw, tw, rcond=None)
@@ -51,22 +66,41 @@ def fit_rate(n_bytes: Sequence[float], seconds: Sequence[float]) -> tuple[float,
     return 1.0 / float(slope), float(icpt)
 
 
-def fit_link_and_faults(recs: Sequence[dict]) -> tuple[float, float, float]:
-    """``(alpha, beta, fault_Bps)``: least squares on relative error of
-    ``t = (N-1)*alpha + (N-1)/N*bytes/beta + fresh_bytes/fault_Bps``, each ``fresh_bytes`` the
-    gather's measured fresh host memory. Where the fresh bytes explain nothing (none faulted, or
-    a coefficient <= 0), ``fault_Bps`` is 0 (no such term) and alpha and beta are
-    :func:`fit_alpha_beta`'s."""
-    F = np.array([r.get("fresh_bytes", 0.0) for r in recs], float)
-    if len(recs) >= 3 and F.max(initial=0.0) > 0:
-        A = np.array([[r["N"] - 1, (r["N"] - 1) / r["N"] * r["n_bytes"], f]
-                      for r, f in zip(recs, F)], float)
-        t = np.array([r["seconds"] for r in recs], float)
-        coef, *_ = np.linalg.lstsq(A / t[:, None], np.ones_like(t), rcond=None)
-        if coef[2] > 0 and coef[1] > 0:
-            fault_Bps = 1.0 / float(coef[2])
-            return (*fit_alpha_beta(recs, fault_Bps), fault_Bps)
-    return (*fit_alpha_beta(recs), 0.0)
+def fit_host_rates(recs: Sequence[dict], alpha: float, beta: float) -> tuple[float, float]:
+    """``(fault_Bps, spill_Bps)``: least squares on relative error of what each gather took
+    beyond the link's line, ``fresh_bytes/fault_Bps + spill_bytes/spill_Bps`` (measured fresh
+    bytes, the rule's spill bytes). Both rates, then each alone, are tried; the best fit whose
+    coefficients are all > 0 is kept, a term it leaves out is 0 (no such cost)."""
+    t = np.array([r["seconds"] for r in recs], float)
+    extra = np.array([r["seconds"] - (r["N"] - 1) * alpha - (r["N"] - 1) / r["N"] *
+                      r["n_bytes"] / beta for r in recs], float) / t
+    X = np.array([[r.get("fresh_bytes", 0.0), r.get("spill_bytes", 0.0)] for r in recs],
+                 float) / t[:, None]
+    best, rates = math.inf, (0.0, 0.0)
+    for cols in ([0, 1], [0], [1]):
+        if len(recs) < len(cols) or not X[:, cols].any(axis=0).all():
+            continue
+        coef, *_ = np.linalg.lstsq(X[:, cols], extra, rcond=None)
+        err = float(np.sum((X[:, cols] @ coef - extra) ** 2))
+        if (coef > 0).all() and err < best:
+            got = dict(zip(cols, 1.0 / coef))
+            best, rates = err, (float(got.get(0, 0.0)), float(got.get(1, 0.0)))
+    return rates
+
+
+def fit_link_and_host(recs: Sequence[dict]) -> tuple[float, float, float, float]:
+    """``(alpha, beta, fault_Bps, spill_Bps)``: the link's line through the :func:`clean`
+    gathers (every gather, where fewer than two sizes are clean), then the host's rates
+    (:func:`fit_host_rates`) from what every gather took beyond it, and the line again with
+    those taken off where it had to run through unclean gathers."""
+    use = clean(recs)
+    if len({r["n_bytes"] for r in use}) < 2:
+        use = list(recs)
+    alpha, beta = fit_alpha_beta(use)
+    fault_Bps, spill_Bps = fit_host_rates(recs, alpha, beta)
+    if len(use) == len(recs) and (fault_Bps or spill_Bps):
+        alpha, beta = fit_alpha_beta(recs, fault_Bps, spill_Bps)
+    return alpha, beta, fault_Bps, spill_Bps
 
 
 def fit_fresh_bytes(n_bytes: Sequence[float], fresh: Sequence[float]) -> tuple[float, float]:

@@ -147,9 +147,12 @@ def fresh_bytes_so_far() -> int:
 
 
 def time_interleaved(calls: dict[str, Callable[[], object]], reps: int = 7,
-                     warmup: int = 2, fresh: dict | None = None) -> dict[str, list[float]]:
+                     warmup: int = 2, fresh: dict | None = None,
+                     sync: Callable[[], object] | None = None) -> dict[str, list[float]]:
     """Seconds per call of each callable, round-robin so drift and load hit all alike.
-    ``fresh`` (a dict), if given, receives each callable's fresh bytes per timed call."""
+    ``fresh`` (a dict), if given, receives each callable's fresh bytes per timed call.
+    ``sync``, if given, runs untimed before each timed call: across processes, a barrier, so a
+    collective's time does not include its peers still finishing the call before it."""
     for _ in range(warmup):
         for f in calls.values():
             block(f())
@@ -157,6 +160,8 @@ def time_interleaved(calls: dict[str, Callable[[], object]], reps: int = 7,
     faulted = {k: [] for k in calls}
     for _ in range(reps):
         for k, f in calls.items():
+            if sync is not None:
+                sync()
             f0 = fresh_bytes_so_far()
             t0 = time.perf_counter()
             block(f())
@@ -178,7 +183,8 @@ def median_call(fn, *args, reps: int, warmup: int = 2) -> float:
 
 def measure_gathers(mesh, shape, axis: int, change_rate: float,
                     methods: Sequence[str] = ("plain", "ciera"), reps: int = 7,
-                    warmup: int = 2, dtype=None, fns: dict | None = None) -> list[dict]:
+                    warmup: int = 2, dtype=None, fns: dict | None = None,
+                    sync: Callable[[], object] | None = None) -> list[dict]:
     """Median seconds per gather of a weight pair of ``shape`` for each method, interleaved.
 
     ``fns`` maps each method to a jitted gather (default :func:`gather_fns`); methods named
@@ -200,7 +206,7 @@ def measure_gathers(mesh, shape, axis: int, change_rate: float,
         else:
             calls[m] = functools.partial(fns[m], xa)
     fresh: dict = {}
-    times = time_interleaved(calls, reps=reps, warmup=warmup, fresh=fresh)
+    times = time_interleaved(calls, reps=reps, warmup=warmup, fresh=fresh, sync=sync)
     n_bytes = math.prod(shape) * np.dtype(dtype).itemsize
     n_local = math.prod(shape) // N
     recs = []

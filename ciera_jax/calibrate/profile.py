@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import platform
+import types
 from collections.abc import Sequence
 
 import jax
@@ -11,8 +12,8 @@ import jax
 from ciera_jax.planning import costmodel as cm
 from ciera_jax.calibrate.defaults import (CPU_CODEC_SIZES, CPU_FAULT_SIZES, CPU_SIZES,
                                           GPU_CODEC_SIZES, GPU_SIZES, mesh_sizes_for)
-from ciera_jax.calibrate.fit import (fit_alpha_beta, fit_fresh_bytes, fit_link_and_faults,
-                                     fit_rate)
+from ciera_jax.calibrate import host as host_info
+from ciera_jax.calibrate.fit import fit_alpha_beta, fit_fresh_bytes, fit_link_and_host, fit_rate
 from ciera_jax.calibrate.measure import (empty_call_s, measure_agreement, measure_ciera_overhead,
                                          measure_codec, measure_escape_cost, measure_hbm,
                                          measure_plain_gathers, measure_word_overhead)
@@ -62,20 +63,25 @@ def calibrate(mesh_sizes: Sequence[int] | None = None, sizes: Sequence | None = 
         f"empty call {empty_s * 1e6:.0f} us")
     sources = {}
     gather_recs, fault_recs = [], []
-    fault_Bps = fresh_from = fresh_per = 0.0
+    fault_Bps = fresh_from = fresh_per = spill_Bps = 0.0
+    # the host's cache and cores (CPU): what its ranks' gather buffers share
+    host = types.SimpleNamespace(llc_bytes=host_info.llc_bytes() if on_cpu else 0,
+                                 host_cores=host_info.host_cores() if on_cpu else 0)
     if N_max > 1 and sizes:
-        gather_recs = measure_plain_gathers([n for n in mesh_sizes if n > 1], sizes, reps, log)
+        gather_recs = with_spill(measure_plain_gathers([n for n in mesh_sizes if n > 1], sizes,
+                                                       reps, log), host)
         alpha, beta = fit_alpha_beta(gather_recs)
         sources["alpha_s"] = (f"{src}: least-squares fit of plain bits all-gathers, "
                               f"N={mesh_sizes}, sizes={[fmt_bytes(s) for s in sizes]} "
                               "(includes the fixed cost of one call)")
         if fault_sizes:
-            fault_recs = measure_plain_gathers([N_max], fault_sizes, reps, log)
-            alpha, beta, fault_Bps = fit_link_and_faults(gather_recs + fault_recs)
+            fault_recs = with_spill(measure_plain_gathers([N_max], fault_sizes, reps, log), host)
+            alpha, beta, fault_Bps, spill_Bps = fit_link_and_host(gather_recs + fault_recs)
             full = [r for r in gather_recs + fault_recs if r["N"] == N_max]
             fresh_from, fresh_per = fit_fresh_bytes([r["n_bytes"] for r in full],
                                                     [r["fresh_bytes"] for r in full])
-            sources["alpha_s"] += (f", fitted with the host faults of N={N_max} gathers of "
+            sources["alpha_s"] += (f", through those that neither faulted nor spilled beyond "
+                                   f"the cache of these and N={N_max} gathers of "
                                    f"{[fmt_bytes(s) for s in fault_sizes]}")
         sources["beta_Bps"] = sources["alpha_s"]
     else:
@@ -126,9 +132,14 @@ def calibrate(mesh_sizes: Sequence[int] | None = None, sizes: Sequence | None = 
         sources["codec_launch_s"] = f"{src}: intercept of that line less one empty call"
     if fault_recs:
         sources["fault_Bps"] = (
-            f"{src}: least squares of t = ring(alpha, beta) + fresh_bytes/fault_Bps over the "
-            "plain gathers above, fresh_bytes each gather's minor page faults x page size "
-            "(getrusage); 0: the faults explained nothing")
+            f"{src}: least squares of t - ring(alpha, beta) = fresh_bytes/fault_Bps + "
+            "spill_bytes/spill_Bps over the plain gathers above, fresh_bytes each gather's "
+            "minor page faults x page size (getrusage); 0: the faults explained nothing")
+        sources["spill_Bps"] = (
+            f"{src}: that fit, spill_bytes = W = bytes * max(1, N / host_cores) where W > "
+            "llc_bytes, else 0, per gather; 0: the spill explained nothing")
+        sources["llc_bytes"] = f"{src}: the last-level cache of cpu0 (sysfs)"
+        sources["host_cores"] = f"{src}: cores in this process's CPU affinity"
         sources["fresh_from_bytes"] = sources["fresh_per_byte"] = (
             f"{src}: hinge fit of those fresh bytes per gather against its size, "
             f"N={N_max}: fresh = per_byte * max(0, bytes - from)")
@@ -137,6 +148,9 @@ def calibrate(mesh_sizes: Sequence[int] | None = None, sizes: Sequence | None = 
                "per gather" if not on_cpu else "not measured (no fault sizes, or one device)")
         sources["fault_Bps"] = sources["fresh_from_bytes"] = sources["fresh_per_byte"] = (
             f"{why}; 0: no host fault term")
+        sources["spill_Bps"] = sources["llc_bytes"] = sources["host_cores"] = (
+            f"{why}; 0: no cache spill term")
+        host.llc_bytes = host.host_cores = 0
     hbm = measure_hbm(full_mesh, max(codec_sizes), reps, empty_s)
     sources["hbm_Bps"] = f"{src}: w ^ salt over {fmt_bytes(max(codec_sizes))} on every rank"
     sources["entropy_Bps"] = f"not measured; carried over from built-in profile {base.name}"
@@ -145,6 +159,7 @@ def calibrate(mesh_sizes: Sequence[int] | None = None, sizes: Sequence | None = 
                       entropy_Bps=base.entropy_Bps, codec_launch_s=launch_s,
                       codec_pricing="measured", word_codec_Bps=word_Bps, escape_s=escape_s,
                       fault_Bps=fault_Bps, fresh_from_bytes=fresh_from, fresh_per_byte=fresh_per,
+                      llc_bytes=host.llc_bytes, host_cores=host.host_cores, spill_Bps=spill_Bps,
                       sources=sources)
     details = dict(platform=plat, device_kind=kind, devices=len(devs), mesh_sizes=mesh_sizes,
                    empty_call_s=empty_s, gathers=[{k: v for k, v in r.items() if k != "times"}
@@ -154,6 +169,12 @@ def calibrate(mesh_sizes: Sequence[int] | None = None, sizes: Sequence | None = 
                    escape=esc_row, word_overhead=word_rows,
                    host=platform.node(), date=date)
     return prof, details
+
+
+def with_spill(recs: list[dict], host) -> list[dict]:
+    """Each gather with the bytes of its working set beyond the host's cache (the cost
+    model's ``spill_bytes``; 0 where ``host`` names no cache)."""
+    return [dict(r, spill_bytes=cm.spill_bytes(r["n_bytes"], r["N"], host)) for r in recs]
 
 
 def profile_table(p: cm.Profile) -> str:
@@ -169,6 +190,8 @@ def profile_table(p: cm.Profile) -> str:
             ("fault_Bps", f"{p.fault_Bps / 1e9:.3f} GB/s", "host faults of fresh memory (0: none)"),
             ("fresh_from", fmt_bytes(int(p.fresh_from_bytes)), "gathers fault fresh memory above"),
             ("fresh_per_byte", f"{p.fresh_per_byte:.2f}", "fresh bytes per gathered byte above it"),
+            ("spill_Bps", f"{p.spill_Bps / 1e9:.3f} GB/s", "copies beyond the cache (0: none)"),
+            ("llc_bytes", fmt_bytes(int(p.llc_bytes)), f"last-level cache, {p.host_cores} cores"),
             ("codec_pricing", p.codec_pricing, "counted bytes, or measured rates"),
             ("hbm_Bps", f"{p.hbm_Bps / 1e9:.3f} GB/s", "memory copy rate"),
             ("entropy_Bps", f"{p.entropy_Bps / 1e9:.3f} GB/s", "not measured (carried over)")]

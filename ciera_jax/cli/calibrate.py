@@ -29,6 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"GPU {' '.join(GPU_CODEC_SIZES)})")
     p.add_argument("--fault-sizes", nargs="*", default=None,
                    help="sizes of the plain gathers that fit the host's fresh-memory faults "
+                        "and its copies beyond the last-level cache "
                         f"on the full mesh (default CPU {' '.join(CPU_FAULT_SIZES)}; none on GPU; "
                         "give the flag alone to skip)")
     p.add_argument("--mesh-sizes", type=int, nargs="+", default=None,

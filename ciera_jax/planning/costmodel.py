@@ -11,7 +11,8 @@ seconds; the time is the collective's time on the link plus the codec time:
     t_entropy= (N-1)*alpha + (N-1)/N * n*b/1.5 / beta + encode + decode at entropy-codec rate
     t_word   = (N-1)*alpha + (N-1)/N * n*word_bytes_per_weight / beta + word codec
 
-and every one of them + host faults (:func:`host_fault_time` of ``n*b``; 0 on GPU profiles).
+and every one of them + host faults (:func:`host_fault_time` of ``n*b``) + the host's copies
+beyond its last-level cache (:func:`host_spill_time`); both 0 on GPU profiles.
 
 Wire bytes are what the gathers send (``sent_bytes`` in their stats, tested equal): the rungs of
 :mod:`ciera_jax.codec.wire` for both CIERA modes, int8 codes in whole blocks plus one float32 scale per
@@ -35,6 +36,15 @@ first touch of each page faults, so a gather of ``B`` full bytes faults in about
 tensor from 32 MB up, little below 8 MB; counted with ``getrusage``) at ``fault_Bps``. It is why
 a gather's effective bandwidth falls with its size over sockets (``docs/results.md``, "Where
 CIERA pays"). Every method pays it on the size of the full tensor it returns.
+
+A host's gather also slows once its working set leaves the last-level cache (``spill_Bps``, 0
+on GPUs): the ranks time-sharing one core each copy the full tensor through the sockets, a
+working set of ``W = B * max(1, N / host_cores)`` for a gather of ``B`` full bytes on ``N``
+ranks over ``host_cores`` cores. Copies that sweep more than the cache in a cycle miss on every
+line (LRU), so above ``llc_bytes`` all ``W`` bytes (:func:`spill_bytes`) run from memory at
+``spill_Bps``, on top of the link's line (4 processes on 2 cores at load 10-24: plain gathers
+of 8 / 16 / 24 MB in 24 / 87 / 141 ms with no fresh memory; ``docs/results.md``, "Where CIERA
+pays"). Both host rates are as loaded as the host they were calibrated on.
 
 ``n`` is the element count of the FULL tensor, ``b`` its bytes per element. The link is a
 :class:`Profile` (one flat ring) or a :class:`Topology` (NVLink ring inside a node, then a
@@ -93,6 +103,10 @@ class Profile:
                 buffers; 0: no such cost (GPU profiles)
     fresh_from_bytes, fresh_per_byte  the fresh bytes of one gather of ``B`` full bytes:
                 ``fresh_per_byte * max(0, B - fresh_from_bytes)`` (:func:`fresh_bytes`)
+    llc_bytes   the host's last-level cache (bytes, sysfs) the gathers' buffers compete for
+    host_cores  cores the host's ranks share (their CPU affinity)
+    spill_Bps   bytes/s at which a gather's working set is copied once it exceeds
+                ``llc_bytes`` (:func:`spill_bytes`); 0: no such cost (GPU profiles)
     """
 
     name: str
@@ -110,6 +124,9 @@ class Profile:
     fault_Bps: float = 0.0
     fresh_from_bytes: float = 0.0
     fresh_per_byte: float = 0.0
+    llc_bytes: float = 0.0
+    host_cores: int = 0
+    spill_Bps: float = 0.0
     sources: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
@@ -174,6 +191,9 @@ class Topology:
     fault_Bps = _from_intra("fault_Bps")
     fresh_from_bytes = _from_intra("fresh_from_bytes")
     fresh_per_byte = _from_intra("fresh_per_byte")
+    llc_bytes = _from_intra("llc_bytes")
+    host_cores = _from_intra("host_cores")
+    spill_Bps = _from_intra("spill_Bps")
 
     def agreement(self, N: int) -> float:
         return self.intra.agreement_s if N <= self.gpus_per_node else self.inter.agreement_s
@@ -236,6 +256,25 @@ def host_fault_time(full_bytes: float, link) -> float:
     return fresh_bytes(full_bytes, link) / link.fault_Bps
 
 
+def spill_bytes(full_bytes: float, N: int, link) -> float:
+    """Bytes a gather copies from memory, not its host's last-level cache: its working set,
+    the full tensor once per rank time-sharing a core (``N / host_cores``, at least 1), all of
+    it once it exceeds the cache (a cyclic sweep larger than an LRU cache misses every line),
+    none below; 0 where the profile names no cache or cores."""
+    if not link.llc_bytes or not link.host_cores:
+        return 0.0
+    ws = full_bytes * max(1.0, N / link.host_cores)
+    return ws if ws > link.llc_bytes else 0.0
+
+
+def host_spill_time(full_bytes: float, N: int, link) -> float:
+    """Seconds one gather returning ``full_bytes`` on ``N`` ranks spends copying its bytes
+    beyond the last-level cache (0 where the profile has no spill rate: GPU profiles)."""
+    if not link.spill_Bps:
+        return 0.0
+    return spill_bytes(full_bytes, N, link) / link.spill_Bps
+
+
 # ----------------------------------------------------------------------------- codec
 
 def expected_change_count(n_local: int, change_rate: float) -> int:
@@ -276,7 +315,8 @@ def measured_codec_Bps(method: str, link) -> float | None:
 class GatherCost:
     """One method on one tensor: bytes on the wire (full tensor), codec seconds on the device,
     whether CIERA fell back to plain, the patch capacity it used, and the seconds its host
-    spends faulting in fresh memory for the result (:func:`host_fault_time`)."""
+    spends faulting in fresh memory for the result (:func:`host_fault_time`) and copying beyond
+    its last-level cache (:func:`host_spill_time`)."""
 
     method: str
     wire_bytes: float
@@ -284,6 +324,7 @@ class GatherCost:
     fallback: bool = False
     patch_capacity: int = 0
     host_s: float = 0.0
+    spill_s: float = 0.0
 
 
 def gather_cost(method: str, n: int, N: int, bytes_per_elem: int, link: Link,
@@ -291,10 +332,12 @@ def gather_cost(method: str, n: int, N: int, bytes_per_elem: int, link: Link,
                 word_rates: tuple[float, float] | None = None) -> GatherCost:
     """Wire bytes, codec time and host fault time of ``method`` for a tensor of ``n`` elements
     on ``N`` ranks (:func:`_wire_and_codec`; every method returns the full tensor, so every one
-    pays :func:`host_fault_time` on ``n * bytes_per_elem``)."""
+    pays :func:`host_fault_time` and :func:`host_spill_time` on ``n * bytes_per_elem``)."""
     c = _wire_and_codec(method, n, N, bytes_per_elem, link, change_rate, word_bpw=word_bpw,
                         word_rates=word_rates)
-    return dataclasses.replace(c, host_s=host_fault_time(n * bytes_per_elem, link))
+    full = n * bytes_per_elem
+    return dataclasses.replace(c, host_s=host_fault_time(full, link),
+                               spill_s=host_spill_time(full, N, link))
 
 
 def _wire_and_codec(method: str, n: int, N: int, bytes_per_elem: int, link: Link,
@@ -350,7 +393,7 @@ def _wire_and_codec(method: str, n: int, N: int, bytes_per_elem: int, link: Link
 
 
 def _time(c: GatherCost, N: int, link: Link) -> float:
-    return gather_time(c.wire_bytes, N, link) + c.codec_s + c.host_s
+    return gather_time(c.wire_bytes, N, link) + c.codec_s + c.host_s + c.spill_s
 
 
 def t_plain(n: int, N: int, bytes_per_elem: int, p: Link) -> float:
