@@ -34,18 +34,12 @@ def gather_rows(buf_L: jax.Array, axis_name) -> jax.Array:
 
 def gather_main(plane_L: jax.Array, shard: jax.Array, fallback: jax.Array, csum: jax.Array,
                 axis_name):
-    """The main transfer, unconditional: every rank's plane (uint8) and checksum; returns
-    (rows (N, L + CHECKSUM_BYTES): what travelled, checksum tails included, for
-    :func:`plain_rest`; every rank's checksum (N,); the plane's rows (N, L)).
-
-    On a fallback step (``fallback``: rank-invariant) the same bytes carry the first L bytes
-    of the shard's bits instead, so the plain gather that follows sends only the rest
-    (:func:`plain_rest`) and a fallback step costs what a plain gather does.
-    """
-    head = _head_bytes(shard, plane_L.shape[0])
-    plane = jnp.where(fallback, head, plane_L)
-    rows = gather_rows(selfcheck.with_checksum(plane, csum), axis_name)
-    return rows, selfcheck.sent_checksums(rows), rows[:, :plane_L.shape[0]]
+    """The main transfer of a traced rung (its section follows in :func:`gather_section`):
+    :func:`gather_fixed` with no section. Returns (rows (N, L + CHECKSUM_BYTES), every rank's
+    checksum (N,), the plane's rows (N, L))."""
+    rows, sent_N, plane_NxL, _ = gather_fixed(plane_L, [], [], [], shard, fallback, csum,
+                                              axis_name)
+    return rows, sent_N, plane_NxL
 
 
 def gather_fixed(plane_L: jax.Array, parts, sizes, lengths, shard: jax.Array,
@@ -56,8 +50,9 @@ def gather_fixed(plane_L: jax.Array, parts, sizes, lengths, shard: jax.Array,
     rank's checksum (N,); the plane's rows (N, L); each part's rows (N, lengths[i]), zero
     past its prefix). The rows are read in place: no copy of the gathered wire is made.
 
-    On a fallback step (``fallback``: rank-invariant) the same T bytes carry the head of the
-    shard's bits instead, as :func:`gather_main` does.
+    On a fallback step (``fallback``: rank-invariant) the same T bytes carry the first T bytes
+    of the shard's bits instead, so the plain gather that follows sends only the rest
+    (:func:`plain_rest`) and a fallback step costs what a plain gather does.
     """
     pieces = [plane_L] + [_to_bytes(p[:size]) for p, size in zip(parts, sizes) if size]
     buf = jnp.concatenate(pieces) if len(pieces) > 1 else plane_L
