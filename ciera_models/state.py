@@ -127,9 +127,9 @@ class Trainer:
         """XLA's options for the step: on GPUs the flag set ``ciera aot`` reports with
         (``tc.xla_flags``: the FSDP set overlaps each layer's gathers with compute), none on
         other platforms."""
-        platform = self.mesh.devices.flat[0].platform
-        return gpu_targets.compiler_options(self.tc.xla_flags) if platform in (
-            "gpu", "cuda") else {}
+        if not gpu_targets.is_gpu(self.mesh.devices.flat[0].platform):
+            return {}
+        return gpu_targets.compiler_options(self.tc.xla_flags)
 
     def prepare(self, state: TrainState) -> TrainState:
         """Fill ``state.ahead`` at the start (first step, after a restore): encode against

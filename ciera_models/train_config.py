@@ -18,6 +18,7 @@ import dataclasses
 import importlib
 import typing
 
+from ciera_jax.runtime.gpu_targets import is_gpu
 from ciera_models import configs
 from ciera_models.data import TOKEN_DTYPES
 
@@ -126,7 +127,7 @@ class TrainConfig:
         "fsdp", "XLA:GPU's flags for the step (ignored on other devices): fsdp (NVIDIA "
         "JAX-Toolbox's FSDP set: latency-hiding scheduler, pipelined collectives, loop double "
         "buffering, so each layer's gathers overlap compute), default (XLA's own)",
-        choices=("fsdp", "default"))
+        choices=LazyChoices("ciera_jax.runtime.gpu_targets", "FLAG_SETS"))
 
     def rung_policy_options(self) -> dict:
         """Keyword arguments of :class:`ciera_jax.planning.capacities.RungPolicy`."""
@@ -144,13 +145,13 @@ class TrainConfig:
         """The attention implementation on devices of ``platform``: ``auto`` resolved."""
         if self.attention != "auto":
             return self.attention
-        return "cudnn" if platform in ("gpu", "cuda") else "xla"
+        return "cudnn" if is_gpu(platform) else "xla"
 
     def experts_on(self, platform: str) -> str:
         """The experts' grouped matmul on devices of ``platform``: ``auto`` resolved."""
         if self.experts_matmul != "auto":
             return self.experts_matmul
-        return "blocked" if platform in ("gpu", "cuda") else "ragged"
+        return "blocked" if is_gpu(platform) else "ragged"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ciera_jax.runtime import target
+from ciera_jax.runtime import gpu_targets, target
 from ciera_jax.runtime.varying import kernel_out_types
 
 IMPLS = ("auto", "xla", "pallas", "mosaic", "triton")
@@ -86,7 +86,7 @@ def lowering_for(platform: str = "cuda", *, capability: str | tuple[int, int] = 
     """Resolve ``impl`` as on a ``platform`` GPU of compute ``capability`` (e.g. "9.0", "8.0")
     inside this block, whatever this host's devices are: for ``jax.export`` to CUDA off-GPU and
     ``ciera aot`` (:func:`ciera_jax.runtime.target.tracing_for_gpu`: the escapes' walk too)."""
-    if platform not in ("cuda", "gpu"):
+    if not gpu_targets.is_gpu(platform):
         raise ValueError(f"lowering_for: only CUDA GPUs have Pallas kernels here, got {platform!r}")
     with target.tracing_for_gpu(_parse_capability(capability)):
         yield

@@ -33,6 +33,7 @@ FSDP_XLA_FLAGS: dict[str, bool] = {
     "xla_gpu_enable_highest_priority_async_stream": True,
 }
 FLAG_SETS = {"fsdp": FSDP_XLA_FLAGS, "default": {}}
+GPU_PLATFORMS = ("gpu", "cuda")  # what jax.Device.platform says of an NVIDIA GPU
 GPUS_PER_HOST = 8
 
 # XLA:GPU's scheduler memory limit (gpu_hlo_schedule.cc, GetSchedulerMemoryLimit): temporaries
@@ -42,6 +43,11 @@ GPUS_PER_HOST = 8
 SCHEDULER_BASE_SHARE = 0.8
 SLOP_FLAG = "xla_gpu_memory_limit_slop_factor"
 DEFAULT_SLOP_PERCENT = 95  # XLA's default
+
+
+def is_gpu(platform: str) -> bool:
+    """Whether devices of ``platform`` (``jax.Device.platform``) are GPUs."""
+    return platform in GPU_PLATFORMS
 
 
 def compiler_options(flags: str, slop_percent: int | None = None) -> dict:
