@@ -25,9 +25,8 @@ from jax.sharding import PartitionSpec as P
 from ciera_jax.collective import transfer
 from ciera_jax.fsdp import AXIS
 from ciera_jax.kernels.backend import lowering_for
-from ciera_jax.planning import memory
 from ciera_jax.runtime import gpu_targets, schedule
-from ciera_models.plan_policy import NO_CACHE
+from ciera_models import memory_limit
 from ciera_models.state import build_trainer, fresh_caches, is_spec
 from ciera_models.step import AHEAD_SPECS
 
@@ -72,24 +71,6 @@ def _collective_row(c: schedule.Collective) -> dict:
     return {**dataclasses.asdict(c), "steady": _steady(c)}
 
 
-def _model_memory(tr, tokens_per_gpu: int) -> memory.Memory:
-    """The memory model's count for the trainer's own cache modes."""
-    by_name = {k.rsplit("/", 1)[-1]: m for k, m in tr.cache_modes.items()}
-    mode_of = lambda t: {"word": "word", "exponent": "exponent"}.get(  # noqa: E731
-        by_name.get(t.name, NO_CACHE), "plain")
-    return memory.memory_per_gpu(tr.tc.model, tr.n, mode_of, tokens_per_gpu=tokens_per_gpu,
-                                 remat=tr.tc.remat)
-
-
-def per_gpu_bytes(args) -> int:
-    """Bytes one GPU holds of the abstract step arguments (each leaf's shard)."""
-    return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
-               for a in jax.tree.leaves(args))
-
-
-MEMORY_LIMITS = ("auto", "plan", "gpu")
-
-
 @dataclasses.dataclass(frozen=True)
 class _Compiled:
     """One XLA:GPU compile of the lowered step, and what the report reads of it."""
@@ -104,9 +85,7 @@ class _Compiled:
 
     @property
     def total(self) -> int:
-        ma = self.memory
-        return (ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
-                + ma.temp_size_in_bytes)
+        return memory_limit.xla_total(self.memory)
 
     @property
     def overlap(self) -> float:
@@ -124,33 +103,6 @@ def _compile(lowered, options: dict) -> _Compiled:
                      prog.kernels(), wall, cpu)
 
 
-def compile_within_plan(lowered, flags: str, memory_limit: str, slop: int, plan_bytes: int,
-                        tolerance: int = 0, log=None) -> tuple[_Compiled, _Compiled | None]:
-    """``(kept, other)``. ``gpu``: XLA's default limit. ``plan``: the plan's (``slop``).
-    ``auto``: XLA's default, and again at the plan's when XLA counts more than the plan by more
-    than ``tolerance`` (one step of the slop factor: the limit is no finer) and the plan's
-    limit is tighter; the smaller count is kept. The latency-hiding scheduler
-    spends what room it has on overlap, so unlimited it can spend what the plan gave caches;
-    it also overestimates a compressed step's needs (OLMoE-1B-7B's word caches, 16 H100s:
-    13.2-13.3 GB of temporaries at every limit from 17 to 46 GB, while the share of its
-    gathers overlapped went from 17% to 100%), so the plan's limit is no default where XLA
-    already keeps within the plan."""
-    if memory_limit not in MEMORY_LIMITS:
-        raise ValueError(f"memory_limit must be one of {MEMORY_LIMITS}, got {memory_limit!r}")
-    tighter = slop < gpu_targets.DEFAULT_SLOP_PERCENT
-    options = functools.partial(gpu_targets.compiler_options, flags)
-    if memory_limit == "plan":
-        return _compile(lowered, options(slop if tighter else None)), None
-    first = _compile(lowered, options())
-    if memory_limit == "gpu" or first.total <= plan_bytes + tolerance or not tighter:
-        return first, None
-    if log:
-        log(f"ciera aot: XLA counts {first.total / 1e9:.1f} GB, the plan {plan_bytes / 1e9:.1f}"
-            f" GB: compiling again with {gpu_targets.SLOP_FLAG}={slop}")
-    second = _compile(lowered, options(slop))
-    return (second, first) if second.total < first.total else (first, second)
-
-
 def _limit_row(kept: _Compiled, other: _Compiled | None, memory_limit: str, io: int,
                target) -> dict:
     slop = kept.options.get(gpu_targets.SLOP_FLAG, gpu_targets.DEFAULT_SLOP_PERCENT)
@@ -165,12 +117,11 @@ def _limit_row(kept: _Compiled, other: _Compiled | None, memory_limit: str, io: 
 
 
 def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: int,
-                 hlo_out: str | None = None, log=None,
-                 program: str = "steady", memory_limit: str = "auto") -> dict:
+                 hlo_out: str | None = None, log=None, program: str = "steady") -> dict:
     """Compile ``tc``'s train step for ``gpus`` x ``target`` and report the program
     (``program``: which of the trainer's programs, ``steady`` or ``priming``:
-    :meth:`~ciera_models.state.Trainer.at_rungs`; ``memory_limit``: XLA's scheduler limit,
-    :func:`compile_within_plan`)."""
+    :meth:`~ciera_models.state.Trainer.at_rungs`; XLA's scheduler limit as ``tc.memory_limit``
+    says: :func:`ciera_models.memory_limit.compile_within`, as ``ciera train`` compiles)."""
     tc = batch_for(tc, gpus, tokens_per_gpu)
     if tc.memory_gb is None:  # plan within the target's memory, never a CPU device's
         tc = dataclasses.replace(tc, memory_gb=target.memory_gb)
@@ -183,16 +134,16 @@ def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: i
         args = tr.at_rungs(abstract_step_args(tr), program)
         lowered = tr.step_fn.lower(*args)
     t_lower = time.perf_counter() - t0
-    model = _model_memory(tr, tokens_per_gpu)
-    io_bytes = per_gpu_bytes(args)
-    slop = gpu_targets.plan_slop_percent(target, io_bytes, model.total)
+    model = memory_limit.model_memory(tr, tokens_per_gpu)
+    plan = memory_limit.LimitPlan(target, memory_limit.per_gpu_bytes(args), model.total)
     if log:
         log(f"ciera aot: {tc.gather} step of {tc.config} on {gpus} x {target.name}: lowered in "
             f"{t_lower:.1f} s, compiling with XLA:GPU ({tc.xla_flags} flags, memory limit "
-            f"{memory_limit})")
-    step = gpu_targets.scheduler_limit_bytes(target, io_bytes, 1)
-    kept, other = compile_within_plan(lowered, tc.xla_flags, memory_limit, slop, model.total,
-                                      step, log)
+            f"{tc.memory_limit})")
+    options = functools.partial(gpu_targets.compiler_options, tc.xla_flags)
+    kept, other = memory_limit.compile_within(
+        plan, tc.memory_limit, lambda slop: _compile(lowered, options(slop)),
+        lambda c: c.total, log, who="ciera aot")
     text = kept.text
     if hlo_out:
         Path(hlo_out).mkdir(parents=True, exist_ok=True)
@@ -204,7 +155,7 @@ def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: i
         "program": program,
         "gpus": gpus, "gpu": target.name, "tokens_per_gpu": tokens_per_gpu,
         "batch": [tc.batch_size, tc.length], "flags": kept.options,
-        "scheduler_limit": _limit_row(kept, other, memory_limit, io_bytes, target),
+        "scheduler_limit": _limit_row(kept, other, tc.memory_limit, plan.io_bytes, target),
         "lower_s": t_lower, "compile_s": kept.wall_s, "compile_cpu_s": kept.cpu_s,
         "hlo_bytes": len(text),
         **kept.kernels,

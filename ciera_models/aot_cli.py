@@ -50,12 +50,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: h100-80gb)")
     g.add_argument("--tokens-per-gpu", type=int, default=4096, help="tokens each GPU trains "
                    "on per step; the global batch follows (default: 4096)")
-    g.add_argument("--memory-limit", choices=("auto", "plan", "gpu"), default="auto",
-                   help="XLA's scheduler memory limit (xla_gpu_memory_limit_slop_factor). "
-                   "gpu: XLA's default, 95%% of 80%% of the GPU less the step's inputs; plan: "
-                   "what the memory model plans per GPU; auto: XLA's default, compiled again "
-                   "at the plan's when XLA counts more than the plan, the smaller count kept "
-                   "(a GPU run sets the kept limit: the report's flags) (default: auto)")
     g.add_argument("--compare", choices=("plain",), default=None,
                    help="also compile --gather plain and print the two side by side")
     g.add_argument("--program", choices=("steady", "priming"), default="steady",
@@ -95,8 +89,7 @@ def run(args) -> int:
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     runs = [tc] + ([dataclasses.replace(tc, gather="plain")] if args.compare else [])
     reports = [compile_step(t, target, args.gpus, args.tokens_per_gpu, args.hlo_out, log,
-                            program=args.program,
-                            memory_limit=args.memory_limit) for t in runs]
+                            program=args.program) for t in runs]
     print(render(reports, target, show_collectives=args.collectives))
     if args.json:
         with open(args.json, "w") as f:

@@ -21,7 +21,7 @@ from ciera_models.shard_digest import Damaged
 MUST_MATCH = ("config", "gather", "batch_size", "seq_len", "seed")
 # These change what is sent over the wire or how XLA schedules the step, never what is
 # computed: free to change.
-FREE_ON_RESUME = ("plan", "profile", "cache", "xla_flags")
+FREE_ON_RESUME = ("plan", "profile", "cache", "xla_flags", "memory_limit")
 FORMAT = 2  # per-shard digests in digests/; 1: whole-state digests in the metadata
 # What a save records about itself (format 2; the shard digests are in digests/).
 FORMAT_KEYS = ("checkpoint_format", "digest_processes", "meta_sha256")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 import time
 from typing import Callable
 
@@ -29,7 +30,7 @@ from ciera_jax.planning import costmodel
 from ciera_jax.runtime import gpu_targets
 from ciera_jax.planning.capacities import (RungPolicy, program_key, rungs_holding,
                                            seconds_per_byte)
-from ciera_models import configs
+from ciera_models import configs, memory_limit
 from ciera_models.data import Dataset
 from ciera_models.model import Transformer
 from ciera_models.optimizer import make_optimizer
@@ -131,6 +132,26 @@ class Trainer:
             return {}
         return gpu_targets.compiler_options(self.tc.xla_flags)
 
+    def compile(self, args: tuple, log=None):
+        """The step compiled for ``args`` (one rung vector's program). On GPUs: with
+        :attr:`compiler_options`, and XLA's scheduler memory limit as ``--memory-limit`` says
+        (:func:`ciera_models.memory_limit.compile_within`, the policy ``ciera aot`` reports
+        with; a GPU model not in ``gpu_targets.TARGETS`` keeps XLA's own limit)."""
+        lowered = self.step_fn.lower(*args)
+        device = self.mesh.devices.flat[0]
+        target = gpu_targets.target_of(device) if gpu_targets.is_gpu(device.platform) else None
+        if target is None:
+            return lowered.compile(compiler_options=self.compiler_options or None)
+        tokens = self.tc.batch_size * self.tc.length // self.n
+        plan = memory_limit.plan_for(self, args, target, tokens)
+        at = lambda slop: lowered.compile(compiler_options={  # noqa: E731
+            **self.compiler_options, **({gpu_targets.SLOP_FLAG: slop} if slop else {})})
+        kept, _ = memory_limit.compile_within(
+            plan, self.tc.memory_limit, at,
+            lambda c: memory_limit.xla_total(c.memory_analysis()),
+            log or (lambda line: print(line, file=sys.stderr, flush=True)), who="ciera train")
+        return kept
+
     def prepare(self, state: TrainState) -> TrainState:
         """Fill ``state.ahead`` at the start (first step, after a restore): encode against
         the current (unprimed) caches, so the first gather primes them."""
@@ -210,8 +231,7 @@ class Trainer:
         compile_s = 0.0
         if key not in self.programs:
             t0 = time.perf_counter()
-            self.programs[key] = self.step_fn.lower(*args).compile(
-                compiler_options=self.compiler_options or None)
+            self.programs[key] = self.compile(args)
             compile_s = time.perf_counter() - t0
             policy.compiled(agreed_seconds(compile_s))
         params, caches, opt_state, ahead, m = self.programs[key](*args)

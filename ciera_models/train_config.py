@@ -128,6 +128,12 @@ class TrainConfig:
         "JAX-Toolbox's FSDP set: latency-hiding scheduler, pipelined collectives, loop double "
         "buffering, so each layer's gathers overlap compute), default (XLA's own)",
         choices=LazyChoices("ciera_jax.runtime.gpu_targets", "FLAG_SETS"))
+    memory_limit: str = option(
+        "auto", "XLA:GPU's scheduler memory limit (xla_gpu_memory_limit_slop_factor; ignored "
+        "on other devices): gpu (XLA's default, 95%% of 80%% of the GPU less the step's "
+        "inputs), plan (the memory model's total for the step), auto (XLA's default, compiled "
+        "again at the plan's when XLA counts more than the plan; the smaller count kept)",
+        choices=LazyChoices("ciera_jax.runtime.gpu_targets", "MEMORY_LIMITS"))
 
     def rung_policy_options(self) -> dict:
         """Keyword arguments of :class:`ciera_jax.planning.capacities.RungPolicy`."""

@@ -211,21 +211,57 @@ def test_the_trainer_compiles_gpu_steps_with_the_flags_the_report_names(mesh8):
     ("gpu", 25e9, None, 25e9, 1),
     ("plan", 19e9, None, 19e9, 1),
 ])
-def test_auto_limit_compiles_again_only_when_xla_exceeds_the_plan(monkeypatch, limit, first,
-                                                                   second, kept, compiles):
-    from ciera_models import aot
+def test_auto_limit_compiles_again_only_when_xla_exceeds_the_plan(limit, first, second, kept,
+                                                                   compiles):
+    from ciera_models import memory_limit
 
+    io = int(5.2e9)
+    plan = memory_limit.LimitPlan(H100, io, int(20e9))
+    assert plan.slop == gpu_targets.plan_slop_percent(H100, io, int(20e9)) < 95
+    assert 0.5e9 < plan.tolerance < 0.7e9  # one percent of 80% of the GPU less its inputs
     seen = []
 
-    def fake_compile(lowered, options):
-        seen.append(options.get(gpu_targets.SLOP_FLAG))
-        total = first if len(seen) == 1 else second
-        return type("C", (), {"total": total, "options": options})()
+    def compile_at(slop):
+        seen.append(slop)
+        return first if len(seen) == 1 else second
 
-    monkeypatch.setattr(aot, "_compile", fake_compile)
-    got, other = aot.compile_within_plan(None, "fsdp", limit, 23, int(20e9), int(0.6e9))
-    assert got.total == kept and len(seen) == compiles
+    got, other = memory_limit.compile_within(plan, limit, compile_at, lambda total: total)
+    assert got == kept and len(seen) == compiles
     assert (other is None) == (compiles == 1)
-    assert seen[0] == (23 if limit == "plan" else None)
+    assert seen[0] == (plan.slop if limit == "plan" else None)
+    if compiles == 2:
+        assert seen[1] == plan.slop
     with pytest.raises(ValueError, match="memory_limit"):
-        aot.compile_within_plan(None, "fsdp", "none", 23, int(20e9))
+        memory_limit.compile_within(plan, "none", compile_at, lambda total: total)
+
+
+@pytest.mark.parametrize("limit", ["plan", "gpu"])
+def test_the_trainer_compiles_gpu_steps_within_the_limit_the_report_names(monkeypatch, mesh8,
+                                                                          limit):
+    """``ciera train`` on GPUs passes XLA the scheduler limit ``--memory-limit`` names, derived
+    from the plan as ``ciera aot`` derives it (the plan's slop factor, or none for XLA's)."""
+    import jax.stages
+
+    from ciera_jax.kernels.backend import lowering_for
+    from ciera_models import aot, memory_limit
+    from ciera_models.train import TrainConfig, build_trainer
+
+    assert gpu_targets.target_of(mesh8.devices.flat[0]) == H100
+    tc = TrainConfig(config="tiny", schedule_steps=4, gather="plain", memory_limit=limit)
+    options = []
+    compile_ = jax.stages.Lowered.compile
+
+    def spy(self, compiler_options=None, **kw):
+        options.append(dict(compiler_options or {}))
+        return compile_(self, compiler_options=compiler_options, **kw)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", spy)
+    with lowering_for("cuda", capability=H100.compute_capability):
+        tr = build_trainer(tc, mesh8)
+        args = tr.at_rungs(aot.abstract_step_args(tr), "priming")
+        compiled = tr.compile(args)
+    plan = memory_limit.plan_for(tr, args, H100, tc.batch_size * tc.length // 8)
+    assert plan.slop < gpu_targets.DEFAULT_SLOP_PERCENT  # tiny plans far below an H100
+    assert options == [gpu_targets.compiler_options(
+        "fsdp", plan.slop if limit == "plan" else None)]
+    assert memory_limit.xla_total(compiled.memory_analysis()) > plan.io_bytes

@@ -43,6 +43,8 @@ GPUS_PER_HOST = 8
 SCHEDULER_BASE_SHARE = 0.8
 SLOP_FLAG = "xla_gpu_memory_limit_slop_factor"
 DEFAULT_SLOP_PERCENT = 95  # XLA's default
+# Where a train step sets that limit (ciera_models.memory_limit): auto, the plan's, XLA's own.
+MEMORY_LIMITS = ("auto", "plan", "gpu")
 
 
 def is_gpu(platform: str) -> bool:
@@ -121,6 +123,12 @@ TARGETS: dict[str, GpuTarget] = {t.name: t for t in (
               source=_HOPPER_SOURCE + "; memory: 143,771 MiB as nvidia-smi reports an H200 SXM "
               "141GB; bandwidth 4.8 TB/s (H200 datasheet)"),
 )}
+
+
+def target_of(device) -> GpuTarget | None:
+    """The target whose description is ``device``'s kind (a GPU here, or a compile-only one),
+    None for a GPU model not in :data:`TARGETS`."""
+    return next((t for t in TARGETS.values() if t.description == device.device_kind), None)
 
 
 def get_target(name: str) -> GpuTarget:
