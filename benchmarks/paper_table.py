@@ -29,10 +29,11 @@ MODEL = "olmoe-1b-7b"
 GPUS = (16, 128)
 # Published end-to-end speedups of CIERA for OLMoE-1B-7B (step time ratio).
 PUBLISHED = {16: {"plain": 3.70, "int8": 3.68}, 128: {"plain": 4.28, "int8": 4.42}}
-METHODS = ("plain", "plain-noreshard", "int8", "entropy", "ciera", "word")
+METHODS = ("plain", "plain-noreshard", "int8", "entropy", "ciera", "word", "fit")
 LABELS = {"plain": "plain bf16", "plain-noreshard": "plain, no reshard (equal memory)",
           "int8": "int8 blockwise (lossy)", "entropy": "entropy codec 1.5x (lossless peer)",
-          "ciera": "CIERA exponent mode", "word": "CIERA word mode"}
+          "ciera": "CIERA exponent mode", "word": "CIERA word mode",
+          "fit": "CIERA, the plan that fits (budgeted planner)"}
 
 BOUND = """\
 What bounds the speedup. Per layer a plain FSDP step moves three transfers of equal size:
@@ -109,8 +110,9 @@ def zipnn_side_by_side(churn: float, n: int = 1 << 24) -> dict:
 def method_table(run: dict, corner: dict) -> str:
     """One markdown table: per GPU count and method, times, speedups, extra memory."""
     lines = ["| GPUs | method | step ms | x plain | gather-only ms | gather-only x plain | "
-             "comm-bound step x plain | comm-bound gather-only x plain | extra GB/GPU |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "comm-bound step x plain | comm-bound gather-only x plain | extra GB/GPU | "
+             "GB/GPU in all | fits |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for N in GPUS:
         r = run["results"][str(N)]["methods"]
         c = corner["results"][str(N)]["methods"]
@@ -122,7 +124,8 @@ def method_table(run: dict, corner: dict) -> str:
                 f"{r['plain']['gather_only_s'] / r[m]['gather_only_s']:.2f} | "
                 f"{c['plain']['step_s'] / c[m]['step_s']:.2f} | "
                 f"{c['plain']['gather_only_s'] / c[m]['gather_only_s']:.2f} | "
-                f"{r[m]['extra_memory_bytes'] / 1e9:.2f} |")
+                f"{r[m]['extra_memory_bytes'] / 1e9:.2f} | {r[m]['memory_bytes'] / 1e9:.1f} | "
+                f"{'yes' if r[m]['fits'] else 'no'} |")
     return "\n".join(lines)
 
 

@@ -217,3 +217,29 @@ def test_simulate_cli(tmp_path, capsys):
 def test_simulate_cli_errors(argv, err):
     with pytest.raises(err):
         simulate(argv)
+
+
+def test_projections_say_what_fits_and_fit_runs_the_plan_that_does():
+    """Each method's memory per GPU is the memory model's step plus its extra; a method whose
+    caches or held weights overflow the GPU (less the planner's headroom) is marked, and
+    ``fit`` runs the budgeted planner's plan, the one ``ciera plan`` and ``--cache auto``
+    choose: Mixtral-8x7B's word caches do not fit on 128 H100s, a smaller plan does; on 16
+    not even plain fits, so ``fit`` compresses nothing and is marked too."""
+    from ciera_jax.planning.planner import HEADROOM_GB
+
+    r = sweep("mixtral-8x7b", [16, 128], "h100", methods=("plain", "word", "fit"))["results"]
+    room = (80 - HEADROOM_GB) * memory.GB
+    m = r["128"]["methods"]
+    for k, v in m.items():
+        base = memory.memory_per_gpu(get_config("mixtral-8x7b"), 128, tokens_per_gpu=4096)
+        assert v["memory_bytes"] == base.total + v["extra_memory_bytes"]
+        assert v["fits"] == (v["memory_bytes"] <= room)
+    assert m["plain"]["fits"] and m["fit"]["fits"] and not m["word"]["fits"]
+    assert 0 < m["fit"]["extra_memory_bytes"] < m["word"]["extra_memory_bytes"]
+    assert m["fit"]["tensors_compressed"] > 0
+    assert r["128"]["speedup_fit_over"]["plain"] > 1.0
+    m16 = r["16"]["methods"]
+    assert not m16["plain"]["fits"] and not m16["fit"]["fits"]
+    assert m16["fit"]["tensors_compressed"] == 0
+    olmoe16 = sweep("olmoe-1b-7b", [16], "h100", methods=("plain", "word", "fit"))["results"]
+    assert all(v["fits"] for v in olmoe16["16"]["methods"].values())  # the reference fits

@@ -52,7 +52,7 @@ def format_table(result: dict) -> str:
 
     first = next(iter(result["results"].values()))
     methods = [m for m in METHODS if m in first["methods"]]
-    over = [(c, m) for c in ("ciera", "word") if f"speedup_{c}_over" in first
+    over = [(c, m) for c in ("ciera", "word", "fit") if f"speedup_{c}_over" in first
             for m in ("plain", "plain-noreshard", "int8") if m in first[f"speedup_{c}_over"]]
     head = (["GPUs"] + [f"{label(m)} ms" for m in methods]
             + [f"{label(m)} +GB" for m in methods if m not in ("plain", "int8", "entropy")]
@@ -60,7 +60,8 @@ def format_table(result: dict) -> str:
     rows = []
     for N, e in result["results"].items():
         r = e["methods"]
-        rows.append([N] + [f"{r[m]['step_s'] * 1e3:.1f}" for m in methods]
+        rows.append([N] + [f"{r[m]['step_s'] * 1e3:.1f}{'' if r[m].get('fits', True) else '*'}"
+                           for m in methods]
                     + [f"{r[m]['extra_memory_bytes'] / 1e9:.2f}" for m in methods
                        if m not in ("plain", "int8", "entropy")]
                     + [f"{e[f'speedup_{c}_over'][m]:.2f}" for c, m in over])
@@ -69,8 +70,9 @@ def format_table(result: dict) -> str:
     return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
                      + ["(ms: step time; +GB: extra memory per GPU over plain FSDP; exponent, "
                         "word: CIERA's modes; noreshard: plain FSDP that keeps the gathered "
-                        "weights for the backward, word mode's equal-memory baseline; "
-                        "x: step-time speedup)"])
+                        "weights for the backward, word mode's equal-memory baseline; fit: "
+                        "the budgeted planner's plan within the GPU's memory, what a run gets; "
+                        "*: does not fit the GPU's memory; x: step-time speedup)"])
 
 
 def plot(result: dict, path: str | Path) -> None:
@@ -81,12 +83,12 @@ def plot(result: dict, path: str | Path) -> None:
 
     Ns = [int(n) for n in result["results"]]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for c in ("ciera", "word"):
+    for c in ("ciera", "word", "fit"):
         for m in ("plain", "plain-noreshard", "int8"):
             ys = [result["results"][str(n)].get(f"speedup_{c}_over", {}).get(m) for n in Ns]
             if all(y is not None for y in ys):
-                ax.plot(Ns, ys, marker="o", ls="-" if c == "word" else "--",
-                        label=f"{'exponent' if c == 'ciera' else 'word'} mode over {m}")
+                ax.plot(Ns, ys, marker="o", ls={"word": "-", "fit": ":"}.get(c, "--"),
+                        label=f"{label(c)} {'plan' if c == 'fit' else 'mode'} over {m}")
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("GPUs")

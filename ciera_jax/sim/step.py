@@ -40,13 +40,14 @@ from typing import Any, Callable, Mapping
 
 from ciera_jax.planning import costmodel as cm
 from ciera_jax.planning import memory
-from ciera_jax.planning.planner import plan_tensor
+from ciera_jax.planning.planner import HEADROOM_GB, cache_budget, plan_model_modes, plan_tensor
 from ciera_jax.planning.shapes import get_config, global_tensors, layer_tensors
 from ciera_jax.sim.cluster import Cluster, get_cluster
 from ciera_jax.planning.traces import Trace, WordTrace, default_trace, default_word_trace
 
 BYTES_PER_ELEM = 2  # bf16 weights and gradients
-METHODS = ("plain", "plain-noreshard", "int8", "entropy", "ciera", "word")
+# "fit": the budgeted planner's plan within the GPU's memory (fitting_plan), the one a run gets
+METHODS = ("plain", "plain-noreshard", "int8", "entropy", "ciera", "word", "fit")
 TENSOR_MODES = ("plain", "plain-noreshard", "int8", "entropy", "exponent", "word")
 NO_REGATHER = ("plain-noreshard", "word")  # the backward reads the held weights / the cache
 MEMORY_MODE = {"plain-noreshard": "plain-noreshard", "exponent": "exponent", "word": "word"}
@@ -86,6 +87,8 @@ class StepResult:
     wire_bytes_per_step: float = 0.0  # forward gathers + backward re-gathers
     gather_only_s: float = 0.0  # every weight gather of the step, back to back, codec included
     extra_memory_bytes: int = 0  # per GPU over plain FSDP: caches or held weights
+    memory_bytes: int = 0  # per GPU in all: the memory model's plain step + extra_memory_bytes
+    fits: bool = True  # memory_bytes within the GPU's memory less the planner's headroom
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -124,6 +127,25 @@ def method_modes(method: str, N: int, topo: cm.Link, trace: Trace, word_trace: W
             return "word" if N > 1 and tw < 2 * tp else "plain"
         return word
     raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
+
+
+def fitting_plan(cfg: Any, gpus: int, cluster: Cluster, tokens_per_gpu: int, trace: Trace,
+                 word_trace: WordTrace, phase: str = "steady",
+                 remat: str = "full") -> dict | None:
+    """The plan a run gets: the budgeted planner's modes within the GPU's memory less
+    ``planner.HEADROOM_GB`` and what the step needs under ``remat`` (as ``ciera plan`` and
+    ``--cache auto`` choose), ``{(layer, name): mode}`` of the tensors not plain; None when
+    the step does not fit even without caches."""
+    topo = cluster.topology
+    base = memory.memory_per_gpu(cfg, gpus, tokens_per_gpu=tokens_per_gpu, remat=remat)
+    if topo.memory_gb is not None and base.total > (topo.memory_gb - HEADROOM_GB) * memory.GB:
+        return None
+    try:
+        budget = cache_budget(topo.memory_gb, base, headroom_gb=HEADROOM_GB)
+    except ValueError:  # not even the training state fits
+        return None
+    plan = plan_model_modes(cfg, gpus, topo, budget, trace, word_trace, phase)
+    return {(c.layer, c.name): c.mode for c in plan if c.mode != "plain"}
 
 
 def _plan_modes(plan: Mapping) -> Callable:
@@ -261,10 +283,12 @@ def simulate_step(cfg: Any, gpus: int, cluster: Cluster | str = "h100", method: 
                   tokens_per_gpu: int = 4096, trace: Trace | None = None,
                   codec_stream: str = "compute", *, word_trace: WordTrace | None = None,
                   phase: str = "steady", plan: Mapping | None = None,
-                  overlap: bool = True) -> StepResult:
+                  overlap: bool = True, remat: str = "full") -> StepResult:
     """One step of ``method`` (see :data:`METHODS`), or of ``plan`` (``{(layer, name): mode}``,
     modes from :data:`TENSOR_MODES`, unnamed tensors plain) when given, on ``gpus`` GPUs.
-    ``overlap``: fall back to plain for groups whose compression does not shorten the step."""
+    ``overlap``: fall back to plain for groups whose compression does not shorten the step.
+    The result's ``memory_bytes`` and ``fits`` count the step's memory per GPU under ``remat``
+    (:mod:`ciera_jax.planning.memory`) against the GPU's."""
     if isinstance(cfg, str):
         cfg = get_config(cfg)
     if isinstance(cluster, str):
@@ -280,8 +304,12 @@ def simulate_step(cfg: Any, gpus: int, cluster: Cluster | str = "h100", method: 
     topo = cluster.topology
     n_gathered = sum(memory.gathered(t) for _, ts in _groups(cfg) for t in ts)
     share = cm.agreement_time(gpus, topo) / max(n_gathered, 1)
-    mode_of = (_plan_modes(plan) if plan is not None
-               else method_modes(method, gpus, topo, trace, word_trace, phase, share))
+    if plan is None and method == "fit":
+        fit = fitting_plan(cfg, gpus, cluster, tokens_per_gpu, trace, word_trace, phase, remat)
+        mode_of = _plan_modes(fit or {})
+    else:
+        mode_of = (_plan_modes(plan) if plan is not None
+                   else method_modes(method, gpus, topo, trace, word_trace, phase, share))
     args = (tokens_per_gpu, trace, word_trace, phase)
     groups = build_groups(cfg, gpus, cluster, mode_of, *args)
     agree = cm.agreement_time(gpus, topo) if any(g.n_compressed for g in groups) else 0.0
@@ -294,18 +322,21 @@ def simulate_step(cfg: Any, gpus: int, cluster: Cluster | str = "h100", method: 
     step, busy_compute, busy_comm = schedule(_on_stream(groups, codec_stream), agree)
     compute = sum(g.fwd_s + g.bwd_s for g in groups)
     gather_only = agree + sum(g.gather_s + g.regather_s + g.codec_s + g.recodec_s for g in groups)
+    extra = sum(g.extra_memory for g in groups)
+    total = memory.memory_per_gpu(cfg, gpus, tokens_per_gpu=tokens_per_gpu,
+                                  remat=remat).total + extra
+    room = topo.memory_gb
     return StepResult("plan" if plan is not None else method, gpus, step, compute, codec,
                       busy_comm, step - busy_compute,
                       sum(g.wire_bytes for g in groups), sum(g.plain_bytes for g in groups),
                       sum(g.n_compressed for g in groups), codec_stream,
-                      sum(g.wire_bytes + g.rewire_bytes for g in groups), gather_only,
-                      sum(g.extra_memory for g in groups))
+                      sum(g.wire_bytes + g.rewire_bytes for g in groups), gather_only, extra,
+                      total, room is None or total <= (room - HEADROOM_GB) * memory.GB)
 
 
 def sweep(cfg: Any, gpu_counts: list[int], cluster: Cluster | str = "h100",
           tokens_per_gpu: int = 4096, trace: Trace | None = None,
-          methods: tuple[str, ...] = ("plain", "plain-noreshard", "int8", "entropy", "ciera",
-                                      "word"),
+          methods: tuple[str, ...] = METHODS,
           codec_stream: str = "compute", *, word_trace: WordTrace | None = None,
           phase: str = "steady") -> dict:
     """Every method at every GPU count, and each CIERA mode's speedup over each other method."""
@@ -320,7 +351,7 @@ def sweep(cfg: Any, gpu_counts: list[int], cluster: Cluster | str = "h100",
         r = {m: simulate_step(cfg, N, cluster, m, tokens_per_gpu, trace, codec_stream,
                               word_trace=word_trace, phase=phase) for m in methods}
         entry = {"methods": {m: v.to_json() for m, v in r.items()}}
-        for c in ("ciera", "word"):
+        for c in ("ciera", "word", "fit"):
             if c in r:
                 entry[f"speedup_{c}_over"] = {m: r[m].step_s / r[c].step_s
                                               for m in methods if m != c}
@@ -344,6 +375,9 @@ def sweep(cfg: Any, gpu_counts: list[int], cluster: Cluster | str = "h100",
             f"word mode at the word trace's '{phase}' bytes per weight; exponent mode at the "
             "exponent trace's change rates",
             "extra_memory_bytes: per GPU over plain FSDP (caches, or the held bf16 weights)",
+            "memory_bytes, fits: the memory model's step under --remat full plus the extra, "
+            f"against the GPU's memory less the planner's {HEADROOM_GB:g} GB headroom; 'fit' is "
+            "the budgeted planner's plan within it (what ciera plan and --cache auto choose)",
         ],
         "results": results,
     }
