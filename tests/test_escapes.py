@@ -151,3 +151,33 @@ def test_window_finds_the_words_select_finds(density):
                 last = span[min(first + chunk, len(span)) - 1] if len(span) > first else 0
                 start = span[first] if len(span) > first else 0
                 assert last - (start - start % 32) >= in_window - 32
+
+
+@pytest.mark.parametrize("rows,n", [(1, escapes.BLOCKED_SCAN_MIN + 1), (3, 8192),
+                                    (2, 128 * escapes.BLOCKED_SCAN_MIN + 77)])
+def test_blocked_running_count_is_the_cumsum(rows, n):
+    """The blocked scan (what a GPU compile of a long row's ranks uses) equals the plain
+    cumsum exactly, on rows that are not a whole number of blocks and need two levels."""
+    rng = np.random.default_rng(n)
+    x = rng.integers(0, 33, (rows, n)).astype(np.int32)
+    x[0, -5:] = 32  # the last, partial block full
+    got = jax.jit(escapes.blocked_prefix_sum)(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(got), np.cumsum(x, axis=1, dtype=np.int64))
+
+
+def test_running_count_traced_for_a_gpu_takes_the_blocked_scan():
+    """Traced for a GPU, a long row's running count is the blocked scan (no cumsum at the
+    row's length in its program), and counts what the host's cumsum counts."""
+    from ciera_jax.runtime import target
+
+    words = jnp.asarray(np.random.default_rng(1).integers(
+        0, 2**32, (2, 2 * escapes.BLOCKED_SCAN_MIN), dtype=np.uint32))
+    host = escapes.running_count(words)
+    with target.tracing_for_gpu((9, 0)):
+        f = jax.jit(escapes.running_count)
+        on_gpu = str(jax.make_jaxpr(escapes.running_count)(words))
+        got = f(words)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(host))
+    n_blocks = 2 * escapes.BLOCKED_SCAN_MIN // escapes.SCAN_BLOCK
+    assert "i32[2,8192] = cumsum" in str(jax.make_jaxpr(escapes.running_count)(words))
+    assert "i32[2,8192] = cumsum" not in on_gpu and f"i32[2,{n_blocks}] = cumsum" in on_gpu

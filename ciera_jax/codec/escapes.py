@@ -50,6 +50,10 @@ LOOP_MIN = 1 << 15
 # 11% escapes 39 / 26 ms (search) -> 11 / 12 ms; 1%: 7.7 / 5.2 -> 3.6 / 3.3 ms (4 beat 1
 # below ~3%, 1 beat 4 by ~15% at 11%).
 WINDOW = 4
+# Rows of more flag words than this take a blocked running count when traced for an
+# accelerator (blocked_prefix_sum, SCAN_BLOCK words a block): fewer kernels than XLA's cumsum.
+BLOCKED_SCAN_MIN = 4096
+SCAN_BLOCK = 128
 WALKS = ("dense", "loop", "either")
 
 
@@ -105,8 +109,38 @@ def count(words_RxW: jax.Array) -> jax.Array:
 
 def running_count(words_RxW: jax.Array) -> jax.Array:
     """int32 (R, W): flags in words ``0..w`` of each row (an inclusive scan over words)."""
+    pop = _popcount(words_RxW)
+    if words_RxW.shape[1] > BLOCKED_SCAN_MIN and target.traced_backend() != "cpu":
+        return blocked_prefix_sum(pop)
     # cumsum: XLA rewrites it into a few kernels; lax.associative_scan compiles to ~60.
-    return jnp.cumsum(_popcount(words_RxW), axis=1, dtype=jnp.int32)
+    return jnp.cumsum(pop, axis=1, dtype=jnp.int32)
+
+
+def blocked_prefix_sum(x_RxW: jax.Array, block: int = SCAN_BLOCK) -> jax.Array:
+    """int32 (R, W): the inclusive running sum of each row, by blocks of ``block``: inside a
+    block a masked sum per element (one reduction, which XLA:GPU fuses with what produces
+    ``x``), then the blocks' totals the same way, recursively, down to rows of
+    :data:`BLOCKED_SCAN_MIN`, which take XLA's cumsum. XLA:GPU turns a cumsum into a tree of
+    16-wide ``reduce_window`` levels, 3 kernels for 8,192 words; this is 2 up to
+    ``block * BLOCKED_SCAN_MIN`` (one word-mode gather for 8 H100s: 35 kernels to 31). Its work is
+    ``W * block`` adds, which a GPU does not notice and XLA:CPU runs 10-25x slower than its
+    cumsum: hence only when tracing for an accelerator (:func:`running_count`)."""
+    rows, n = x_RxW.shape
+    if n <= BLOCKED_SCAN_MIN:  # XLA's tree is as short here, and fuses into what reads it
+        return jnp.cumsum(x_RxW, axis=1, dtype=jnp.int32)
+    x_RxBxK = jnp.pad(x_RxW, ((0, 0), (0, -n % block))).reshape(rows, -1, block)
+    inclusive = _masked_prefix(x_RxBxK)
+    totals_RxB = inclusive[:, :, -1]
+    before_RxB = blocked_prefix_sum(totals_RxB, block) - totals_RxB
+    return (inclusive + before_RxB[:, :, None]).reshape(rows, -1)[:, :n]
+
+
+def _masked_prefix(x_RxBxK: jax.Array) -> jax.Array:
+    """Inclusive running sums inside the last axis: element ``i`` sums elements ``j <= i``."""
+    k = x_RxBxK.shape[-1]
+    upto = (lax.broadcasted_iota(jnp.int32, (k, k), 1)
+            <= lax.broadcasted_iota(jnp.int32, (k, k), 0))
+    return jnp.sum(jnp.where(upto, x_RxBxK[:, :, None, :], 0), axis=3, dtype=jnp.int32)
 
 
 def ranks(words_RxW: jax.Array, n: int, running_RxW=None) -> jax.Array:
