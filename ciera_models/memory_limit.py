@@ -34,8 +34,11 @@ def per_gpu_bytes(args) -> int:
 def model_memory(tr, tokens_per_gpu: int) -> memory.Memory:
     """The memory model's count of trainer ``tr``'s step, with its own cache modes."""
     by_name = {k.rsplit("/", 1)[-1]: m for k, m in tr.cache_modes.items()}
-    mode_of = lambda t: by_name.get(t.name) if by_name.get(t.name) in (  # noqa: E731
-        "word", "exponent") else "plain"
+
+    def mode_of(t) -> str:
+        mode = by_name.get(t.name)
+        return mode if mode in ("word", "exponent") else "plain"
+
     return memory.memory_per_gpu(tr.tc.model, tr.n, mode_of, tokens_per_gpu=tokens_per_gpu,
                                  remat=tr.tc.remat)
 
@@ -60,6 +63,7 @@ class LimitPlan:
 
 
 def plan_for(tr, args, target: gpu_targets.GpuTarget, tokens_per_gpu: int) -> LimitPlan:
+    """The limit's inputs for trainer ``tr``'s step on ``args`` (real or abstract)."""
     return LimitPlan(target, per_gpu_bytes(args), model_memory(tr, tokens_per_gpu).total)
 
 

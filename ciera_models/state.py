@@ -144,8 +144,8 @@ class Trainer:
             return lowered.compile(compiler_options=self.compiler_options or None)
         tokens = self.tc.batch_size * self.tc.length // self.n
         plan = memory_limit.plan_for(self, args, target, tokens)
-        at = lambda slop: lowered.compile(compiler_options={  # noqa: E731
-            **self.compiler_options, **({gpu_targets.SLOP_FLAG: slop} if slop else {})})
+        at = lambda slop: lowered.compile(  # noqa: E731
+            compiler_options=gpu_targets.compiler_options(self.tc.xla_flags, slop))
         kept, _ = memory_limit.compile_within(
             plan, self.tc.memory_limit, at,
             lambda c: memory_limit.xla_total(c.memory_analysis()),
