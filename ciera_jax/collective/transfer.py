@@ -89,10 +89,12 @@ def plain_rest(main_rows: jax.Array, bits: jax.Array, axis_name) -> jax.Array:
 
 def _head_bytes(shard: jax.Array, n_bytes: int) -> jax.Array:
     """The first ``n_bytes`` bytes of the shard's words, read from only as many words (zeros
-    past the shard's end)."""
+    past the shard's end). Little-endian by shifts: a size-changing bitcast of the shard's
+    head would be a copy kernel of its own on XLA:GPU; shifts fuse into the wire's build."""
     width = np.dtype(shard.dtype).itemsize
     words = bitfields.to_bits(shard.reshape(-1)[:-(-n_bytes // width)])
-    head = _to_bytes(words)[:n_bytes]
+    shifts = jnp.arange(width, dtype=words.dtype) * 8
+    head = ((words[:, None] >> shifts) & 0xFF).astype(jnp.uint8).reshape(-1)[:n_bytes]
     return jnp.pad(head, (0, n_bytes - head.shape[0]))
 
 
