@@ -35,7 +35,7 @@ from ciera_models.data import Dataset
 from ciera_models.model import Transformer
 from ciera_models.optimizer import make_optimizer
 from ciera_models.plan_policy import NO_CACHE, cache_modes, default_profile, make_plan
-from ciera_models.step import AHEAD_SPECS, all_words, make_step
+from ciera_models.step import AHEAD_SPECS, all_words, make_step, per_layer_stats
 
 INT32_MAX = np.iinfo(np.int32).max
 PROGRAMS = ("steady", "priming")  # the programs Trainer.at_rungs names
@@ -237,6 +237,7 @@ class Trainer:
         params, caches, opt_state, ahead, m = self.programs[key](*args)
         self.compiled = True
         m = jax.device_get(m)
+        m["gather"] = per_layer_stats(self.tensors, m["gather"])
         m["compile_s"] = compile_s
         m["program"] = list(self.programs).index(key)
         m["overflows"] = sum(int(np.sum(np.asarray(needed[k]) > r)) for k, r in rungs.items()

@@ -97,7 +97,9 @@ def step_bytes(st: dict, backward: str, word: bool, dtype) -> dict:
 
 
 def per_layer_stats(tensors: dict, stats: dict) -> dict:
-    """``{tensor key: stats stacked over layers}`` -> ``{layer key: stats of that layer}``."""
+    """``{tensor key: stats stacked over layers}`` -> ``{layer key: stats of that layer}``, on
+    the host (the step returns them stacked: split inside it, each layer's scalar is an output
+    buffer of its own, a slice kernel on a GPU, 260 in OLMoE-1B-7B's step on 16 H100s)."""
     out = {}
     for k, st in stats.items():
         t = tensors[k]
@@ -194,7 +196,9 @@ def make_step(tc, mesh, graphdef, param_specs, opt_specs, tx, tensors, compress)
         metrics = {"loss": lax.pmean(loss, AXIS), "grad_norm": gnorm,
                    **{k: lax.pmean(v, AXIS) for k, v in parts.items()},
                    "verify_failed": sum((jnp.sum(v) for v in failed.values()), jnp.int32(0)),
-                   "gather": per_layer_stats(tensors, stats)}
+                   # per tensor, stacked over layers: the host splits them by layer
+                   # (per_layer_stats), where every scalar output would be a kernel
+                   "gather": stats}
         caches = fsdp.with_caches(caches, caches_d)
         return new_params, caches, new_opt_state, ahead_next, metrics
 
