@@ -24,7 +24,7 @@ import math
 from common import print_table  # benchmarks/common.py, beside this script
 
 from ciera_jax.calibrate import host as host_info
-from ciera_jax.calibrate.fit import clean, fit_alpha_beta, fit_host_rates
+from ciera_jax.calibrate.fit import clean, fit_alpha_beta, fit_host_rates, with_spill
 from ciera_jax.planning import costmodel as cm
 from ciera_jax.planning import crossover as xo
 from ciera_jax.runtime.netns import rate_bits
@@ -64,8 +64,7 @@ def fit_link_recs(recs: list[dict] | None, base: cm.Profile | None = None) -> di
         return None
     fault_Bps = base.fault_Bps if base else 0.0
     spill_Bps = base.spill_Bps if base else 0.0
-    recs = [dict(r, spill_bytes=cm.spill_bytes(r["n_bytes"], r["N"], base) if base else 0.0)
-            for r in recs]
+    recs = with_spill(recs, base)
     use = clean(recs)
     use = use if len(use) >= 2 else recs
     alpha, beta = fit_alpha_beta(use, fault_Bps, spill_Bps)
@@ -88,7 +87,7 @@ def refit_host(calib: dict) -> cm.Profile:
         return prof
     prof = dataclasses.replace(prof, llc_bytes=host_info.llc_bytes(),
                                host_cores=host_info.host_cores())
-    recs = [dict(r, spill_bytes=cm.spill_bytes(r["n_bytes"], r["N"], prof)) for r in recs]
+    recs = with_spill(recs, prof)
     fault_Bps, spill_Bps = fit_host_rates(recs, prof.alpha_s, prof.beta_Bps)
     return dataclasses.replace(prof, fault_Bps=fault_Bps, spill_Bps=spill_Bps)
 

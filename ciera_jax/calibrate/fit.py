@@ -9,12 +9,21 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ciera_jax.planning import costmodel as cm
+
 
 def host_s(r: dict, fault_Bps: float = 0.0, spill_Bps: float = 0.0) -> float:
     """Seconds of gather ``r`` that are its host's: its measured ``fresh_bytes`` at
     ``fault_Bps`` and its ``spill_bytes`` (beyond the last-level cache) at ``spill_Bps``."""
     return ((r.get("fresh_bytes", 0.0) / fault_Bps if fault_Bps else 0.0) +
             (r.get("spill_bytes", 0.0) / spill_Bps if spill_Bps else 0.0))
+
+
+def with_spill(recs: Sequence[dict], host) -> list[dict]:
+    """Each gather with the bytes of its working set beyond the host's cache (the cost
+    model's ``spill_bytes``; 0 where ``host`` names no cache, or is None)."""
+    return [dict(r, spill_bytes=cm.spill_bytes(r["n_bytes"], r["N"], host) if host else 0.0)
+            for r in recs]
 
 
 def clean(recs: Sequence[dict]) -> list[dict]:

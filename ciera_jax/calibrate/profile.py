@@ -13,7 +13,8 @@ from ciera_jax.planning import costmodel as cm
 from ciera_jax.calibrate.defaults import (CPU_CODEC_SIZES, CPU_FAULT_SIZES, CPU_SIZES,
                                           GPU_CODEC_SIZES, GPU_SIZES, mesh_sizes_for)
 from ciera_jax.calibrate import host as host_info
-from ciera_jax.calibrate.fit import fit_alpha_beta, fit_fresh_bytes, fit_link_and_host, fit_rate
+from ciera_jax.calibrate.fit import (fit_alpha_beta, fit_fresh_bytes, fit_link_and_host,
+                                     fit_rate, with_spill)
 from ciera_jax.calibrate.measure import (empty_call_s, measure_agreement, measure_ciera_overhead,
                                          measure_codec, measure_escape_cost, measure_hbm,
                                          measure_plain_gathers, measure_word_overhead)
@@ -169,12 +170,6 @@ def calibrate(mesh_sizes: Sequence[int] | None = None, sizes: Sequence | None = 
                    escape=esc_row, word_overhead=word_rows,
                    host=platform.node(), date=date)
     return prof, details
-
-
-def with_spill(recs: list[dict], host) -> list[dict]:
-    """Each gather with the bytes of its working set beyond the host's cache (the cost
-    model's ``spill_bytes``; 0 where ``host`` names no cache)."""
-    return [dict(r, spill_bytes=cm.spill_bytes(r["n_bytes"], r["N"], host)) for r in recs]
 
 
 def profile_table(p: cm.Profile) -> str:
