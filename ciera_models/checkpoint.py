@@ -291,6 +291,7 @@ class Checkpointer:
         only -- say, in the file of arrays it alone reads -- is skipped by all, and no
         process enters a collective (the digests gather the arrays) that another skips."""
         steps = agree_steps(self.all_steps())
+        reasons = {}
         for i, step in enumerate(reversed(steps)):
             got, why, here = None, None, step in self.all_steps()
             for k, phase in enumerate(phases):
@@ -304,9 +305,10 @@ class Checkpointer:
                     break
             else:
                 return got
-            self._set_aside(step, why, steps[: len(steps) - i - 1], log)
+            reasons[step] = why or "on another process"
+            self._set_aside(step, reasons[step], steps[: len(steps) - i - 1], log)
         if steps:
-            raise self._none_good(steps)
+            raise self._none_good(steps, reasons)
         return None
 
     def _read_arrays(self, step: int, abstract):
@@ -349,7 +351,7 @@ class Checkpointer:
         """Every process skips a checkpoint that any process found damaged."""
         return agree(why is not None)[0]
 
-    def _set_aside(self, step: int, why: str | None, older: list[int], log) -> None:
+    def _set_aside(self, step: int, why: str, older: list[int], log) -> None:
         """Move step ``step`` to ``<dir>/damaged/`` (process 0 moves; all report)."""
         src = self.directory / str(step)
         dest = self.directory / DAMAGED / str(step)
@@ -363,14 +365,17 @@ class Checkpointer:
         agree(False)  # a barrier: nobody looks at the folder while it changes
         self._mgr.reload()
         nxt = f"trying step {older[-1]}" if older else "no older checkpoint"
-        log(f"checkpoint step {step} in {self.directory} is damaged "
-            f"({why or 'on another process'}): set aside as {dest}; {nxt}")
+        log(f"checkpoint step {step} in {self.directory} is damaged ({why}): set aside as "
+            f"{dest}; {nxt}")
 
-    def _none_good(self, steps: list[int]) -> NoGoodCheckpoint:
+    def _none_good(self, steps: list[int], reasons: dict[int, str]) -> NoGoodCheckpoint:
+        """The one line when every checkpoint was set aside; it names each one's damage as
+        this process saw it (the full lines are in the log)."""
+        each = "; ".join(f"step {s}: {reasons[s]}" for s in reversed(steps))
         return NoGoodCheckpoint(
             f"--resume: none of the checkpoints in {self.directory} is intact (steps "
-            f"{', '.join(map(str, steps))}, set aside in {self.directory / DAMAGED}); start "
-            "again without --resume, or with another --checkpoint-dir")
+            f"{', '.join(map(str, steps))}, set aside in {self.directory / DAMAGED}; {each}); "
+            "start again without --resume, or with another --checkpoint-dir")
 
 
 def latest_meta(directory: str) -> dict | None:

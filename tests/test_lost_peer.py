@@ -188,8 +188,8 @@ def test_a_checkpoint_damaged_on_one_process_falls_back_on_both(damage, tmp_path
     else:
         shutil.copy(ck / "4" / "digests" / "process_1.json",
                     ck / "8" / "digests" / "process_1.json")
-    (rc0, out0, e0), (rc1, _, e1) = _finish(_start(ck, free_port(), "--resume"))
-    assert rc0 == rc1 == 0, e0[-2000:] + e1[-2000:]
+    (rc0, out0, e0), (rc1, out1, e1) = _finish(_start(ck, free_port(), "--resume"))
+    assert rc0 == rc1 == 0, out0[-3000:] + e0[-2000:] + out1[-3000:] + e1[-2000:]
     assert re.search(rf"checkpoint step 8 in {re.escape(str(ck))} is damaged \(.*\): set aside "
                      r"as .*damaged/8; trying step 4", out0), out0[-3000:]
     assert f"resumed from {ck} at step 4" in out0
