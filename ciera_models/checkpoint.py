@@ -51,6 +51,9 @@ from ciera_models.shard_digest import Damaged
 DAMAGED = "damaged"  # damaged checkpoints are moved to <dir>/damaged/<step>
 
 
+READS = 2  # how many times a restore reads a step whose arrays fail before setting it aside
+
+
 def check_dir(directory: str) -> None:
     """Fail now, with one line, if ``directory`` cannot hold checkpoints (it is created)."""
     p = Path(directory)
@@ -289,27 +292,43 @@ class Checkpointer:
         what each sees) in lockstep: they agree after every phase (the first takes the step,
         each next one what the last returned), so a checkpoint that is damaged on one process
         only -- say, in the file of arrays it alone reads -- is skipped by all, and no
-        process enters a collective (the digests gather the arrays) that another skips."""
+        process enters a collective (the digests gather the arrays) that another skips.
+
+        A step whose arrays fail (unreadable, or not their digests) is read once more before it
+        is set aside, and the log says so: on a loaded 2-process CPU run a read of a checkpoint
+        whose files were intact has returned shards that did not match their digests (the
+        files, re-read afterwards, did), and one bad read must not cost a good checkpoint."""
         steps = agree_steps(self.all_steps())
         reasons = {}
         for i, step in enumerate(reversed(steps)):
-            got, why, here = None, None, step in self.all_steps()
-            for k, phase in enumerate(phases):
-                try:
-                    if not here:
-                        raise Damaged("it is not in the folder as this process sees it")
-                    got = phase(step) if k == 0 else phase(step, got)
-                except Damaged as e:
-                    got, why = None, str(e)
-                if self._agree_bad(why):
+            for attempt in range(READS):
+                got, why, failed_at = self._walk_phases(step, phases)
+                if failed_at is None:
+                    return got
+                if failed_at == 0 or attempt == READS - 1:
                     break
-            else:
-                return got
+                log(f"checkpoint step {step} in {self.directory} did not pass on read "
+                    f"{attempt + 1} ({why or 'on another process'}): reading it again")
             reasons[step] = why or "on another process"
             self._set_aside(step, reasons[step], steps[: len(steps) - i - 1], log)
         if steps:
             raise self._none_good(steps, reasons)
         return None
+
+    def _walk_phases(self, step: int, phases):
+        """``(what the last phase returned, this process's damage or None, the phase at which
+        any process failed or None)``; every process stops at the same phase."""
+        got, why, here = None, None, step in self.all_steps()
+        for k, phase in enumerate(phases):
+            try:
+                if not here:
+                    raise Damaged("it is not in the folder as this process sees it")
+                got = phase(step) if k == 0 else phase(step, got)
+            except Damaged as e:
+                got, why = None, str(e)
+            if self._agree_bad(why):
+                return None, why, k
+        return got, None, None
 
     def _read_arrays(self, step: int, abstract):
         """Step ``step``'s arrays, read by the handler (no barrier, as in :meth:`read_meta`)."""

@@ -105,10 +105,33 @@ def test_a_shard_that_does_not_match_is_named_and_the_older_checkpoint_restores(
         c.save(2, params, opt_state, {"run": "test"}, wait=True)
     shutil.copy(ck / "1" / "digests" / "process_0.json", ck / "2" / "digests" / "process_0.json")
     got, logs = _restore(ck)
-    assert logs[0] == (f"checkpoint step 2 in {ck} is damaged (its shard [16:24, 0:8] of "
-                       "params/w, saved by process 0, does not match its digest): set aside as "
-                       f"{ck / 'damaged' / '2'}; trying step 1")
+    why = "its shard [16:24, 0:8] of params/w, saved by process 0, does not match its digest"
+    assert logs == [f"checkpoint step 2 in {ck} did not pass on read 1 ({why}): reading it again",
+                    f"checkpoint step 2 in {ck} is damaged ({why}): set aside as "
+                    f"{ck / 'damaged' / '2'}; trying step 1"]
     assert got[2]["step"] == 1 and _same(got, 1)
+
+
+def test_a_read_that_fails_once_is_read_again_and_the_checkpoint_kept(tmp_path, monkeypatch):
+    """A read of intact files that does not match its digests once (seen on a loaded 2-process
+    run) costs a second read, said in the log, not the checkpoint."""
+    ck = tmp_path / "ck"
+    _save(ck, 1, 2)
+    real, reads = shard_digest.verify, []
+
+    def wrong_once(tree, manifest):
+        reads.append(1)
+        if len(reads) == 1:
+            raise shard_digest.Damaged("its shard [0:8, 0:8] of params/w, saved by process 0, "
+                                       "does not match its digest")
+        return real(tree, manifest)
+
+    monkeypatch.setattr(shard_digest, "verify", wrong_once)
+    got, logs = _restore(ck)
+    assert len(reads) == 2 and got[2]["step"] == 2 and _same(got, 2)
+    assert logs == [f"checkpoint step 2 in {ck} did not pass on read 1 (its shard [0:8, 0:8] of "
+                    "params/w, saved by process 0, does not match its digest): reading it again"]
+    assert (ck / "2").is_dir() and not (ck / "damaged").exists()
 
 
 @pytest.mark.parametrize("damage, why", [
@@ -131,7 +154,8 @@ def test_damaged_digest_files_fall_back(damage, why, tmp_path):
             del shards[-1]
         f.write_text(json.dumps(d))
     got, logs = _restore(ck)
-    assert logs[0].startswith(f"checkpoint step 2 in {ck} is damaged ({why}"), logs
+    assert logs[0].startswith(f"checkpoint step 2 in {ck} did not pass on read 1 ({why}"), logs
+    assert logs[1].startswith(f"checkpoint step 2 in {ck} is damaged ({why}"), logs
     assert got[2]["step"] == 1 and _same(got, 1)
 
 
