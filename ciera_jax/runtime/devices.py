@@ -8,20 +8,22 @@ import os
 import jax
 import numpy as np
 
+from ciera_jax.runtime.gpu_targets import FSDP_XLA_FLAGS
+
 _FLAG = "--xla_force_host_platform_device_count"
 
-# Applied on GPU unless the user's XLA_FLAGS already set them (checked by flag name). Both
-# parse in jaxlib 0.10.2; async collectives are XLA's default there (the old
-# --xla_gpu_enable_async_all_gather flag is gone and is now rejected as unknown).
+# Applied on GPU to every compile in the process, unless the user's XLA_FLAGS already set them
+# (checked by flag name): two of the ``fsdp`` set (:data:`gpu_targets.FSDP_XLA_FLAGS`, the
+# step's own compile options), so a run with ``--xla-flags default`` keeps them too.
 #   latency-hiding scheduler: moves collectives' start/done apart so the gather of layer l+1
 #     runs under the compute of layer l (JAX "GPU performance tips"; NVIDIA JAX-Toolbox sets it
 #     by default in its images)
 #   highest-priority async stream: collectives' stream gets priority over compute kernels so a
 #     prefetch is not starved by the matmuls it should hide behind (JAX "GPU performance tips")
-GPU_XLA_FLAGS: tuple[str, ...] = (
-    "--xla_gpu_enable_latency_hiding_scheduler=true",
-    "--xla_gpu_enable_highest_priority_async_stream=true",
-)
+PROCESS_WIDE_FLAGS = ("xla_gpu_enable_latency_hiding_scheduler",
+                      "xla_gpu_enable_highest_priority_async_stream")
+GPU_XLA_FLAGS: tuple[str, ...] = tuple(
+    f"--{name}={str(FSDP_XLA_FLAGS[name]).lower()}" for name in PROCESS_WIDE_FLAGS)
 
 
 def emulate_cpu_devices(n: int) -> None:
