@@ -164,8 +164,8 @@ def test_all_checkpoints_damaged_is_one_line_and_exit_66(saved, tmp_path, capsys
         f = _biggest(ck / str(step) / "state/ocdbt.process_0/d")
         f.write_bytes(f.read_bytes()[:100])
     with pytest.raises(NoGoodCheckpoint, match=r"none of the checkpoints in .* is intact "
-                                               r"\(steps 5, 10, 15, .*; step 15: its arrays "
-                                               r"cannot be read .*; step 5: its arrays"):
+                                               r"\(steps 5, 10, 15, .*; step 15: its .*; "
+                                               r"step 10: its .*; step 5: its "):
         _resume(ck, [])
     assert sorted(p.name for p in (ck / "damaged").iterdir()) == ["10", "15", "5"]
     for step in (5, 10, 15):  # put them back, and ask the command line
