@@ -286,8 +286,9 @@ def verify(tree, manifest: dict[str, dict]) -> tuple[int, int]:
     with concurrent.futures.ThreadPoolExecutor(workers()) as pool:
         bad = [job for job in pool.map(check, jobs) if job is not None]
     if bad:
-        name, _, ix, _, saved_by = bad[0]
+        name, x, ix, _, saved_by = bad[0]
+        zeros = " (it reads as all zeros)" if not np.any(_cut(x, ix)) else ""
         more = f" (and {len(bad) - 1} more shard(s))" if len(bad) > 1 else ""
         raise Damaged(f"its shard {show(ix)} of {name}, saved by process {saved_by}, does not "
-                      f"match its digest{more}")
+                      f"match its digest{zeros}{more}")
     return total, unverified

@@ -112,6 +112,25 @@ def test_a_shard_that_does_not_match_is_named_and_the_older_checkpoint_restores(
     assert got[2]["step"] == 1 and _same(got, 1)
 
 
+def test_a_shard_that_reads_as_zeros_says_so(tmp_path):
+    """A shard whose bytes read back as zeros (a write or a read that never landed) is named
+    with that clue."""
+    ck = tmp_path / "ck"
+    _save(ck, 1)
+    params, opt_state = _state(bump=1)
+    w = np.asarray(params["w"]).copy()
+    w[16:24] = 0.0  # the third of 8 shards
+    params["w"] = jax.device_put(w, params["w"].sharding)
+    with ckpt.Checkpointer(str(ck)) as c:
+        c.save(2, params, opt_state, {"run": "test"}, wait=True)
+    shutil.copy(ck / "1" / "digests" / "process_0.json", ck / "2" / "digests" / "process_0.json")
+    got, logs = _restore(ck)
+    assert logs[-1] == (f"checkpoint step 2 in {ck} is damaged (its shard [16:24, 0:8] of "
+                        "params/w, saved by process 0, does not match its digest (it reads as "
+                        f"all zeros)): set aside as {ck / 'damaged' / '2'}; trying step 1")
+    assert got[2]["step"] == 1 and _same(got, 1)
+
+
 def test_a_read_that_fails_once_is_read_again_and_the_checkpoint_kept(tmp_path, monkeypatch):
     """A read of intact files that does not match its digests once (seen on a loaded 2-process
     run) costs a second read, said in the log, not the checkpoint."""
