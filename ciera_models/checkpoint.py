@@ -308,16 +308,17 @@ class Checkpointer:
                 if failed_at == 0 or attempt == READS - 1:
                     break
                 log(f"checkpoint step {step} in {self.directory} did not pass on read "
-                    f"{attempt + 1} ({why or 'on another process'}): reading it again")
-            reasons[step] = why or "on another process"
+                    f"{attempt + 1} ({why}): reading it again")
+            reasons[step] = why
             self._set_aside(step, reasons[step], steps[: len(steps) - i - 1], log)
         if steps:
             raise self._none_good(steps, reasons)
         return None
 
     def _walk_phases(self, step: int, phases):
-        """``(what the last phase returned, this process's damage or None, the phase at which
-        any process failed or None)``; every process stops at the same phase."""
+        """``(what the last phase returned, the damage as this process saw it, the phase at
+        which any process failed)``; ``(got, None, None)`` when every phase passed everywhere.
+        Every process stops at the same phase."""
         got, why, here = None, None, step in self.all_steps()
         for k, phase in enumerate(phases):
             try:
@@ -327,7 +328,7 @@ class Checkpointer:
             except Damaged as e:
                 got, why = None, str(e)
             if self._agree_bad(why):
-                return None, why, k
+                return None, why or "on another process", k
         return got, None, None
 
     def _read_arrays(self, step: int, abstract):

@@ -91,19 +91,25 @@ def test_a_save_returns_before_its_digests_are_done(tmp_path, monkeypatch):
     assert not logs  # verified: no note, no damage
 
 
+def _step_1_values_but_one_shard(ck, at, change) -> None:
+    """Steps 1 and 2 saved, step 2 holding step 1's digests and step 1's values, but for
+    ``w[at]``, which holds ``change(w[at])`` (rows 16:24 are the third of 8 shards)."""
+    _save(ck, 1)
+    params, opt_state = _state(bump=1)
+    w = np.asarray(params["w"]).copy()
+    w[at] = change(w[at])
+    params["w"] = jax.device_put(w, params["w"].sharding)
+    with ckpt.Checkpointer(str(ck)) as c:
+        c.save(2, params, opt_state, {"run": "test"}, wait=True)
+    shutil.copy(ck / "1" / "digests" / "process_0.json", ck / "2" / "digests" / "process_0.json")
+
+
 def test_a_shard_that_does_not_match_is_named_and_the_older_checkpoint_restores(tmp_path):
     """Step 2's arrays differ from what its digests say in one shard only (step 2 holds step
     1's digests but one shard of step 1's values): the line names that shard, and step 1 is
     restored bitwise."""
     ck = tmp_path / "ck"
-    _save(ck, 1)
-    params, opt_state = _state(bump=1)
-    w = np.asarray(params["w"]).copy()
-    w[16, 3] += 1.0  # rows 16:24 are the third of 8 shards
-    params["w"] = jax.device_put(w, params["w"].sharding)
-    with ckpt.Checkpointer(str(ck)) as c:
-        c.save(2, params, opt_state, {"run": "test"}, wait=True)
-    shutil.copy(ck / "1" / "digests" / "process_0.json", ck / "2" / "digests" / "process_0.json")
+    _step_1_values_but_one_shard(ck, (16, 3), lambda v: v + 1.0)
     got, logs = _restore(ck)
     why = "its shard [16:24, 0:8] of params/w, saved by process 0, does not match its digest"
     assert logs == [f"checkpoint step 2 in {ck} did not pass on read 1 ({why}): reading it again",
@@ -116,14 +122,7 @@ def test_a_shard_that_reads_as_zeros_says_so(tmp_path):
     """A shard whose bytes read back as zeros (a write or a read that never landed) is named
     with that clue."""
     ck = tmp_path / "ck"
-    _save(ck, 1)
-    params, opt_state = _state(bump=1)
-    w = np.asarray(params["w"]).copy()
-    w[16:24] = 0.0  # the third of 8 shards
-    params["w"] = jax.device_put(w, params["w"].sharding)
-    with ckpt.Checkpointer(str(ck)) as c:
-        c.save(2, params, opt_state, {"run": "test"}, wait=True)
-    shutil.copy(ck / "1" / "digests" / "process_0.json", ck / "2" / "digests" / "process_0.json")
+    _step_1_values_but_one_shard(ck, np.s_[16:24], np.zeros_like)
     got, logs = _restore(ck)
     assert logs[-1] == (f"checkpoint step 2 in {ck} is damaged (its shard [16:24, 0:8] of "
                         "params/w, saved by process 0, does not match its digest (it reads as "
