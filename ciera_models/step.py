@@ -96,12 +96,19 @@ def step_bytes(st: dict, backward: str, word: bool, dtype) -> dict:
     return {"step_sent_bytes": sent + again + plain, "step_plain_bytes": 3 * plain}
 
 
-def per_layer_stats(tensors: dict, stats: dict) -> dict:
-    """``{tensor key: stats stacked over layers}`` -> ``{layer key: stats of that layer}``, on
-    the host (the step returns them stacked: split inside it, each layer's scalar is an output
-    buffer of its own, a slice kernel on a GPU, 260 in OLMoE-1B-7B's step on 16 H100s)."""
+# The step's stats per tensor, the columns of its packed output (the forward gather's, then
+# the step's own): one output buffer per tensor, not one per stat.
+STEP_STAT_KEYS = fsdp.STAT_KEYS + ("words_changed", "step_sent_bytes", "step_plain_bytes")
+
+
+def per_layer_stats(tensors: dict, packed: dict) -> dict:
+    """``{tensor key: packed stats stacked over layers}`` (columns :data:`STEP_STAT_KEYS`) ->
+    ``{layer key: {stat: value} of that layer}``, on the host (the step returns them packed
+    and stacked: split inside it, each layer's scalar is an output buffer of its own, a slice
+    kernel on a GPU, 260 in OLMoE-1B-7B's step on 16 H100s)."""
     out = {}
-    for k, st in stats.items():
+    for k, p in packed.items():
+        st = fsdp.unpack_stats(p, STEP_STAT_KEYS)
         t = tensors[k]
         for layer in range(t.stack or 1):
             out[t.layer_key(layer)] = {s: v[layer] for s, v in st.items()} if t.stack else st
@@ -196,9 +203,11 @@ def make_step(tc, mesh, graphdef, param_specs, opt_specs, tx, tensors, compress)
         metrics = {"loss": lax.pmean(loss, AXIS), "grad_norm": gnorm,
                    **{k: lax.pmean(v, AXIS) for k, v in parts.items()},
                    "verify_failed": sum((jnp.sum(v) for v in failed.values()), jnp.int32(0)),
-                   # per tensor, stacked over layers: the host splits them by layer
-                   # (per_layer_stats), where every scalar output would be a kernel
-                   "gather": stats}
+                   # per tensor, packed and stacked over layers: the host splits them by
+                   # stat and layer (per_layer_stats), where every scalar output is a kernel
+                   "gather": {k: jnp.stack([jnp.asarray(st[s]).astype(jnp.int32)
+                                            for s in STEP_STAT_KEYS], axis=-1)
+                              for k, st in stats.items()}}
         caches = fsdp.with_caches(caches, caches_d)
         return new_params, caches, new_opt_state, ahead_next, metrics
 

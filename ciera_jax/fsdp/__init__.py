@@ -53,11 +53,12 @@ from ciera_jax.fsdp.prepared import GatherInputs, prepare
 from ciera_jax.runtime.partition import check_divisible, d_axis, rule_axis, spec_for
 from ciera_jax.fsdp.state.specs import merge, param_specs, put, split_axes, state_specs
 from ciera_jax.fsdp.state.stacking import stack, stack_size
-from ciera_jax.fsdp.state.stats import GatherStats, gather_stats, wire_ratio
+from ciera_jax.fsdp.state.stats import (STAT_KEYS, GatherStats, gather_stats,
+                                        unpack as unpack_stats, wire_ratio)
 from ciera_jax.fsdp.wrap import is_sharded, shard
 
 __all__ = [
-    "AXIS", "CACHE_MODES", "GATHER_MODES", "REMAT_POLICIES", "WORD_BACKWARDS",
+    "AXIS", "CACHE_MODES", "GATHER_MODES", "REMAT_POLICIES", "STAT_KEYS", "WORD_BACKWARDS",
     "ExponentCacheVar", "GatherCacheVar", "GatherInputs", "GatherSpec", "GatherStats",
     "GatheredTensor", "Gatherer", "Plan", "agree_tensors", "attach_caches", "cache_dict",
     "check_divisible",
@@ -67,5 +68,5 @@ __all__ = [
     "merge", "needed_rungs", "param_dict", "param_specs", "plan_of", "prepare", "priming_inputs",
     "put", "rule_axis",
     "scan_layers", "set_gather_mode", "shard", "spec_for", "split_axes", "stack", "stack_size",
-    "state_specs", "wire_ratio", "wires", "with_caches",
+    "state_specs", "unpack_stats", "wire_ratio", "wires", "with_caches",
 ]

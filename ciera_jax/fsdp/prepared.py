@@ -38,6 +38,7 @@ from ciera_jax.fsdp.state.plan import (DEFAULT_REMAT, DEFAULT_WORD_BACKWARD, Pla
 from ciera_jax.fsdp.regather import regather
 from ciera_jax.fsdp.state.stacking import stack_size
 from ciera_jax.fsdp.state.stats import GatherStats, record
+from ciera_jax.fsdp.state.stats import pack as pack_stats
 
 INPUTS_ATTR = "ciera_gather_inputs"
 
@@ -287,7 +288,8 @@ def _run(compute, tensors: dict, held: tuple, regathered: tuple, n: int, plan: P
                 inputs_i[k] = (inputs_i[k][0], at(stacks[k], i), inputs_i[k][2])
             fulls, new, stats = gather_layer(at(frozen, i), inputs_i)
             stacks = {**stacks, **{k: put(stacks[k], i, new[k]) for k in held if k in new}}
-            return fulls, {k: c for k, c in new.items() if k not in held}, stats, stacks
+            return (fulls, {k: c for k, c in new.items() if k not in held},
+                    layer_stats(stats), stacks)
 
         def layer(i, fulls, x):
             """``((x, y), residuals the policy keeps)``."""
@@ -319,7 +321,7 @@ def _run(compute, tensors: dict, held: tuple, regathered: tuple, n: int, plan: P
             ss = jax.tree.map(lambda a, b: cat(a[None], b), s0, ss)
         cs = {**cs, **stacks}
         res = (shards, others, rest, args, inputs, {k: cs[k] for k in from_cache}, x_in, saved)
-        return (x, ys, cs, ss), res
+        return (x, ys, cs, stats_by_key(ss)), res
 
     def backward(res, cts):
         shards, others, rest, args, inputs, new_caches, x_in, saved = res
@@ -360,6 +362,23 @@ def _run(compute, tensors: dict, held: tuple, regathered: tuple, n: int, plan: P
     run = jax.custom_vjp(lambda *a: forward(*a, keep=False)[0])
     run.defvjp(forward, backward)
     return run
+
+
+def layer_stats(stats: dict) -> tuple:
+    """One layer's ``{key: stats}`` as the layer loop stacks them: every key's packed vector
+    in ONE array (one output of the loop, one kernel a layer on a GPU, not one a key) and each
+    key's ``changed`` (a psum's result: XLA moves the psum out of the loop only while it goes
+    straight into an output of its own, :mod:`~ciera_jax.fsdp.state.stats`)."""
+    packed = {k: pack_stats(st) for k, st in sorted(stats.items())}
+    return (jnp.stack([p["vector"] for p in packed.values()], axis=-2) if packed else None,
+            {k: p["changed"] for k, p in packed.items()})
+
+
+def stats_by_key(stacked: tuple) -> dict:
+    """:func:`layer_stats`' inverse (stacked over layers or not): ``{key: packed stats}``."""
+    vectors, changed = stacked
+    return {k: {"vector": vectors[..., i, :], "changed": c}
+            for i, (k, c) in enumerate(changed.items())}
 
 
 def _typed_like_gather(full, shard, axis_name):
