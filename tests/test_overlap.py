@@ -14,6 +14,7 @@ from jax.extend import core as jcore
 from jaxprs import outside, subjaxprs, walk
 
 from ciera_jax.fsdp import buckets
+from ciera_jax.fsdp.state.stats import VECTOR_KEYS
 from ciera_models import data
 from ciera_models.train import TrainConfig, build_trainer, make_mesh
 from conftest import TINY_PROGRAMS
@@ -122,6 +123,24 @@ def test_next_layer_gather_does_not_wait_for_this_layer(step_jaxpr):
         checked += 1
     assert checked >= 1
 
+
+
+def test_layer_scan_stacks_one_stats_vector_per_layer(step_jaxpr):
+    """The gathers' stats leave the layer scan as ONE int32 vector per layer (every key's
+    stats but ``changed``) and one ``changed`` per key, not one output per stat per key: on a
+    GPU every output of the loop is a kernel per layer (7 stats x 8 keys were 56)."""
+    columns = len(VECTOR_KEYS)
+    scans = [e for e in walk(step_jaxpr) if e.primitive.name == "scan"
+             and any(v.aval.dtype == np.int32 and v.aval.ndim == 3
+                     and v.aval.shape[-1] == columns for v in e.outvars)]
+    assert len(scans) == 1, "one layer scan (the forward) leaves the stats"
+    outs = [v.aval for v in scans[0].outvars if v.aval.dtype == np.int32]
+    vectors = [a for a in outs if a.ndim == 3 and a.shape[-1] == columns]
+    assert len(vectors) == 1
+    keys = vectors[0].shape[1]
+    assert keys >= 8  # tiny's layer: attention, router, experts (the buckets' members apart)
+    per_layer_scalars = [a for a in outs if a.shape == (scans[0].params["length"],)]
+    assert len(per_layer_scalars) == keys  # each key's changed
 
 @pytest.mark.slow  # compiles prepare_fn (an encode of every tensor) for this test alone; the fast
 # lane's train tests check what a stale Encoded would break: every step's self-check passes
