@@ -207,7 +207,7 @@ class Trainer:
             wires = fsdp.wires(self.tensors, ahead["encoded"], self.n)
             rungs = (rungs_holding(wires) if rungs == "steady"
                      else {k: PLAIN_RUNG for k in wires})
-        ahead = {**ahead, "agreed": fsdp.fix_rungs(ahead["agreed"], rungs)}
+        ahead = {**ahead, "agreed": fsdp.fix_rungs(ahead["agreed"], rungs, ahead["needed"])}
         return params, caches, opt_state, ahead, tokens
 
     def step(self, state: TrainState, tokens: jax.Array,

@@ -152,3 +152,22 @@ def test_a_plain_rung_compiles_no_codec_and_no_conditional(mode):
 def test_a_rung_outside_the_ladder_is_a_clear_error():
     with pytest.raises(ValueError, match="a fixed rung must be in 0.."):
         _jaxpr("word", 99)
+
+
+@pytest.mark.parametrize("wire", [WordWire(1536, 2), ExponentWire(1536, 2)],
+                         ids=["word", "exponent"])
+def test_a_needed_rung_given_with_the_demand_decides_as_the_demand_does(wire):
+    """A train step hands each gather the rung its demand needs (computed where the demand
+    was agreed on); the overflow it decides is the one the demand alone decides, at every rung
+    and every demand from nothing to above the top."""
+    counts = sorted({0, 1, *wire.ladder, *(c + 1 for c in wire.ladder), 10 ** 9})
+    if isinstance(wire, WordWire):  # escapes, raw words (at most an eighth of them), exponents
+        demand = jnp.asarray([[c, c // 8, 0] for c in counts], jnp.int32)
+    else:
+        demand = jnp.asarray(counts, jnp.int32)
+    needed = capacity.needed_rung(wire, demand)
+    for rung in range(wire.rungs):
+        alone = capacity.overflows(wire, capacity.fix(demand, rung))
+        given = capacity.overflows(wire, capacity.fix(demand, rung, needed))
+        np.testing.assert_array_equal(given, alone)
+        assert bool(jnp.any(alone)) and not bool(jnp.all(alone))  # above the top; none

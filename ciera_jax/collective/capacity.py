@@ -29,14 +29,19 @@ __all__ = ["FixedRung", "PLAIN_RUNG", "exceeded", "fix", "is_fixed", "needed_run
 class FixedRung:
     """An agreed demand (``demand``: int32, the agreement's output, per layer for stacks) and
     the rung its gather is compiled at (``rung``: static; :data:`PLAIN_RUNG` for a plain
-    gather). Layer slices keep the rung."""
+    gather). ``needed``: the rung the demand needs (:func:`needed_rung`, per layer like it),
+    when the step that agreed on it computed that already (a train step's ``ahead``): then the
+    gather compares it with ``rung`` instead of pricing the demand against the ladder again,
+    a chain of compares per gather that XLA:GPU compiles as kernels of their own. Layer slices
+    keep the rung."""
 
     demand: jax.Array
     rung: int = dataclasses.field(metadata=dict(static=True))
+    needed: jax.Array | None = None
 
 
-def fix(agreed, rung: int) -> FixedRung:
-    return FixedRung(agreed, int(rung))
+def fix(agreed, rung: int, needed=None) -> FixedRung:
+    return FixedRung(agreed, int(rung), needed)
 
 
 def is_fixed(agreed) -> bool:
@@ -64,4 +69,5 @@ def overflows(wire, fixed: FixedRung) -> jax.Array:
     if not 0 <= fixed.rung < wire.rungs:
         raise ValueError(f"a fixed rung must be in 0..{wire.rungs - 1} for this tensor's "
                          f"{wire.rungs} capacities (or PLAIN_RUNG), got {fixed.rung}")
-    return needed_rung(wire, fixed.demand) > fixed.rung
+    needed = needed_rung(wire, fixed.demand) if fixed.needed is None else fixed.needed
+    return needed > fixed.rung

@@ -128,14 +128,16 @@ def needed_rungs(tensors: dict, encoded: dict, agreed: dict) -> dict:
     return out
 
 
-def fix_rungs(agreed: dict, rungs: dict) -> dict:
+def fix_rungs(agreed: dict, rungs: dict, needed: dict | None = None) -> dict:
     """``agreed`` with each key's rung fixed at ``rungs[key]`` (an int, or
     :data:`~ciera_jax.collective.capacity.PLAIN_RUNG`): what :func:`~ciera_jax.fsdp.prepare`
-    takes for a step compiled at those rungs."""
+    takes for a step compiled at those rungs. ``needed``: :func:`needed_rungs` of the same
+    agreement, when it was computed with it (the gathers then need not compute it again)."""
     missing = sorted(set(agreed) - set(rungs))
     if missing:
         raise ValueError(f"no rung for {missing}")
-    return {k: capacity.fix(a, rungs[k]) for k, a in agreed.items()}
+    return {k: capacity.fix(a, rungs[k], None if needed is None else needed[k])
+            for k, a in agreed.items()}
 
 
 def wires(tensors: dict, encoded_shapes: dict, n_ranks: int) -> dict:
