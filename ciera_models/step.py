@@ -205,8 +205,7 @@ def make_step(tc, mesh, graphdef, param_specs, opt_specs, tx, tensors, compress)
                    "verify_failed": sum((jnp.sum(v) for v in failed.values()), jnp.int32(0)),
                    # per tensor, packed and stacked over layers: the host splits them by
                    # stat and layer (per_layer_stats), where every scalar output is a kernel
-                   "gather": {k: jnp.stack([jnp.asarray(st[s]).astype(jnp.int32)
-                                            for s in STEP_STAT_KEYS], axis=-1)
+                   "gather": {k: fsdp.stat_columns(st, STEP_STAT_KEYS)
                               for k, st in stats.items()}}
         caches = fsdp.with_caches(caches, caches_d)
         return new_params, caches, new_opt_state, ahead_next, metrics
