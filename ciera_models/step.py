@@ -108,7 +108,7 @@ def per_layer_stats(tensors: dict, packed: dict) -> dict:
     kernel on a GPU, 260 in OLMoE-1B-7B's step on 16 H100s)."""
     out = {}
     for k, p in packed.items():
-        st = fsdp.unpack_stats(p, STEP_STAT_KEYS)
+        st = fsdp.stats_from_columns(p, STEP_STAT_KEYS)
         t = tensors[k]
         for layer in range(t.stack or 1):
             out[t.layer_key(layer)] = {s: v[layer] for s, v in st.items()} if t.stack else st

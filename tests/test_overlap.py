@@ -124,7 +124,6 @@ def test_next_layer_gather_does_not_wait_for_this_layer(step_jaxpr):
     assert checked >= 1
 
 
-
 def test_layer_scan_stacks_one_stats_vector_per_layer(step_jaxpr):
     """The gathers' stats leave the layer scan as ONE int32 vector per layer (every key's
     stats but ``changed``) and one ``changed`` per key, not one output per stat per key: on a
@@ -141,6 +140,7 @@ def test_layer_scan_stacks_one_stats_vector_per_layer(step_jaxpr):
     assert keys >= 8  # tiny's layer: attention, router, experts (the buckets' members apart)
     per_layer_scalars = [a for a in outs if a.shape == (scans[0].params["length"],)]
     assert len(per_layer_scalars) == keys  # each key's changed
+
 
 @pytest.mark.slow  # compiles prepare_fn (an encode of every tensor) for this test alone; the fast
 # lane's train tests check what a stale Encoded would break: every step's self-check passes

@@ -37,7 +37,7 @@ def test_pack_names_a_missing_stat():
 
 def test_unpack_refuses_a_vector_of_the_wrong_width():
     with pytest.raises(ValueError, match="5 columns, not 6"):
-        fsdp.unpack_stats(jnp.zeros((2, 5), jnp.int32), stats_lib.VECTOR_KEYS)
+        fsdp.stats_from_columns(jnp.zeros((2, 5), jnp.int32), stats_lib.VECTOR_KEYS)
 
 
 def test_empty_stats_are_packed_zeros_that_unpack_by_name():

@@ -54,7 +54,8 @@ from ciera_jax.runtime.partition import check_divisible, d_axis, rule_axis, spec
 from ciera_jax.fsdp.state.specs import merge, param_specs, put, split_axes, state_specs
 from ciera_jax.fsdp.state.stacking import stack, stack_size
 from ciera_jax.fsdp.state.stats import (STAT_KEYS, GatherStats, columns as stat_columns,
-                                        gather_stats, unpack as unpack_stats, wire_ratio)
+                                        from_columns as stats_from_columns, gather_stats,
+                                        unpack as unpack_stats, wire_ratio)
 from ciera_jax.fsdp.wrap import is_sharded, shard
 
 __all__ = [
@@ -68,6 +69,6 @@ __all__ = [
     "merge", "needed_rungs", "param_dict", "param_specs", "plan_of", "prepare", "priming_inputs",
     "put", "rule_axis",
     "scan_layers", "set_gather_mode", "shard", "spec_for", "split_axes", "stack", "stack_size",
-    "stat_columns",
-    "state_specs", "unpack_stats", "wire_ratio", "wires", "with_caches",
+    "stat_columns", "state_specs", "stats_from_columns", "unpack_stats", "wire_ratio", "wires",
+    "with_caches",
 ]

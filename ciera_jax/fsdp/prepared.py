@@ -374,10 +374,11 @@ def layer_stats(stats: dict) -> tuple:
 
 
 def stats_by_key(stacked: tuple) -> dict:
-    """:func:`layer_stats`' inverse (stacked over layers or not): ``{key: packed stats}``."""
+    """:func:`layer_stats`' inverse (stacked over layers or not): ``{key: packed stats}``
+    (the vectors' rows are the keys in sorted order)."""
     vectors, changed = stacked
-    return {k: {"vector": vectors[..., i, :], "changed": c}
-            for i, (k, c) in enumerate(changed.items())}
+    return {k: {"vector": vectors[..., i, :], "changed": changed[k]}
+            for i, k in enumerate(sorted(changed))}
 
 
 def _typed_like_gather(full, shard, axis_name):

@@ -53,14 +53,16 @@ def columns(stats: dict, names) -> jax.Array:
     return jnp.stack([jnp.asarray(stats[s]).astype(jnp.int32) for s in names], axis=-1)
 
 
-def unpack(packed, names=None) -> dict:
-    """:func:`pack`'s inverse, host or traced values; or, with ``names``, one array's columns
-    by name (:func:`columns`' inverse)."""
-    if names is None:
-        return {**unpack(packed["vector"], VECTOR_KEYS), "changed": packed["changed"]}
-    if packed.shape[-1] != len(names):
-        raise ValueError(f"packed stats have {packed.shape[-1]} columns, not {len(names)}")
-    return {s: packed[..., i] for i, s in enumerate(names)}
+def from_columns(array, names) -> dict:
+    """:func:`columns`' inverse: ``{name: array[..., i]}``, host or traced values."""
+    if array.shape[-1] != len(names):
+        raise ValueError(f"packed stats have {array.shape[-1]} columns, not {len(names)}")
+    return {s: array[..., i] for i, s in enumerate(names)}
+
+
+def unpack(packed: dict) -> dict:
+    """:func:`pack`'s inverse, host or traced values."""
+    return {**from_columns(packed["vector"], VECTOR_KEYS), "changed": packed["changed"]}
 
 
 def is_packed(stats) -> bool:
