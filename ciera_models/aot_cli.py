@@ -111,6 +111,7 @@ def summary_rows(r: dict) -> dict[str, str]:
         "lowering": f"{r['lower_s']:.1f} s",
         "scheduled HLO": f"{r['hlo_bytes'] / 1e6:.2f} MB",
         "fusions (kernels)": f"{r['fusions']:,}",
+        "  distinct (code generated once each)": f"{r['distinct_fusions']:,}",
         "custom calls": f"{r['custom_calls']:,}",
         "conditionals": f"{r['conditionals']:,}",
         "collectives": f"{len(colls):,}",
@@ -156,7 +157,8 @@ def render(reports: list[dict], target, show_collectives: bool = False) -> str:
         lines.append("ratios (ciera / plain): "
                      f"compile {a['compile_s'] / b['compile_s']:.2f}x "
                      f"({a['compile_cpu_s'] / b['compile_cpu_s']:.2f}x CPU), "
-                     f"fusions {a['fusions'] / max(b['fusions'], 1):.2f}x, "
+                     f"fusions {a['fusions'] / max(b['fusions'], 1):.2f}x "
+                     f"({a['distinct_fusions'] / max(b['distinct_fusions'], 1):.2f}x distinct), "
                      f"HLO {a['hlo_bytes'] / b['hlo_bytes']:.2f}x, "
                      f"memory {a['memory']['total'] / b['memory']['total']:.2f}x")
     for r in reports:

@@ -115,6 +115,11 @@ def test_tiny_step_compiles_for_h100s_and_the_report_counts_its_hlo(tiny_reports
     assert "cudnn" in rep["trainer"]["attention"]  # a GPU mesh: cuDNN's fused attention
     # an independent count of the scheduled text
     assert rep["fusions"] == len(re.findall(r"= \S.* fusion\(", text))
+    # each fusion's kernel: the one XLA deduplicated it to, else its own
+    kernels = {dedup or own for own, dedup in re.findall(
+        r'%([\w.\-]+) = \S.* fusion\(.*?(?:deduplicated_name="([\w.\-]+)"|$)', text, re.M)}
+    assert rep["distinct_fusions"] == len(kernels)
+    assert 0 < rep["distinct_fusions"] < rep["fusions"]  # the layer loops' bodies repeat
     assert rep["conditionals"] == len(re.findall(r" conditional\(", text))
     starts = len(re.findall(r" (?:all-gather|all-reduce|reduce-scatter|collective-permute)"
                             r"-start\(", text))

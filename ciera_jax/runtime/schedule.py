@@ -182,12 +182,25 @@ class Program:
         return out
 
     def kernels(self) -> dict[str, int]:
-        """Launches as compiled: fusions and custom calls (cuBLAS, cuDNN, Pallas/Triton)."""
+        """Launches as compiled: fusions and custom calls (cuBLAS, cuDNN, Pallas/Triton); and
+        ``distinct_fusions``, the fusions XLA generates code for once: XLA:GPU gives a fusion
+        identical to an earlier one that one's kernel (its ``deduplicated_name``), so a layer
+        loop's body, its double-buffered clone and a repeated shape cost one compile. What
+        XLA:GPU's code generation takes (an LLVM module and a PTX assembly each) follows this
+        count, not the launches."""
         every = [i for instrs in self.comps.values() for i in instrs]
-        return {"fusions": sum(i.op == "fusion" for i in every),
+        fusions = [i for i in every if i.op == "fusion"]
+        return {"fusions": len(fusions), "distinct_fusions": len({_kernel_of(i) for i in fusions}),
                 "custom_calls": sum(i.op == "custom-call" for i in every),
                 "conditionals": sum(i.op == "conditional" for i in every),
                 "while_loops": sum(i.op == "while" for i in every)}
+
+
+def _kernel_of(fusion: Instr) -> str:
+    """The kernel a fusion launches: its ``deduplicated_name`` where XLA gave it one, else its
+    own name."""
+    m = re.search(r'deduplicated_name="([\w.\-]+)"', fusion.rest)
+    return m.group(1) if m else fusion.name
 
 
 def overlap_share(collectives: list[Collective], kind: str = "all-gather") -> float:
