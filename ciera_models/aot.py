@@ -99,8 +99,17 @@ def _compile(lowered, options: dict) -> _Compiled:
     wall, cpu = time.perf_counter() - t, time.process_time() - c
     text = compiled.as_text()
     prog = schedule.Program(text)
+    per_step = prog.per_step(lambda i: _fallback_transfer(prog, i))
     return _Compiled(options, text, compiled.memory_analysis(), prog.collectives(),
-                     prog.kernels(), wall, cpu)
+                     {**prog.kernels(), **{f"steady_{k}_per_step": v for k, v in per_step.items()}},
+                     wall, cpu)
+
+
+def _fallback_transfer(prog: schedule.Program, ins: schedule.Instr) -> bool:
+    """A collective of the fallback's (overflow, priming) plain rest: off the steady path."""
+    return (ins.op.removesuffix("-start") in schedule.COLLECTIVES
+            and any(s.split(":")[-1] in transfer.FALLBACK_FUNCTIONS
+                    for s in prog.sources(ins.rest)))
 
 
 def _limit_row(kept: _Compiled, other: _Compiled | None, memory_limit: str, io: int,

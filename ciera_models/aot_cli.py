@@ -113,6 +113,9 @@ def summary_rows(r: dict) -> dict[str, str]:
         "fusions (kernels)": f"{r['fusions']:,}",
         "  distinct (code generated once each)": f"{r['distinct_fusions']:,}",
         "custom calls": f"{r['custom_calls']:,}",
+        "steady path per step: kernel launches": f"{r['steady_launches_per_step']:,}",
+        "steady path per step: copies": f"{r['steady_copies_per_step']:,} ("
+                                        f"{_size(r['steady_copy_bytes_per_step'])})",
         "conditionals": f"{r['conditionals']:,}",
         "collectives": f"{len(colls):,}",
         "  inside conditional branches": f"{len(in_branch)} ({sum(c['steady'] for c in in_branch)}"

@@ -5,13 +5,12 @@ the exponents that differ from this rank's slice of the cache, and pack what loc
 their new values: the flags 32 to a uint32 word, the nonzero words in order with a summary bit
 per word, and the new exponents in position order, each at its top capacity.
 
-Receiver (:func:`exchange`): the payload plane and checksum arrive by one unconditional
-all-gather; the flags and the exponents arrive in the section switch at the agreed rung
-(:mod:`ciera_jax.codec.wire`); the flag words are rebuilt from the summary (escapes of escapes, a
-dense pass over 1/32 of the tensor), one fill puts every flagged exponent in place of the
-cached one, one
-decode merges exponents and payload, one self-check compares every rank's shard with the
-checksum it sent.
+Receiver: :func:`send`'s transfers (the payload plane, the checksum and, at a fixed rung, the
+flags and the exponents in one unconditional all-gather; a traced rung sends those in the
+section switch, :mod:`ciera_jax.codec.wire`), then :func:`decode`: the flag words are
+rebuilt from the summary (escapes of escapes, a dense pass over 1/32 of the tensor), one fill
+puts every flagged exponent in place of the cached one, one decode merges exponents and
+payload, one self-check compares every rank's shard with the checksum it sent.
 
 Shape letters as in :mod:`ciera_jax.codec.escapes`: N ranks, n elements per shard, P payload planes,
 W flag words, S summary words, C and K capacities.
@@ -89,33 +88,54 @@ def encode(x, cached_exp, primed, axis: int, n_ranks: int, csum, impl: str) -> E
     return Encoded(payload, summary_S, listed_C, patch_exp, count, demand, csum, axis, n_ranks)
 
 
-def exchange(e: Encoded, cache_exp, agreed, shard, axis_name, dtype, impl: str):
-    """``agreed``: the agreed demand, or a :class:`~ciera_jax.collective.capacity.FixedRung`.
-    Returns ``(decoded full, its exponents (the new cache), failed shards, rung, overflow,
-    section bytes sent, main rows)``; on overflow the main rows carry the head of the shards'
-    bits and the caller finishes with :func:`ciera_jax.collective.transfer.plain_rest` (``decoded`` is
-    then meaningless)."""
+def _parts(e: Encoded):
+    """The section's parts and their sizes per rung: summary words, nonzero flag words, new
+    exponents."""
+    wire = e.wire
+    return ([e.summary, e.flag_words, e.patch_exp],
+            [tuple(wire.summary_words if c else 0 for c in wire.caps), wire.word_caps, wire.caps])
+
+
+def send(e: Encoded, agreed, shard, axis_name) -> transfer.Sent:
+    """The gather's transfers. ``agreed``: the agreed demand, or a
+    :class:`~ciera_jax.collective.capacity.FixedRung` (the section then rides in the main
+    transfer at a static size; a traced rung sends it in the section switch)."""
+    wire = e.wire
+    parts, sizes = _parts(e)
+    if capacity.is_fixed(agreed):
+        rung, overflow = agreed.rung, capacity.overflows(wire, agreed)
+        rows = transfer.send_fixed(e.payload.reshape(-1), parts, [s[rung] for s in sizes],
+                                   shard, overflow, e.checksum, axis_name)
+        return transfer.Sent(rows, (), rung, overflow,
+                             transfer.section_bytes(wire.section_sizes, rung))
+    rung, overflow = transfer.pick_rung(wire.caps, agreed)
+    rows = transfer.send_fixed(e.payload.reshape(-1), [], [], shard, overflow, e.checksum,
+                               axis_name)
+    sections = transfer.gather_section(parts, sizes, rung, axis_name)
+    return transfer.Sent(rows, tuple(sections), rung, overflow,
+                         transfer.section_bytes(wire.section_sizes, rung))
+
+
+def decode(e: Encoded, sent: transfer.Sent, rows, cache_exp, dtype, impl: str):
+    """The tensor from what arrived (``rows``: ``sent.rows``, as the caller holds them) and
+    the cached exponents: ``(full, its exponents (the new cache), failed shards)``.
+    Meaningless on an overflow."""
     wire = e.wire
     n, n_planes = wire.n, e.payload.shape[0]
-    parts = [e.summary, e.flag_words, e.patch_exp]
-    sizes = [tuple(wire.summary_words if c else 0 for c in wire.caps), wire.word_caps, wire.caps]
-    if capacity.is_fixed(agreed):  # the section rides in the main transfer at a static size
-        rung, overflow = agreed.rung, capacity.overflows(wire, agreed)
-        at = [s[rung] for s in sizes]
-        main_NxL, sent_N, plane_NxL, (summary_NxS, listed_NxC, patch_NxK) = (
-            transfer.gather_fixed(e.payload.reshape(-1), parts, at,
-                                  [wire.summary_words, max(at[1], 1), max(at[2], 1)], shard,
-                                  overflow, e.checksum, axis_name))
+    plane_len = e.payload.size
+    if sent.sections:
+        sent_N, plane_NxL = selfcheck.sent_checksums(rows), rows[:, :plane_len]
+        summary_NxS, listed_NxC, patch_NxK = sent.sections
     else:
-        rung, overflow = transfer.pick_rung(wire.caps, agreed)
-        main_NxL, sent_N, plane_NxL = transfer.gather_main(e.payload.reshape(-1), shard,
-                                                           overflow, e.checksum, axis_name)
-        summary_NxS, listed_NxC, patch_NxK = transfer.gather_section(parts, sizes, rung,
-                                                                     axis_name)
+        parts, sizes = _parts(e)
+        at = [s[sent.rung] for s in sizes]
+        sent_N, plane_NxL, (summary_NxS, listed_NxC, patch_NxK) = transfer.read_fixed(
+            rows, plane_len, [p.dtype for p in parts], at,
+            [wire.summary_words, max(at[1], 1), max(at[2], 1)])
     # Escapes of escapes: the nonzero flag words back in place (1/32 of the tensor: dense),
     # then each changed exponent over the cached one (escapes.fill, or the escape kernel).
     flags_NxW = escapes.expand_dense(listed_NxC, summary_NxS, flag_words(n))
-    cap_N = jnp.full((e.n_ranks,), jnp.asarray(wire.caps, jnp.int32)[rung])
+    cap_N = jnp.full((e.n_ranks,), jnp.asarray(wire.caps, jnp.int32)[sent.rung])
     exp_Nxn = kernels.escape_fill_exponents(
         full_to_rows(cache_exp, e.shard_shape, e.axis, e.n_ranks), flags_NxW, patch_NxK, cap_N,
         impl=impl)
@@ -125,9 +145,6 @@ def exchange(e: Encoded, cache_exp, agreed, shard, axis_name, dtype, impl: str):
     # One pass: the weights and every rank's checksum of them (fused on GPU where it can be).
     full, got_N = kernels.decode_checksum(exp_full, payload_full, dtype, e.n_ranks, axis=e.axis,
                                           impl=impl)
-    sent = transfer.section_bytes(wire.section_sizes, rung)
     # The new cache is the exponents the decode read (bitwise exponent(full)), so no pass
     # over the full tensor is needed to make it.
-    return (full, exp_full, selfcheck.failed_shards(full, sent_N, e.axis, got_N), rung,
-            overflow, sent, main_NxL)
-
+    return full, exp_full, selfcheck.failed_shards(full, sent_N, e.axis, got_N)

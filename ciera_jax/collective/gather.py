@@ -249,31 +249,40 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
     # operand of the fallback's cond) though only the head travels on most steps.
     shard = lax.stop_gradient(x)
     option, cached = ((word_option, cache.words) if word else (exponent_option, cache.exp))
-    decoded, decoded_cached, failed, rung, fallback, section, main_NxL = option.exchange(
-        e, cached, agreed, shard, axis_name, dtype, impl)
-    operands = (shard, decoded, cache, main_NxL)
+    sent = option.send(e, agreed, shard, axis_name)
+    fallback, rung, section = sent.overflow, sent.rung, sent.section_bytes
+    operands = (shard, sent.rows, cached)
 
-    def plain(args):
-        shard, main, _ = args
-        rows = transfer.plain_rest(main, bitfields.to_bits(shard), axis_name)
-        bits = rows_to_full(rows, e.shard_shape, e.axis)
+    def typed(*arrays):
+        return tuple(varying_like(a, operands, axis_name) for a in arrays)
+
+    def plain(shard, rows, _):
+        bits = rows_to_full(transfer.plain_rest(rows, bitfields.to_bits(shard), axis_name),
+                            e.shard_shape, e.axis)
+        if word:
+            return typed(bits, jnp.int32(0))
         full = bitfields.from_bits(bits, dtype)
-        return tuple(varying_like(a, operands, axis_name)
-                     for a in (full, bits if word else bitfields.exponent(full)))
+        return typed(full, bitfields.exponent(full), jnp.int32(0))
 
-    def compressed(args):
-        return tuple(varying_like(a, operands, axis_name) for a in args[2])
+    def compressed(_, rows, cached):
+        return typed(*option.decode(e, sent, rows, cached, dtype, impl))
 
-    # The one conditional with a large transfer: taken only when some rank overflowed the
-    # top rung or a cache is unprimed (the agreement makes ``fallback`` rank-invariant).
-    full, new_cached = lax.cond(fallback, plain, compressed,
-                                (shard, main_NxL, (decoded, decoded_cached)))
+    # The one conditional with a large transfer: taken only when some rank overflowed its rung
+    # or a cache is unprimed (the agreement makes ``fallback`` rank-invariant). The decode is
+    # inside it, so each branch writes its result where the conditional's output lives: a
+    # branch passing an array made outside through is a copy of it on XLA:GPU, every step.
+    out = lax.cond(fallback, plain, compressed, *operands)
+    if word:  # one array: the words are the new cache, the tensor is their bits
+        new_cached, failed = out
+        full = bitfields.from_bits(new_cached, dtype)
+    else:
+        full, new_cached, failed = out
     wire = e.wire
     caps = wire.caps1 if word else wire.caps
     demand = agreed.demand if capacity.is_fixed(agreed) else agreed
-    sent = jnp.where(fallback, wire.fallback_bytes, wire.main_bytes + section)
+    sent_bytes = jnp.where(fallback, wire.fallback_bytes, wire.main_bytes + section)
     stats = dict(
-        sent_bytes=(sent + agreement_bytes("word" if word else "exponent")).astype(jnp.int32),
+        sent_bytes=(sent_bytes + agreement_bytes("word" if word else "exponent")).astype(jnp.int32),
         plain_bytes=jnp.int32(wire.n * dtype.itemsize),
         changed=e.count,
         agreed_changed=jnp.minimum(demand[word_option.EXP_CHANGED] if word else demand,

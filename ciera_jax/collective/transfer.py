@@ -4,7 +4,7 @@ sized by a rank-invariant rung.
 The main plane's all-gather sits in the step's top-level computation, so XLA can schedule it
 asynchronously and overlap it with compute. The escape section is a few max-capacity buffers.
 With the rung fixed when the step is compiled (:mod:`ciera_jax.collective.capacity`),
-:func:`gather_fixed` sends the rung's prefix of each behind the main plane in the SAME
+:func:`send_fixed` sends the rung's prefix of each behind the main plane in the SAME
 all-gather: one unconditional transfer per tensor. With a traced rung, :func:`gather_section`
 all-gathers a static prefix of each, end to end in one transfer, in the branch of a
 ``lax.switch`` on the agreed rung, and its branches hold nothing but that transfer, slices and
@@ -16,6 +16,7 @@ Shape letters: N ranks, L bytes per rank, C a capacity.
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,28 +28,28 @@ from ciera_jax.collective import capacity, selfcheck
 from ciera_jax.runtime.varying import varying_like
 
 
+class Sent(NamedTuple):
+    """What a compressed gather's ``send`` put on the wire, read by its ``decode`` (or, on an
+    overflow, by the fallback's :func:`plain_rest`)."""
+
+    rows: jax.Array  # the main transfer's rows (N, L + CHECKSUM_BYTES): plane, fixed section
+    sections: tuple  # a traced rung's section rows per level (N, C); () for a fixed rung
+    rung: Any  # int (fixed when compiled) or int32
+    overflow: jax.Array  # bool, rank-invariant: the fallback finishes the gather
+    section_bytes: jax.Array  # int32: the escape section's bytes sent
+
+
 def gather_rows(buf_L: jax.Array, axis_name) -> jax.Array:
     """(L,) per rank -> (N, L), rank-major, the same on every rank."""
     return lax.all_gather(buf_L, axis_name, axis=0, tiled=False, to="invarying")
 
 
-def gather_main(plane_L: jax.Array, shard: jax.Array, fallback: jax.Array, csum: jax.Array,
-                axis_name):
-    """The main transfer of a traced rung (its section follows in :func:`gather_section`):
-    :func:`gather_fixed` with no section. Returns (rows (N, L + CHECKSUM_BYTES), every rank's
-    checksum (N,), the plane's rows (N, L))."""
-    rows, sent_N, plane_NxL, _ = gather_fixed(plane_L, [], [], [], shard, fallback, csum,
-                                              axis_name)
-    return rows, sent_N, plane_NxL
-
-
-def gather_fixed(plane_L: jax.Array, parts, sizes, lengths, shard: jax.Array,
-                 fallback: jax.Array, csum: jax.Array, axis_name):
+def send_fixed(plane_L: jax.Array, parts, sizes, shard: jax.Array, fallback: jax.Array,
+               csum: jax.Array, axis_name) -> jax.Array:
     """The main plane, the checksum and the first ``sizes[i]`` entries of each of ``parts``
-    (a static rung's section), in ONE unconditional all-gather. Returns (rows (N, T +
-    CHECKSUM_BYTES): what travelled, checksum tails included, for :func:`plain_rest`; every
-    rank's checksum (N,); the plane's rows (N, L); each part's rows (N, lengths[i]), zero
-    past its prefix). The rows are read in place: no copy of the gathered wire is made.
+    (a static rung's section), in ONE unconditional all-gather. Returns the rows (N, T +
+    CHECKSUM_BYTES): what travelled, checksum tails included, for :func:`read_fixed` and
+    :func:`plain_rest`.
 
     On a fallback step (``fallback``: rank-invariant) the same T bytes carry the first T bytes
     of the shard's bits instead, so the plain gather that follows sends only the rest
@@ -57,15 +58,20 @@ def gather_fixed(plane_L: jax.Array, parts, sizes, lengths, shard: jax.Array,
     pieces = [plane_L] + [_to_bytes(p[:size]) for p, size in zip(parts, sizes) if size]
     buf = jnp.concatenate(pieces) if len(pieces) > 1 else plane_L
     buf = jnp.where(fallback, _head_bytes(shard, buf.shape[0]), buf)
-    rows = gather_rows(selfcheck.with_checksum(buf, csum), axis_name)
-    at = plane_L.shape[0]
-    out = []
-    for part, size, length in zip(parts, sizes, lengths):
-        width = np.dtype(part.dtype).itemsize
-        piece = _from_bytes(rows[:, at:at + size * width], part.dtype, size)
+    return gather_rows(selfcheck.with_checksum(buf, csum), axis_name)
+
+
+def read_fixed(rows: jax.Array, plane_len: int, dtypes, sizes, lengths):
+    """What :func:`send_fixed`'s rows hold: (every rank's checksum (N,), the plane's rows
+    (N, plane_len), each part's rows (N, lengths[i]) in ``dtypes[i]``, zero past its prefix).
+    Slices of the rows, read in place where they are used (no copy of the gathered wire)."""
+    at, out = plane_len, []
+    for dtype, size, length in zip(dtypes, sizes, lengths):
+        width = np.dtype(dtype).itemsize
+        piece = _from_bytes(rows[:, at:at + size * width], dtype, size)
         at += size * width
         out.append(jnp.pad(piece, ((0, 0), (0, length - size))))
-    return rows, selfcheck.sent_checksums(rows), rows[:, :plane_L.shape[0]], out
+    return selfcheck.sent_checksums(rows), rows[:, :plane_len], out
 
 
 # The functions whose transfers run only on a fallback step (an overflow, a fresh cache): a

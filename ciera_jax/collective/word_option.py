@@ -5,10 +5,10 @@ in the code plane, anything else is an escape (the top code) whose value travels
 position order: level 1, an int8 ``d`` (or ``LEVEL2``: see level 2), level 2, the raw word.
 
 Sender (:func:`encode`, no collective): deltas, codes, both escape levels packed at their top
-capacities, the counts the agreement needs. Receiver (:func:`exchange`): the code plane and
-checksum arrive by one unconditional all-gather, both levels in the section switch at the
-agreed rung (:mod:`ciera_jax.codec.wire`); one dense decode against the cache, one fill of the
-escapes, one self-check.
+capacities, the counts the agreement needs. Receiver: :func:`send`'s transfers (the code
+plane, the checksum and, at a fixed rung, both levels in one unconditional all-gather; a
+traced rung sends the levels in the section switch, :mod:`ciera_jax.codec.wire`), then
+:func:`decode`: one dense decode against the cache, one fill of the escapes, one self-check.
 
 Shape letters: N ranks, n elements per shard, W flag words, C a capacity.
 """
@@ -103,29 +103,45 @@ def _level1(d):
     return jnp.where(wordcodec.beyond(d, LEVEL1_LIMIT), LEVEL2, d).astype(jnp.int8)
 
 
-def exchange(e: WordEncoded, cache_words, agreed, shard, axis_name, dtype, impl: str):
-    """``agreed``: the agreed demand vector, or a
-    :class:`~ciera_jax.collective.capacity.FixedRung`. Returns ``(decoded full, its words
-    (the new cache), failed shards, rung, overflow, escape bytes sent, main rows)``; on overflow the main rows carry the head of the shards'
-    bits and the caller finishes with :func:`ciera_jax.collective.transfer.plain_rest` (``decoded`` is
-    then meaningless)."""
+def send(e: WordEncoded, agreed, shard, axis_name) -> transfer.Sent:
+    """The gather's transfers. ``agreed``: the agreed demand vector, or a
+    :class:`~ciera_jax.collective.capacity.FixedRung` (the section then rides in the main
+    transfer at a static size; a traced rung sends it in the section switch,
+    :mod:`ciera_jax.codec.wire`)."""
+    wire = e.wire
+    if capacity.is_fixed(agreed):
+        rung, overflow = agreed.rung, capacity.overflows(wire, agreed)
+        rows = transfer.send_fixed(e.codes, [e.level1, e.level2], _sizes(wire, rung), shard,
+                                   overflow, e.checksum, axis_name)
+        return transfer.Sent(rows, (), rung, overflow, transfer.section_bytes(wire.section_sizes, rung))
+    rung1, over1 = transfer.pick_rung(wire.caps1, agreed[ESCAPES])
+    rung2, over2 = transfer.pick_rung(wire.caps2, agreed[RAW])
+    overflow = over1 | over2
+    rung = jnp.where(overflow, 0, jnp.maximum(rung1, rung2))
+    rows = transfer.send_fixed(e.codes, [], [], shard, overflow, e.checksum, axis_name)
+    sections = transfer.gather_section([e.level1, e.level2], [wire.caps1, wire.caps2], rung,
+                                       axis_name)
+    return transfer.Sent(rows, tuple(sections), rung, overflow,
+                transfer.section_bytes(wire.section_sizes, rung))
+
+
+def _sizes(wire: WordWire, rung: int) -> list[int]:
+    return [wire.caps1[rung], wire.caps2[rung]]
+
+
+def decode(e: WordEncoded, sent: transfer.Sent, rows, cache_words, dtype, impl: str):
+    """The tensor from what arrived (``rows``: ``sent.rows``, as the caller holds them) and
+    the cache: ``(its words (the new cache), failed shards)``. Meaningless on an overflow."""
     wire, b = e.wire, e.code_bits
     n = wire.n
-    if capacity.is_fixed(agreed):  # the section rides in the main transfer at a static size
-        rung, overflow = agreed.rung, capacity.overflows(wire, agreed)
-        at = [wire.caps1[rung], wire.caps2[rung]]
-        main_NxL, sent_N, plane_NxL, (level1_NxC, level2_NxC) = transfer.gather_fixed(
-            e.codes, [e.level1, e.level2], at, [max(c, 1) for c in at], shard, overflow,
-            e.checksum, axis_name)
+    if sent.sections:
+        sent_N, plane_NxL = selfcheck.sent_checksums(rows), rows[:, :e.codes.shape[0]]
+        level1_NxC, level2_NxC = sent.sections
     else:
-        rung1, over1 = transfer.pick_rung(wire.caps1, agreed[ESCAPES])
-        rung2, over2 = transfer.pick_rung(wire.caps2, agreed[RAW])
-        overflow = over1 | over2
-        rung = jnp.where(overflow, 0, jnp.maximum(rung1, rung2))
-        main_NxL, sent_N, plane_NxL = transfer.gather_main(e.codes, shard, overflow,
-                                                           e.checksum, axis_name)
-        level1_NxC, level2_NxC = transfer.gather_section(
-            [e.level1, e.level2], [wire.caps1, wire.caps2], rung, axis_name)
+        at = _sizes(wire, sent.rung)
+        sent_N, plane_NxL, (level1_NxC, level2_NxC) = transfer.read_fixed(
+            rows, e.codes.shape[0], [e.level1.dtype, e.level2.dtype], at,
+            [max(c, 1) for c in at])
 
     codes_Nxn = wordcodec.unpack_codes(plane_NxL, b, n)
     cached_Nxn = full_to_rows(cache_words, e.shard_shape, e.axis, e.n_ranks)
@@ -136,16 +152,13 @@ def exchange(e: WordEncoded, cache_words, agreed, shard, axis_name, dtype, impl:
     escape_offset = escape_code(b) - code_limit(b)
 
     esc_NxW = escapes.pack_flags(codes_Nxn == escape_code(b))
-    limit = jnp.full((e.n_ranks,), jnp.asarray(wire.caps1, jnp.int32)[rung])
+    limit = jnp.full((e.n_ranks,), jnp.asarray(wire.caps1, jnp.int32)[sent.rung])
     bits_Nxn = kernels.escape_fill_words(
         dense_Nxn, esc_NxW, limit, level1_NxC, level2_NxC, escape_offset=escape_offset,
         level2_code=LEVEL2, values_at=escape_words(level1_NxC, level2_NxC, escape_offset),
         init=jnp.zeros((e.n_ranks,), jnp.int32), impl=impl)
     words = rows_to_full(bits_Nxn, e.shard_shape, e.axis)
-    full = bitfields.from_bits(words, dtype)
-    sent = transfer.section_bytes(wire.section_sizes, rung)
-    return (full, words, selfcheck.failed_shards(full, sent_N, e.axis), rung, overflow, sent,
-            main_NxL)
+    return words, selfcheck.failed_shards(bitfields.from_bits(words, dtype), sent_N, e.axis)
 
 
 def escape_words(level1_NxC, level2_NxC, escape_offset: int):

@@ -196,6 +196,42 @@ class Program:
                 "while_loops": sum(i.op == "while" for i in every)}
 
 
+    def per_step(self, off_path) -> dict[str, int]:
+        """What a step runs on its steady path, each instruction weighted by its runs per step:
+        ``launches`` (fusions), ``copies`` and ``copy_bytes`` (XLA's ``copy`` instructions: a
+        device-to-device copy each), ``branch_copies`` (those inside conditional branches: what
+        a branch that passes an array made outside through costs, every step).
+        A conditional's branch whose computations hold an instruction ``off_path`` marks (a
+        fallback's transfer) is left out: a step takes it only on overflow or priming."""
+        off = set()
+        for branch in self.branches:
+            below = self._reachable(branch)
+            if any(off_path(i) for c in below for i in self.comps.get(c, [])):
+                off |= below
+        out = {"launches": 0, "copies": 0, "copy_bytes": 0, "branch_copies": 0}
+        for comp, instrs in self.comps.items():
+            runs = self.runs.get(comp, 0)
+            if not runs or comp in off:
+                continue
+            for i in instrs:
+                out["launches"] += runs * (i.op == "fusion")
+                if i.op == "copy":
+                    out["copies"] += runs
+                    out["copy_bytes"] += runs * type_bytes(i.type)
+                    out["branch_copies"] += runs * (comp in self.branches)
+        return out
+
+    def _reachable(self, comp: str) -> set[str]:
+        """``comp`` and every computation it calls, at any depth."""
+        seen, todo = set(), [comp]
+        while todo:
+            c = todo.pop()
+            if c not in seen:
+                seen.add(c)
+                todo += [x for i in self.comps.get(c, []) for x in _called(i)]
+        return seen
+
+
 def _kernel_of(fusion: Instr) -> str:
     """The kernel a fusion launches: its ``deduplicated_name`` where XLA gave it one, else its
     own name."""
