@@ -116,21 +116,20 @@ def send(e: Encoded, agreed, shard, axis_name) -> transfer.Sent:
                          transfer.section_bytes(wire.section_sizes, rung))
 
 
-def decode(e: Encoded, sent: transfer.Sent, rows, cache_exp, dtype, impl: str):
-    """The tensor from what arrived (``rows``: ``sent.rows``, as the caller holds them) and
-    the cached exponents: ``(full, its exponents (the new cache), failed shards)``.
-    Meaningless on an overflow."""
+def decode(e: Encoded, sent: transfer.Sent, cache_exp, dtype, impl: str):
+    """The tensor from what arrived and the cached exponents: ``(full, its exponents (the new
+    cache), failed shards)``. Meaningless on an overflow."""
     wire = e.wire
     n, n_planes = wire.n, e.payload.shape[0]
     plane_len = e.payload.size
     if sent.sections:
-        sent_N, plane_NxL = selfcheck.sent_checksums(rows), rows[:, :plane_len]
+        sent_N, plane_NxL = selfcheck.sent_checksums(sent.rows), sent.rows[:, :plane_len]
         summary_NxS, listed_NxC, patch_NxK = sent.sections
     else:
         parts, sizes = _parts(e)
         at = [s[sent.rung] for s in sizes]
         sent_N, plane_NxL, (summary_NxS, listed_NxC, patch_NxK) = transfer.read_fixed(
-            rows, plane_len, [p.dtype for p in parts], at,
+            sent.rows, plane_len, [p.dtype for p in parts], at,
             [wire.summary_words, max(at[1], 1), max(at[2], 1)])
     # Escapes of escapes: the nonzero flag words back in place (1/32 of the tensor: dense),
     # then each changed exponent over the cached one (escapes.fill, or the escape kernel).

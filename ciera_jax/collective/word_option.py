@@ -113,7 +113,8 @@ def send(e: WordEncoded, agreed, shard, axis_name) -> transfer.Sent:
         rung, overflow = agreed.rung, capacity.overflows(wire, agreed)
         rows = transfer.send_fixed(e.codes, [e.level1, e.level2], _sizes(wire, rung), shard,
                                    overflow, e.checksum, axis_name)
-        return transfer.Sent(rows, (), rung, overflow, transfer.section_bytes(wire.section_sizes, rung))
+        return transfer.Sent(rows, (), rung, overflow,
+                             transfer.section_bytes(wire.section_sizes, rung))
     rung1, over1 = transfer.pick_rung(wire.caps1, agreed[ESCAPES])
     rung2, over2 = transfer.pick_rung(wire.caps2, agreed[RAW])
     overflow = over1 | over2
@@ -129,18 +130,19 @@ def _sizes(wire: WordWire, rung: int) -> list[int]:
     return [wire.caps1[rung], wire.caps2[rung]]
 
 
-def decode(e: WordEncoded, sent: transfer.Sent, rows, cache_words, dtype, impl: str):
-    """The tensor from what arrived (``rows``: ``sent.rows``, as the caller holds them) and
-    the cache: ``(its words (the new cache), failed shards)``. Meaningless on an overflow."""
+def decode(e: WordEncoded, sent: transfer.Sent, cache_words, dtype, impl: str):
+    """The tensor from what arrived and the cache: ``(its words (the new cache), failed
+    shards)``. Meaningless on an overflow."""
     wire, b = e.wire, e.code_bits
     n = wire.n
     if sent.sections:
-        sent_N, plane_NxL = selfcheck.sent_checksums(rows), rows[:, :e.codes.shape[0]]
+        sent_N = selfcheck.sent_checksums(sent.rows)
+        plane_NxL = sent.rows[:, :e.codes.shape[0]]
         level1_NxC, level2_NxC = sent.sections
     else:
         at = _sizes(wire, sent.rung)
         sent_N, plane_NxL, (level1_NxC, level2_NxC) = transfer.read_fixed(
-            rows, e.codes.shape[0], [e.level1.dtype, e.level2.dtype], at,
+            sent.rows, e.codes.shape[0], [e.level1.dtype, e.level2.dtype], at,
             [max(c, 1) for c in at])
 
     codes_Nxn = wordcodec.unpack_codes(plane_NxL, b, n)

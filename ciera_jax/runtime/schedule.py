@@ -200,7 +200,8 @@ class Program:
         """What a step runs on its steady path, each instruction weighted by its runs per step:
         ``launches`` (fusions), ``copies`` and ``copy_bytes`` (XLA's ``copy`` instructions: a
         device-to-device copy each), ``branch_copies`` (those inside conditional branches: what
-        a branch that passes an array made outside through costs, every step).
+        a branch that passes an array made outside through costs, every step), and
+        ``conditionals``.
         A conditional's branch whose computations hold an instruction ``off_path`` marks (a
         fallback's transfer) is left out: a step takes it only on overflow or priming."""
         off = set()
@@ -208,13 +209,15 @@ class Program:
             below = self._reachable(branch)
             if any(off_path(i) for c in below for i in self.comps.get(c, [])):
                 off |= below
-        out = {"launches": 0, "copies": 0, "copy_bytes": 0, "branch_copies": 0}
+        out = {"launches": 0, "copies": 0, "copy_bytes": 0, "branch_copies": 0,
+               "conditionals": 0}
         for comp, instrs in self.comps.items():
             runs = self.runs.get(comp, 0)
             if not runs or comp in off:
                 continue
             for i in instrs:
                 out["launches"] += runs * (i.op == "fusion")
+                out["conditionals"] += runs * (i.op == "conditional")
                 if i.op == "copy":
                     out["copies"] += runs
                     out["copy_bytes"] += runs * type_bytes(i.type)
