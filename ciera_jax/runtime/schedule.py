@@ -209,11 +209,14 @@ class Program:
             below = self._reachable(branch)
             if any(off_path(i) for c in below for i in self.comps.get(c, [])):
                 off |= below
+        # a fusion's computation is its kernel's body: a copy in it is no copy of its own
+        fused = {c for instrs in self.comps.values() for i in instrs if i.op == "fusion"
+                 for c in _called(i)}
         out = {"launches": 0, "copies": 0, "copy_bytes": 0, "branch_copies": 0,
                "conditionals": 0}
         for comp, instrs in self.comps.items():
             runs = self.runs.get(comp, 0)
-            if not runs or comp in off:
+            if not runs or comp in off or comp in fused:
                 continue
             for i in instrs:
                 out["launches"] += runs * (i.op == "fusion")
