@@ -64,7 +64,12 @@ def abstract_step_args(tr):
 
 def _steady(c: schedule.Collective) -> bool:
     """On every step's path: not the fallback's (overflow, priming) plain rest."""
-    return not any(s.split(":")[-1] in transfer.FALLBACK_FUNCTIONS for s in c.sources)
+    return not _in_fallback(c.sources)
+
+
+def _in_fallback(sources) -> bool:
+    """Is a frame of this stack (``"file:function"``) one of the fallback's transfers?"""
+    return any(s.split(":")[-1] in transfer.FALLBACK_FUNCTIONS for s in sources)
 
 
 def _collective_row(c: schedule.Collective) -> dict:
@@ -99,17 +104,12 @@ def _compile(lowered, options: dict) -> _Compiled:
     wall, cpu = time.perf_counter() - t, time.process_time() - c
     text = compiled.as_text()
     prog = schedule.Program(text)
-    per_step = prog.per_step(lambda i: _fallback_transfer(prog, i))
-    return _Compiled(options, text, compiled.memory_analysis(), prog.collectives(),
-                     {**prog.kernels(), **{f"steady_{k}_per_step": v for k, v in per_step.items()}},
+    # off the steady path: branches that hold the fallback's (overflow, priming) transfer
+    per_step = prog.per_step(lambda i: i.op.removesuffix("-start") in schedule.COLLECTIVES
+                             and _in_fallback(prog.sources(i.rest)))
+    kernels = {**prog.kernels(), **{f"steady_{k}_per_step": v for k, v in per_step.items()}}
+    return _Compiled(options, text, compiled.memory_analysis(), prog.collectives(), kernels,
                      wall, cpu)
-
-
-def _fallback_transfer(prog: schedule.Program, ins: schedule.Instr) -> bool:
-    """A collective of the fallback's (overflow, priming) plain rest: off the steady path."""
-    return (ins.op.removesuffix("-start") in schedule.COLLECTIVES
-            and any(s.split(":")[-1] in transfer.FALLBACK_FUNCTIONS
-                    for s in prog.sources(ins.rest)))
 
 
 def _limit_row(kept: _Compiled, other: _Compiled | None, memory_limit: str, io: int,

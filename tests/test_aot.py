@@ -76,6 +76,13 @@ def test_schedule_reads_overlap_branches_and_loop_trips(mesh8):
     assert any(c.overlap == "gemm" for c in loop)
     assert prog.kernels()["conditionals"] == len(re.findall(r" conditional\(", text)) == 1
     assert schedule.overlap_share(gathers) > 0
+    # per step: the branch that gathers is off the path; the other passes its operand through
+    # (a copy of it on XLA:GPU), once a step
+    steady = prog.per_step(lambda i: i.op.startswith("all-gather"))
+    assert steady["conditionals"] == 1 and steady["branch_copies"] == 1
+    assert steady["copy_bytes"] >= 256 * 64 * 2
+    every = prog.per_step(lambda i: False)
+    assert every["launches"] >= steady["launches"] > 6  # a layer's kernels, six times
 
 
 @pytest.mark.parametrize("type_text,expect", [

@@ -123,7 +123,7 @@ def send(e: WordEncoded, agreed, shard, axis_name) -> transfer.Sent:
     sections = transfer.gather_section([e.level1, e.level2], [wire.caps1, wire.caps2], rung,
                                        axis_name)
     return transfer.Sent(rows, tuple(sections), rung, overflow,
-                transfer.section_bytes(wire.section_sizes, rung))
+                         transfer.section_bytes(wire.section_sizes, rung))
 
 
 def _sizes(wire: WordWire, rung: int) -> list[int]:

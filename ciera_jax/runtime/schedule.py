@@ -195,15 +195,14 @@ class Program:
                 "conditionals": sum(i.op == "conditional" for i in every),
                 "while_loops": sum(i.op == "while" for i in every)}
 
-
     def per_step(self, off_path) -> dict[str, int]:
         """What a step runs on its steady path, each instruction weighted by its runs per step:
         ``launches`` (fusions), ``copies`` and ``copy_bytes`` (XLA's ``copy`` instructions: a
         device-to-device copy each), ``branch_copies`` (those inside conditional branches: what
         a branch that passes an array made outside through costs, every step), and
-        ``conditionals``.
-        A conditional's branch whose computations hold an instruction ``off_path`` marks (a
-        fallback's transfer) is left out: a step takes it only on overflow or priming."""
+        ``conditionals``. A conditional's branch whose computations hold an instruction
+        ``off_path`` marks (a fallback's transfer) is left out: a step takes it only on
+        overflow or priming."""
         off = set()
         for branch in self.branches:
             below = self._reachable(branch)
