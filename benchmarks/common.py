@@ -39,6 +39,9 @@ def envelope() -> dict:
     """Where and with what a result was measured."""
     import jax  # imported late: a benchmark may set XLA_FLAGS before JAX starts
 
+    from ciera_jax.runtime.devices import cpu_unless_accelerator
+
+    cpu_unless_accelerator()  # a results file is written on any machine, GPU or not
     versions = {"python": platform.python_version(), "jax": jax.__version__}
     for mod in ("jaxlib", "flax", "optax", "numpy"):
         try:

@@ -49,12 +49,18 @@ def setup_devices(n: int | None) -> None:
     platforms = os.environ.get("JAX_PLATFORMS", "")
     if platforms in ("", "cpu") and not has_accelerator():
         emulate_cpu_devices(n or 8)
-        # No GPU: say so, or an installed CUDA plugin (``ciera aot``'s) tries to start one and
-        # prints a cuPTI traceback before JAX falls back to the CPU.
-        os.environ["JAX_PLATFORMS"] = "cpu"  # for child processes
-        jax.config.update("jax_platforms", "cpu")  # this one read the variable at import
+        cpu_unless_accelerator()
     elif platforms != "cpu" and has_gpu():
         apply_gpu_flags()
+
+
+def cpu_unless_accelerator() -> None:
+    """With no accelerator and no platform named, name the CPU: an installed CUDA plugin
+    (``ciera aot``'s) would otherwise try to start a GPU and print a cuPTI traceback before
+    JAX falls back to the CPU. Must run before JAX creates its backends."""
+    if os.environ.get("JAX_PLATFORMS", "") in ("", "cpu") and not has_accelerator():
+        os.environ["JAX_PLATFORMS"] = "cpu"  # for child processes
+        jax.config.update("jax_platforms", "cpu")  # this one read the variable at import
 
 
 def make_mesh(n_devices: int | None = None, axis_names: tuple[str, ...] = ("fsdp",)
