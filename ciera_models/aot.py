@@ -64,12 +64,7 @@ def abstract_step_args(tr):
 
 def _steady(c: schedule.Collective) -> bool:
     """On every step's path: not the fallback's (overflow, priming) plain rest."""
-    return not _in_fallback(c.sources)
-
-
-def _in_fallback(sources) -> bool:
-    """Is a frame of this stack (``"file:function"``) one of the fallback's transfers?"""
-    return any(s.split(":")[-1] in transfer.FALLBACK_FUNCTIONS for s in sources)
+    return not any(s.split(":")[-1] in transfer.FALLBACK_FUNCTIONS for s in c.sources)
 
 
 def _collective_row(c: schedule.Collective) -> dict:
@@ -104,12 +99,12 @@ def _compile(lowered, options: dict) -> _Compiled:
     wall, cpu = time.perf_counter() - t, time.process_time() - c
     text = compiled.as_text()
     prog = schedule.Program(text)
+    collectives = prog.collectives()
     # off the steady path: branches that hold the fallback's (overflow, priming) transfer
-    per_step = prog.per_step(lambda i: i.op.removesuffix("-start") in schedule.COLLECTIVES
-                             and _in_fallback(prog.sources(i.rest)))
+    per_step = prog.per_step({c.computation for c in collectives if not _steady(c)})
     kernels = {**prog.kernels(), **{f"steady_{k}_per_step": v for k, v in per_step.items()}}
-    return _Compiled(options, text, compiled.memory_analysis(), prog.collectives(), kernels,
-                     wall, cpu)
+    return _Compiled(options, text, compiled.memory_analysis(), collectives, kernels, wall,
+                     cpu)
 
 
 def _limit_row(kept: _Compiled, other: _Compiled | None, memory_limit: str, io: int,

@@ -122,15 +122,12 @@ def decode(e: Encoded, sent: transfer.Sent, cache_exp, dtype, impl: str):
     wire = e.wire
     n, n_planes = wire.n, e.payload.shape[0]
     plane_len = e.payload.size
-    if sent.sections:
-        sent_N, plane_NxL = selfcheck.sent_checksums(sent.rows), sent.rows[:, :plane_len]
-        summary_NxS, listed_NxC, patch_NxK = sent.sections
-    else:
-        parts, sizes = _parts(e)
-        at = [s[sent.rung] for s in sizes]
-        sent_N, plane_NxL, (summary_NxS, listed_NxC, patch_NxK) = transfer.read_fixed(
-            sent.rows, plane_len, [p.dtype for p in parts], at,
-            [wire.summary_words, max(at[1], 1), max(at[2], 1)])
+    parts, sizes = _parts(e)
+    at = [] if sent.sections else [s[sent.rung] for s in sizes]  # a traced rung's came apart
+    sent_N, plane_NxL, fixed = transfer.read_fixed(
+        sent.rows, plane_len, [p.dtype for p in parts], at,
+        [wire.summary_words, max(at[1], 1), max(at[2], 1)] if at else [])
+    summary_NxS, listed_NxC, patch_NxK = sent.sections or fixed
     # Escapes of escapes: the nonzero flag words back in place (1/32 of the tensor: dense),
     # then each changed exponent over the cached one (escapes.fill, or the escape kernel).
     flags_NxW = escapes.expand_dense(listed_NxC, summary_NxS, flag_words(n))

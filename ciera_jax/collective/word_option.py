@@ -135,15 +135,11 @@ def decode(e: WordEncoded, sent: transfer.Sent, cache_words, dtype, impl: str):
     shards)``. Meaningless on an overflow."""
     wire, b = e.wire, e.code_bits
     n = wire.n
-    if sent.sections:
-        sent_N = selfcheck.sent_checksums(sent.rows)
-        plane_NxL = sent.rows[:, :e.codes.shape[0]]
-        level1_NxC, level2_NxC = sent.sections
-    else:
-        at = _sizes(wire, sent.rung)
-        sent_N, plane_NxL, (level1_NxC, level2_NxC) = transfer.read_fixed(
-            sent.rows, e.codes.shape[0], [e.level1.dtype, e.level2.dtype], at,
-            [max(c, 1) for c in at])
+    at = () if sent.sections else _sizes(wire, sent.rung)  # a traced rung's came apart
+    sent_N, plane_NxL, fixed = transfer.read_fixed(
+        sent.rows, e.codes.shape[0], [e.level1.dtype, e.level2.dtype], at,
+        [max(c, 1) for c in at])
+    level1_NxC, level2_NxC = sent.sections or fixed
 
     codes_Nxn = wordcodec.unpack_codes(plane_NxL, b, n)
     cached_Nxn = full_to_rows(cache_words, e.shard_shape, e.axis, e.n_ranks)

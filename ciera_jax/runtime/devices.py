@@ -47,20 +47,22 @@ def setup_devices(n: int | None) -> None:
     """Use accelerators when present (GPU: with :data:`GPU_XLA_FLAGS`), else ``n`` emulated
     CPU devices (default 8)."""
     platforms = os.environ.get("JAX_PLATFORMS", "")
-    if platforms in ("", "cpu") and not has_accelerator():
+    if cpu_unless_accelerator():
         emulate_cpu_devices(n or 8)
-        cpu_unless_accelerator()
     elif platforms != "cpu" and has_gpu():
         apply_gpu_flags()
 
 
-def cpu_unless_accelerator() -> None:
-    """With no accelerator and no platform named, name the CPU: an installed CUDA plugin
-    (``ciera aot``'s) would otherwise try to start a GPU and print a cuPTI traceback before
-    JAX falls back to the CPU. Must run before JAX creates its backends."""
-    if os.environ.get("JAX_PLATFORMS", "") in ("", "cpu") and not has_accelerator():
-        os.environ["JAX_PLATFORMS"] = "cpu"  # for child processes
-        jax.config.update("jax_platforms", "cpu")  # this one read the variable at import
+def cpu_unless_accelerator() -> bool:
+    """With no accelerator and no platform but the CPU named, name the CPU (returns whether it
+    did): an installed CUDA plugin (``ciera aot``'s) would otherwise try to start a GPU and
+    print a cuPTI traceback before JAX falls back to the CPU. Must run before JAX creates its
+    backends."""
+    if os.environ.get("JAX_PLATFORMS", "") not in ("", "cpu") or has_accelerator():
+        return False
+    os.environ["JAX_PLATFORMS"] = "cpu"  # for child processes
+    jax.config.update("jax_platforms", "cpu")  # this one read the variable at import
+    return True
 
 
 def make_mesh(n_devices: int | None = None, axis_names: tuple[str, ...] = ("fsdp",)

@@ -195,18 +195,18 @@ class Program:
                 "conditionals": sum(i.op == "conditional" for i in every),
                 "while_loops": sum(i.op == "while" for i in every)}
 
-    def per_step(self, off_path) -> dict[str, int]:
+    def per_step(self, off_path: set[str]) -> dict[str, int]:
         """What a step runs on its steady path, each instruction weighted by its runs per step:
         ``launches`` (fusions), ``copies`` and ``copy_bytes`` (XLA's ``copy`` instructions: a
         device-to-device copy each), ``branch_copies`` (those inside conditional branches: what
         a branch that passes an array made outside through costs, every step), and
-        ``conditionals``. A conditional's branch whose computations hold an instruction
-        ``off_path`` marks (a fallback's transfer) is left out: a step takes it only on
-        overflow or priming."""
+        ``conditionals``. A conditional's branch that reaches a computation of ``off_path``
+        (where a fallback's transfer sits: :attr:`Collective.computation`) is left out: a step
+        takes it only on overflow or priming."""
         off = set()
         for branch in self.branches:
             below = self._reachable(branch)
-            if any(off_path(i) for c in below for i in self.comps.get(c, [])):
+            if below & off_path:
                 off |= below
         # a fusion's computation is its kernel's body: a copy in it is no copy of its own
         fused = {c for instrs in self.comps.values() for i in instrs if i.op == "fusion"
