@@ -42,6 +42,16 @@ def _other(r: dict) -> str:
             f"{100 * o['all_gather_overlap_share']:.0f}% overlapped")
 
 
+def _compile_runs(r: dict) -> dict[str, str]:
+    """With ``--repeat``: a row of every compile's wall seconds (the compile row is the
+    fastest)."""
+    walls = [c["wall_s"] for c in r.get("compile_runs", [])]
+    if len(walls) < 2:
+        return {}
+    return {f"  each of {len(walls)} compiles (fastest above)":
+            ", ".join(f"{w:.1f}" for w in walls) + " s"}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("the cluster")
     g.add_argument("--gpus", type=int, default=16, help="GPUs on the fsdp axis, hosts of 8 "
@@ -52,6 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "on per step; the global batch follows (default: 4096)")
     g.add_argument("--compare", choices=("plain",), default=None,
                    help="also compile --gather plain and print the two side by side")
+    g.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="compile each program N times, alternating between them with "
+                   "--compare; the compile row shows the fastest (on a shared machine, the "
+                   "least disturbed) and the JSON keeps every time (default: 1)")
     g.add_argument("--program", choices=("steady", "priming"), default="steady",
                    help="which of the trainer's programs: steady (every compressed gather's "
                    "escape section fixed at the rung that holds the steady-state demand: 1/8 "
@@ -74,6 +88,8 @@ def run(args) -> int:
     gpu_targets.prepare_environment()  # before JAX starts its backends
     target = gpu_targets.get_target(args.gpu)
     gpu_targets.check_cluster(args.gpus)
+    if args.repeat < 1:
+        raise ValueError(f"--repeat {args.repeat}: compile each program at least once")
     if args.json:
         outputs.check_output_file(args.json, "--json")
     tc = from_args(TrainConfig, args)
@@ -82,14 +98,14 @@ def run(args) -> int:
     from ciera_models import configs
 
     configs.get_config(tc.config)  # unknown config: one line with the choices
-    from ciera_models.aot import batch_for, compile_step
+    from ciera_models.aot import batch_for, compile_repeated
 
     batch_for(tc, args.gpus, args.tokens_per_gpu)  # a batch that does not divide: one line
 
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     runs = [tc] + ([dataclasses.replace(tc, gather="plain")] if args.compare else [])
-    reports = [compile_step(t, target, args.gpus, args.tokens_per_gpu, args.hlo_out, log,
-                            program=args.program) for t in runs]
+    reports = compile_repeated(runs, target, args.gpus, args.tokens_per_gpu, args.repeat,
+                               args.hlo_out, log, program=args.program)
     print(render(reports, target, show_collectives=args.collectives))
     if args.json:
         with open(args.json, "w") as f:
@@ -108,6 +124,7 @@ def summary_rows(r: dict) -> dict[str, str]:
         modes[m] = modes.get(m, 0) + 1
     return {
         "XLA:GPU compile (after lowering)": f"{r['compile_s']:.1f} s ({r['compile_cpu_s']:.1f} s CPU)",
+        **_compile_runs(r),
         "lowering": f"{r['lower_s']:.1f} s",
         "scheduled HLO": f"{r['hlo_bytes'] / 1e6:.2f} MB",
         "fusions (kernels)": f"{r['fusions']:,}",

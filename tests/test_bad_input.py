@@ -62,6 +62,7 @@ ROWS = [
     (["aot", "--gpu", "h101"], "unknown GPU 'h101'; choose one of: h100-80gb, h200-141gb"),
     (["aot", "--config", "tiny", "--tokens-per-gpu", "100"],
      "--tokens-per-gpu 100 must be a multiple of the sequence length 64"),
+    (["aot", "--repeat", "0"], "--repeat 0: compile each program at least once"),
     (["aot", "--json", "{tmp}"], "--json {tmp} is a directory"),
 ]
 

@@ -1,0 +1,70 @@
+"""``ciera aot --repeat``: each program compiled N times, alternating, the fastest kept.
+
+A compile's wall time on a shared machine is its own cost plus whatever else the machine ran
+meanwhile, so one reading of a compile ratio can be off by a quarter. These check the
+bookkeeping with a stand-in for the compile (no XLA): the order, the fastest, the refusal of a
+program that changed between compiles, and the report's row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from ciera_jax.runtime import gpu_targets
+from ciera_models import aot, aot_cli
+from ciera_models.train_config import TrainConfig
+
+H100 = gpu_targets.get_target("h100-80gb")
+
+
+def _fake_compiles(monkeypatch, walls: dict, distinct: dict | None = None):
+    """``compile_step`` replaced: each call pops the next wall time of its gather; returns the
+    calls in order."""
+    calls = []
+
+    def compile_step(tc, target, gpus, tokens_per_gpu, hlo_out=None, log=None,
+                     program="steady"):
+        calls.append(tc.gather)
+        wall = walls[tc.gather].pop(0)
+        kernels = (distinct or {}).get(tc.gather, [7])
+        return {"gather": tc.gather, "compile_s": wall, "compile_cpu_s": wall + 0.5,
+                "distinct_fusions": kernels[min(len(calls) - 1, len(kernels) - 1)],
+                "first_call": len(calls)}
+
+    monkeypatch.setattr(aot, "compile_step", compile_step)
+    return calls
+
+
+def test_repeats_alternate_between_programs_and_keep_the_fastest(monkeypatch):
+    calls = _fake_compiles(monkeypatch, {"ciera": [30.0, 24.0, 27.0],
+                                         "plain": [15.0, 18.0, 12.0]})
+    tcs = [TrainConfig(), dataclasses.replace(TrainConfig(), gather="plain")]
+    ciera, plain = aot.compile_repeated(tcs, H100, 8, 128, repeat=3)
+    assert calls == ["ciera", "plain"] * 3  # alternating: the load falls on both alike
+    assert [c["wall_s"] for c in ciera["compile_runs"]] == [30.0, 24.0, 27.0]
+    assert (ciera["compile_s"], ciera["compile_cpu_s"]) == (24.0, 24.5)
+    assert (plain["compile_s"], plain["compile_cpu_s"]) == (12.0, 12.5)
+    assert (ciera["first_call"], plain["first_call"]) == (1, 2)  # the rest: the first compile's
+
+
+def test_one_compile_reports_it_as_before(monkeypatch):
+    _fake_compiles(monkeypatch, {"ciera": [30.0]})
+    (rep,) = aot.compile_repeated([TrainConfig()], H100, 8, 128, repeat=1)
+    assert rep["compile_s"] == 30.0 and len(rep["compile_runs"]) == 1
+    assert aot_cli._compile_runs(rep) == {}  # no extra row for one compile
+
+
+def test_a_program_that_compiles_differently_is_refused(monkeypatch):
+    _fake_compiles(monkeypatch, {"ciera": [30.0, 24.0]}, distinct={"ciera": [7, 8]})
+    with pytest.raises(RuntimeError, match="8 distinct kernels, 7 the first time"):
+        aot.compile_repeated([TrainConfig()], H100, 8, 128, repeat=2)
+
+
+def test_the_report_row_lists_every_compile():
+    walls = [30.0, 24.0, 27.5]
+    rep = {"compile_s": min(walls), "compile_cpu_s": min(walls),
+           "compile_runs": [{"wall_s": w, "cpu_s": w} for w in walls]}
+    assert aot_cli._compile_runs(rep) == {
+        "  each of 3 compiles (fastest above)": "30.0, 24.0, 27.5 s"}
