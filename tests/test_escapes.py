@@ -165,6 +165,25 @@ def test_blocked_running_count_is_the_cumsum(rows, n):
     np.testing.assert_array_equal(np.asarray(got), np.cumsum(x, axis=1, dtype=np.int64))
 
 
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 450, 1024, 1025, escapes.CPU_BLOCKED_SCAN_MAX])
+def test_cpu_running_count_is_the_cumsum_in_blocks_of_32(n):
+    """On XLA:CPU a row of up to CPU_BLOCKED_SCAN_MAX words is counted in blocks of 32 (no
+    cumsum in its program: XLA:CPU makes a cumsum a tree of reduce-windows, a thunk each),
+    exactly the cumsum, full words and partial last blocks included; longer rows keep the
+    cumsum."""
+    rng = np.random.default_rng(n)
+    words = rng.integers(0, 2**32, (3, n), dtype=np.uint32)
+    words[0] = 0xFFFFFFFF  # every flag set: the largest counts
+    words[1, -(n % 32 or 32):] = 0  # the last block empty
+    jaxpr = str(jax.make_jaxpr(escapes.running_count)(jnp.asarray(words)))
+    assert "cumsum" not in jaxpr
+    got = jax.jit(escapes.running_count)(jnp.asarray(words))
+    pop = np.vectorize(lambda w: bin(int(w)).count("1"))(words)
+    np.testing.assert_array_equal(np.asarray(got), np.cumsum(pop, axis=1))
+    longer = jnp.zeros((1, escapes.CPU_BLOCKED_SCAN_MAX + 1), jnp.uint32)
+    assert "cumsum" in str(jax.make_jaxpr(escapes.running_count)(longer))
+
+
 def test_running_count_traced_for_a_gpu_takes_the_blocked_scan():
     """Traced for a GPU, a long row's running count is the blocked scan (no cumsum at the
     row's length in its program), and counts what the host's cumsum counts."""

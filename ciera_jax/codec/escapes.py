@@ -54,6 +54,12 @@ WINDOW = 4
 # accelerator (blocked_prefix_sum, SCAN_BLOCK words a block): fewer kernels than XLA's cumsum.
 BLOCKED_SCAN_MIN = 4096
 SCAN_BLOCK = 128
+# XLA:CPU splits a reduction over more than 32 elements, and a cumsum, into trees of
+# reduce-windows, pads and slices, a thunk each; in blocks of 32 a running count is two or
+# three fusions (tiny's step: 855 -> 820 fusions, 1,122 -> 1,075 launches a step). Its work is
+# 32 adds a word, so rows of more words keep XLA's cumsum.
+CPU_SCAN_BLOCK = 32
+CPU_BLOCKED_SCAN_MAX = 4096
 WALKS = ("dense", "loop", "either")
 
 
@@ -110,28 +116,36 @@ def count(words_RxW: jax.Array) -> jax.Array:
 def running_count(words_RxW: jax.Array) -> jax.Array:
     """int32 (R, W): flags in words ``0..w`` of each row (an inclusive scan over words)."""
     pop = _popcount(words_RxW)
-    if words_RxW.shape[1] > BLOCKED_SCAN_MIN and target.traced_backend() != "cpu":
+    if target.traced_backend() == "cpu":
+        if words_RxW.shape[1] <= CPU_BLOCKED_SCAN_MAX:
+            return blocked_prefix_sum(pop, CPU_SCAN_BLOCK, base=CPU_SCAN_BLOCK)
+    elif words_RxW.shape[1] > BLOCKED_SCAN_MIN:
         return blocked_prefix_sum(pop)
     # cumsum: XLA rewrites it into a few kernels; lax.associative_scan compiles to ~60.
     return jnp.cumsum(pop, axis=1, dtype=jnp.int32)
 
 
-def blocked_prefix_sum(x_RxW: jax.Array, block: int = SCAN_BLOCK) -> jax.Array:
+def blocked_prefix_sum(x_RxW: jax.Array, block: int = SCAN_BLOCK,
+                       base: int = BLOCKED_SCAN_MIN) -> jax.Array:
     """int32 (R, W): the inclusive running sum of each row, by blocks of ``block``: inside a
-    block a masked sum per element (one reduction, which XLA:GPU fuses with what produces
-    ``x``), then the blocks' totals the same way, recursively, down to rows of
-    :data:`BLOCKED_SCAN_MIN`, which take XLA's cumsum. XLA:GPU turns a cumsum into a tree of
-    16-wide ``reduce_window`` levels, 3 kernels for 8,192 words; this is 2 up to
-    ``block * BLOCKED_SCAN_MIN`` (one word-mode gather for 8 H100s: 35 kernels to 31). Its work is
-    ``W * block`` adds, which a GPU does not notice and XLA:CPU runs 10-25x slower than its
-    cumsum: hence only when tracing for an accelerator (:func:`running_count`)."""
+    block a masked sum per element (one reduction, which XLA fuses with what produces ``x``),
+    then the blocks' totals the same way, recursively, down to rows of ``base``, which take
+    XLA's cumsum, or one block's masked sum where ``base`` is a block (XLA:CPU's case).
+
+    XLA:GPU turns a cumsum into a tree of 16-wide ``reduce_window`` levels, 3 kernels for
+    8,192 words; this is 2 up to ``block * BLOCKED_SCAN_MIN`` (one word-mode gather for 8
+    H100s: 35 kernels to 31). Its work is ``W * block`` adds, which a GPU does not notice and
+    XLA:CPU runs 10-25x slower than its cumsum on long rows: XLA:CPU takes it for rows of up
+    to :data:`CPU_BLOCKED_SCAN_MAX` words, in blocks of 32 (:func:`running_count`)."""
     rows, n = x_RxW.shape
-    if n <= BLOCKED_SCAN_MIN:  # XLA's tree is as short here, and fuses into what reads it
+    if n <= block and base <= block:
+        return _masked_prefix(x_RxW[:, None, :])[:, 0, :]
+    if n <= base:  # XLA's tree is as short here, and fuses into what reads it
         return jnp.cumsum(x_RxW, axis=1, dtype=jnp.int32)
     x_RxBxK = jnp.pad(x_RxW, ((0, 0), (0, -n % block))).reshape(rows, -1, block)
     inclusive = _masked_prefix(x_RxBxK)
     totals_RxB = inclusive[:, :, -1]
-    before_RxB = blocked_prefix_sum(totals_RxB, block) - totals_RxB
+    before_RxB = blocked_prefix_sum(totals_RxB, block, base) - totals_RxB
     return (inclusive + before_RxB[:, :, None]).reshape(rows, -1)[:, :n]
 
 
