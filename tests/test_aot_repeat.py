@@ -20,17 +20,17 @@ H100 = gpu_targets.get_target("h100-80gb")
 
 
 def _fake_compiles(monkeypatch, walls: dict, distinct: dict | None = None):
-    """``compile_step`` replaced: each call pops the next wall time of its gather; returns the
-    calls in order."""
+    """``compile_step`` replaced: each call pops the next wall time of its gather (and the next
+    distinct-kernel count, 7 when none is given); returns the calls in order."""
     calls = []
 
     def compile_step(tc, target, gpus, tokens_per_gpu, hlo_out=None, log=None,
                      program="steady"):
         calls.append(tc.gather)
         wall = walls[tc.gather].pop(0)
-        kernels = (distinct or {}).get(tc.gather, [7])
+        kernels = (distinct or {}).get(tc.gather)
         return {"gather": tc.gather, "compile_s": wall, "compile_cpu_s": wall + 0.5,
-                "distinct_fusions": kernels[min(len(calls) - 1, len(kernels) - 1)],
+                "distinct_fusions": kernels.pop(0) if kernels else 7,
                 "first_call": len(calls)}
 
     monkeypatch.setattr(aot, "compile_step", compile_step)
