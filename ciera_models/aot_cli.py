@@ -128,7 +128,7 @@ def summary_rows(r: dict) -> dict[str, str]:
         "lowering": f"{r['lower_s']:.1f} s",
         "scheduled HLO": f"{r['hlo_bytes'] / 1e6:.2f} MB",
         "fusions (kernels)": f"{r['fusions']:,}",
-        "  distinct (code generated once each)": f"{r['distinct_fusions']:,}",
+        "  distinct (by XLA's deduplicated_name)": f"{r['distinct_fusions']:,}",
         "custom calls": f"{r['custom_calls']:,}",
         "steady path per step: kernel launches": f"{r['steady_launches_per_step']:,}",
         "steady path per step: copies": f"{r['steady_copies_per_step']:,} ("
