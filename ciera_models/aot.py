@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -120,19 +121,31 @@ def _limit_row(kept: _Compiled, other: _Compiled | None, memory_limit: str, io: 
     return row
 
 
+def count_ptx_modules(lowered, options: dict) -> int:
+    """The kernels XLA:GPU compiles for ``lowered`` with ``options``: an LLVM module and a PTX
+    assembly each, which is what its compile time follows (not the fusions XLA names alike,
+    ``distinct_fusions``: ``docs/aot.md``). Counted in a compile of its own that dumps them
+    (``xla_dump_to``: a ``*.ptx`` file each), since the dump's writing slows that compile."""
+    with tempfile.TemporaryDirectory() as d:
+        lowered.compile(compiler_options={**options, "xla_dump_to": d})
+        return len(list(Path(d).glob("*.ptx")))
+
+
 def compile_repeated(tcs: list, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: int,
                      repeat: int, hlo_out: str | None = None, log=None,
-                     program: str = "steady") -> list[dict]:
+                     program: str = "steady", modules: bool = False) -> list[dict]:
     """:func:`compile_step` of each of ``tcs``, ``repeat`` times, alternating between them so
     the machine's other load falls on all alike. Each report is its first compile's, with
     ``compile_runs`` (every compile's ``wall_s`` and ``cpu_s``) and ``compile_s`` /
     ``compile_cpu_s`` those of its fastest: a compile's own cost, where the other load only
     ever adds. XLA's program is the same each time (each compile lowers again: JAX would
-    otherwise hand back the executable it already has)."""
+    otherwise hand back the executable it already has). ``modules``: the first compile's
+    report also counts its PTX modules (:func:`count_ptx_modules`)."""
     reports: list[dict] = []
     for attempt in range(repeat):
         for i, tc in enumerate(tcs):
-            rep = compile_step(tc, target, gpus, tokens_per_gpu, hlo_out, log, program)
+            rep = compile_step(tc, target, gpus, tokens_per_gpu, hlo_out, log, program,
+                               modules=modules and attempt == 0)
             if attempt == 0:
                 reports.append({**rep, "compile_runs": []})
             elif rep["distinct_fusions"] != reports[i]["distinct_fusions"]:
@@ -148,7 +161,8 @@ def compile_repeated(tcs: list, target: gpu_targets.GpuTarget, gpus: int, tokens
 
 
 def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: int,
-                 hlo_out: str | None = None, log=None, program: str = "steady") -> dict:
+                 hlo_out: str | None = None, log=None, program: str = "steady",
+                 modules: bool = False) -> dict:
     """Compile ``tc``'s train step for ``gpus`` x ``target`` and report the program
     (``program``: which of the trainer's programs, ``steady`` or ``priming``:
     :meth:`~ciera_models.state.Trainer.at_rungs`; XLA's scheduler limit as ``tc.memory_limit``
@@ -181,7 +195,8 @@ def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: i
         (Path(hlo_out) / f"{tc.config}-{gpus}x{target.name}-{tc.gather}.hlo.txt").write_text(text)
     ma, xla_total = kept.memory, kept.total
     caches = jax.tree.leaves(args[1])
-    return {
+    extra = {"ptx_modules": count_ptx_modules(lowered, kept.options)} if modules else {}
+    return {**extra,
         "config": tc.config, "gather": tc.gather, "cache": tc.cache, "plan": tc.plan,
         "program": program,
         "gpus": gpus, "gpu": target.name, "tokens_per_gpu": tokens_per_gpu,

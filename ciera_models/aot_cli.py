@@ -66,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="compile each program N times, alternating between them with "
                    "--compare; the compile row shows the fastest (on a shared machine, the "
                    "least disturbed) and the JSON keeps every time (default: 1)")
+    g.add_argument("--modules", action="store_true",
+                   help="also count the kernels XLA:GPU compiles (a PTX module each: what the "
+                   "compile time follows), in one more compile of each program that dumps them")
     g.add_argument("--program", choices=("steady", "priming"), default="steady",
                    help="which of the trainer's programs: steady (every compressed gather's "
                    "escape section fixed at the rung that holds the steady-state demand: 1/8 "
@@ -105,7 +108,7 @@ def run(args) -> int:
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     runs = [tc] + ([dataclasses.replace(tc, gather="plain")] if args.compare else [])
     reports = compile_repeated(runs, target, args.gpus, args.tokens_per_gpu, args.repeat,
-                               args.hlo_out, log, program=args.program)
+                               args.hlo_out, log, program=args.program, modules=args.modules)
     print(render(reports, target, show_collectives=args.collectives))
     if args.json:
         with open(args.json, "w") as f:
@@ -129,6 +132,8 @@ def summary_rows(r: dict) -> dict[str, str]:
         "scheduled HLO": f"{r['hlo_bytes'] / 1e6:.2f} MB",
         "fusions (kernels)": f"{r['fusions']:,}",
         "  distinct (by XLA's deduplicated_name)": f"{r['distinct_fusions']:,}",
+        **({"PTX modules (what the compile follows)": f"{r['ptx_modules']:,}"}
+           if "ptx_modules" in r else {}),
         "custom calls": f"{r['custom_calls']:,}",
         "steady path per step: kernel launches": f"{r['steady_launches_per_step']:,}",
         "steady path per step: copies": f"{r['steady_copies_per_step']:,} ("

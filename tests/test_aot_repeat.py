@@ -25,8 +25,8 @@ def _fake_compiles(monkeypatch, walls: dict, distinct: dict | None = None):
     calls = []
 
     def compile_step(tc, target, gpus, tokens_per_gpu, hlo_out=None, log=None,
-                     program="steady"):
-        calls.append(tc.gather)
+                     program="steady", modules=False):
+        calls.append(tc.gather + (" modules" if modules else ""))
         wall = walls[tc.gather].pop(0)
         kernels = (distinct or {}).get(tc.gather)
         return {"gather": tc.gather, "compile_s": wall, "compile_cpu_s": wall + 0.5,
@@ -68,3 +68,29 @@ def test_the_report_row_lists_every_compile():
            "compile_runs": [{"wall_s": w, "cpu_s": w} for w in walls]}
     assert aot_cli._compile_runs(rep) == {
         "  each of 3 compiles (fastest above)": "30.0, 24.0, 27.5 s"}
+
+
+def test_modules_are_counted_in_the_first_round_only(monkeypatch):
+    calls = _fake_compiles(monkeypatch, {"ciera": [30.0, 24.0], "plain": [15.0, 12.0]})
+    tcs = [TrainConfig(), dataclasses.replace(TrainConfig(), gather="plain")]
+    aot.compile_repeated(tcs, H100, 8, 128, repeat=2, modules=True)
+    assert calls == ["ciera modules", "plain modules", "ciera", "plain"]
+
+
+def test_ptx_modules_are_the_dumped_ptx_of_a_compile_of_their_own(tmp_path):
+    """``count_ptx_modules`` compiles once more with the same options and a dump folder, counts
+    its ``*.ptx`` files (not the dump's other files) and leaves no folder behind."""
+    seen = {}
+
+    class Lowered:
+        def compile(self, compiler_options):
+            seen.update(compiler_options)
+            d = tmp_path.joinpath("seen")
+            d.write_text(compiler_options["xla_dump_to"])
+            for name in ("module_0001.jit_step.1.ptx", "module_0001.jit_step.2.ptx",
+                         "module_0001.jit_step.ir-with-opt.ll", "module_0001.jit_step.txt"):
+                (tmp_path.__class__(compiler_options["xla_dump_to"]) / name).write_text("x")
+
+    assert aot.count_ptx_modules(Lowered(), {"xla_gpu_flag": True}) == 2
+    assert seen["xla_gpu_flag"] is True
+    assert not tmp_path.__class__(tmp_path.joinpath("seen").read_text()).exists()
