@@ -195,8 +195,7 @@ def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: i
         (Path(hlo_out) / f"{tc.config}-{gpus}x{target.name}-{tc.gather}.hlo.txt").write_text(text)
     ma, xla_total = kept.memory, kept.total
     caches = jax.tree.leaves(args[1])
-    extra = {"ptx_modules": count_ptx_modules(lowered, kept.options)} if modules else {}
-    return {**extra,
+    report = {
         "config": tc.config, "gather": tc.gather, "cache": tc.cache, "plan": tc.plan,
         "program": program,
         "gpus": gpus, "gpu": target.name, "tokens_per_gpu": tokens_per_gpu,
@@ -217,3 +216,6 @@ def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: i
                     "cache_bytes": sum(math.prod(c.shape) * c.dtype.itemsize for c in caches),
                     "memory_model": model.to_json()},
     }
+    if modules:
+        report["ptx_modules"] = count_ptx_modules(lowered, kept.options)
+    return report
