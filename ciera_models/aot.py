@@ -150,7 +150,7 @@ def compile_repeated(tcs: list, target: gpu_targets.GpuTarget, gpus: int, tokens
                 reports.append({**rep, "compile_runs": []})
             elif rep["distinct_fusions"] != reports[i]["distinct_fusions"]:
                 raise RuntimeError(f"ciera aot: the {tc.gather} step compiled to "
-                                   f"{rep['distinct_fusions']} distinct kernels, "
+                                   f"{rep['distinct_fusions']} distinct fusion names, "
                                    f"{reports[i]['distinct_fusions']} the first time")
             reports[i]["compile_runs"].append({"wall_s": rep["compile_s"],
                                                "cpu_s": rep["compile_cpu_s"]})

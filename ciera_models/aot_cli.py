@@ -159,6 +159,20 @@ def summary_rows(r: dict) -> dict[str, str]:
     }
 
 
+def ratio_line(a: dict, b: dict) -> str:
+    """Report ``a`` against report ``b`` (ciera against plain): the compile, the kernels (PTX
+    modules too when both counted them: what the compile follows), HLO and memory."""
+    modules = (f", {a['ptx_modules'] / max(b['ptx_modules'], 1):.2f}x PTX modules"
+               if "ptx_modules" in a and "ptx_modules" in b else "")
+    return ("ratios (ciera / plain): "
+            f"compile {a['compile_s'] / b['compile_s']:.2f}x "
+            f"({a['compile_cpu_s'] / b['compile_cpu_s']:.2f}x CPU), "
+            f"fusions {a['fusions'] / max(b['fusions'], 1):.2f}x "
+            f"({a['distinct_fusions'] / max(b['distinct_fusions'], 1):.2f}x distinct{modules}), "
+            f"HLO {a['hlo_bytes'] / b['hlo_bytes']:.2f}x, "
+            f"memory {a['memory']['total'] / b['memory']['total']:.2f}x")
+
+
 def render(reports: list[dict], target, show_collectives: bool = False) -> str:
     from ciera_jax.runtime import gpu_targets
 
@@ -177,15 +191,7 @@ def render(reports: list[dict], target, show_collectives: bool = False) -> str:
     for k in cols[0]:
         lines.append(f"{k:<{width}}  " + "  ".join(f"{c[k]:>28}" for c in cols))
     if len(reports) == 2:
-        a, b = reports
-        lines.append("")
-        lines.append("ratios (ciera / plain): "
-                     f"compile {a['compile_s'] / b['compile_s']:.2f}x "
-                     f"({a['compile_cpu_s'] / b['compile_cpu_s']:.2f}x CPU), "
-                     f"fusions {a['fusions'] / max(b['fusions'], 1):.2f}x "
-                     f"({a['distinct_fusions'] / max(b['distinct_fusions'], 1):.2f}x distinct), "
-                     f"HLO {a['hlo_bytes'] / b['hlo_bytes']:.2f}x, "
-                     f"memory {a['memory']['total'] / b['memory']['total']:.2f}x")
+        lines += ["", ratio_line(*reports)]
     for r in reports:
         lines += ["", f"plan ({r['gather']}): {r['trainer']['plan']}"]
         if show_collectives:

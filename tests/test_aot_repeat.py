@@ -59,7 +59,7 @@ def test_one_compile_reports_it_as_before(monkeypatch):
 
 def test_a_program_that_compiles_differently_is_refused(monkeypatch):
     _fake_compiles(monkeypatch, {"ciera": [30.0, 24.0]}, distinct={"ciera": [7, 8]})
-    with pytest.raises(RuntimeError, match="8 distinct kernels, 7 the first time"):
+    with pytest.raises(RuntimeError, match="8 distinct fusion names, 7 the first time"):
         aot.compile_repeated([TrainConfig()], H100, 8, 128, repeat=2)
 
 
@@ -93,3 +93,18 @@ def test_ptx_modules_are_the_dumped_ptx_of_a_compile_of_their_own():
     assert aot.count_ptx_modules(Lowered(), {"xla_gpu_flag": True}) == 2
     assert seen["xla_gpu_flag"] is True
     assert not pathlib.Path(seen["xla_dump_to"]).exists()
+
+
+def _report(**extra):
+    return {"compile_s": 30.0, "compile_cpu_s": 40.0, "fusions": 300, "distinct_fusions": 150,
+            "hlo_bytes": 2e6, "memory": {"total": 4e9}, **extra}
+
+
+def test_the_ratio_line_gives_modules_only_when_both_reports_counted_them():
+    ciera = _report(ptx_modules=171)
+    plain = {**_report(ptx_modules=100), "compile_s": 20.0, "compile_cpu_s": 20.0,
+             "fusions": 200, "distinct_fusions": 100, "hlo_bytes": 1e6, "memory": {"total": 2e9}}
+    assert aot_cli.ratio_line(ciera, plain) == (
+        "ratios (ciera / plain): compile 1.50x (2.00x CPU), fusions 1.50x "
+        "(1.50x distinct, 1.71x PTX modules), HLO 2.00x, memory 2.00x")
+    assert "PTX modules" not in aot_cli.ratio_line(ciera, _report())
