@@ -45,7 +45,9 @@ def step_record(step: int, m: dict, dt: float, kinds: dict, with_tensors: bool,
            # the step's program: its index, the seconds compiling it took if this step did,
            # and the tensor-layers whose demand was above its fixed rung (sent plainly)
            "program": int(m.get("program", 0)), "compile_s": float(m.get("compile_s", 0.0)),
-           "overflows": int(m.get("overflows", 0))}
+           "overflows": int(m.get("overflows", 0)),
+           # what the program's fixed rungs sent beyond this step's ideal ones (one rank)
+           "padding_bytes": int(m.get("padding_bytes", 0))}
     if with_tensors:
         rec["exp_change_by_tensor"] = {k: float(s["changed"]) / float(s["elements"])
                                        for k, s in sorted(g.items())}
@@ -116,4 +118,10 @@ def summarize(history: list[dict], tc, gather: str) -> str:
                  f"{sum(r.get('overflows', 0) for r in history)} tensor-layers sent plainly "
                  "above their program's rung, overflow redos 0 (the demand is known before the "
                  "step)")
+    last = history[len(history) - max(1, len(history) // 4):]
+    plain = max(sum(r["plain_bytes"] for r in last), 1)
+    padding = sum(r.get("padding_bytes", 0) for r in last)
+    lines.append(f"last 25% at each step's ideal rungs (no program's padding): wire/plain "
+                 f"{(sum(r['sent_bytes'] for r in last) - padding) / plain:.4f}; the programs' "
+                 f"padding {padding / plain:.4f}")
     return "\n".join(lines)

@@ -242,6 +242,7 @@ class Trainer:
         m["program"] = list(self.programs).index(key)
         m["overflows"] = sum(int(np.sum(np.asarray(needed[k]) > r)) for k, r in rungs.items()
                              if r != PLAIN_RUNG)
+        m["padding_bytes"] = policy.padding(rungs, needed)  # one rank's, as sent_bytes
         # A failed self-check left params and optimizer state as they were: same step again.
         done = 0 if int(m["verify_failed"]) else 1
         return TrainState(state.step + done, params, caches, opt_state, ahead), m

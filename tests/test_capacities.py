@@ -143,6 +143,19 @@ def test_per_layer_demands_are_priced_layer_by_layer():
     assert policy.best_for([mixed])["attn"] == 0
 
 
+def test_padding_is_what_the_program_sends_beyond_the_steps_ideal_rungs():
+    """A section sized above the demand pads by the difference of the two sections; a demand
+    above the program's rung pads by its fallback's plain bytes less the ideal's."""
+    policy = RungPolicy(WIRES, SLOW)
+    word, exp = WIRES["experts"], WIRES["attn"]
+    assert policy.padding(STEADY, needs(5, 2)) == 0
+    assert policy.padding(STEADY, needs(3, 2)) == LAYERS * (word.section_bytes(5)
+                                                           - word.section_bytes(3))
+    over = needs(5, 4)  # every attn layer above its rung 2: plain bytes, not rung 4's
+    assert policy.padding(STEADY, over) == LAYERS * (exp.fallback_bytes - exp.main_bytes
+                                                     - exp.section_bytes(4)) > 0
+
+
 def test_rungs_holding_the_steady_state_shares():
     rungs = rungs_holding(WIRES, escapes=1 / 8, exponents=1 / 512)
     word, exp = WIRES["experts"], WIRES["attn"]

@@ -126,6 +126,13 @@ class RungPolicy:
             return best, False  # nothing to gain, or too late in the run to pay for itself
         return self._compile(new)
 
+    def padding(self, rungs: dict, needed: dict) -> int:
+        """Bytes one rank sends at ``rungs`` beyond this step's ideal rungs for ``needed`` (as
+        :meth:`choose` takes it): what running a compiled program instead of a step's own
+        costs on the wire (escape sections sized for more, fallbacks on overflow)."""
+        needed = {k: np.atleast_1d(np.asarray(needed[k])) for k in sorted(self.wires)}
+        return self.cost(rungs, needed) - self.cost(self.best_for([needed]), needed)
+
     def _compile(self, rungs: dict) -> tuple[dict, bool]:
         self.programs.append(program_key(rungs))
         self._regret_s = 0.0
