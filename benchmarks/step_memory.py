@@ -58,6 +58,7 @@ def abstract_args(trainer, batch: int, length: int):
     from jax.sharding import NamedSharding, PartitionSpec as P
     from ciera_models.model import Transformer
     from ciera_models.state import fresh_caches, is_spec
+    from ciera_models.step import all_words
 
     mesh = trainer.mesh
 
@@ -76,7 +77,7 @@ def abstract_args(trainer, batch: int, length: int):
                                                  trainer.cache_modes))
     caches = jax.tree.map(lambda a: jax.ShapeDtypeStruct(
         a.shape, a.dtype, sharding=NamedSharding(mesh, P())), caches)
-    ahead = jax.eval_shape(trainer.prepare_fn, params, caches)
+    ahead = jax.eval_shape(trainer.prepare_fn, params, caches, all_words(trainer.tensors))
     tokens = jax.ShapeDtypeStruct((batch, length + 1), jnp.int32,
                                   sharding=NamedSharding(mesh, P("fsdp")))
     return params, caches, opt, ahead, tokens

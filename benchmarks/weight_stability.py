@@ -218,7 +218,7 @@ def train_and_count(name: str, args) -> dict:
     out_steps, lrs, counts, losses = [], [], [], []
     t0 = time.perf_counter()
     for t in range(1, steps + 1):
-        state, m = one_step(tr, state, tr.batch(dataset, args.seed, state.step))
+        state, m = tr.step(state, tr.batch(dataset, args.seed, state.step))
         loss = float(jax.device_get(m["loss"]))
         if not math.isfinite(loss):
             raise FloatingPointError(f"{name}: loss is {loss} at step {t}")
@@ -240,17 +240,6 @@ def train_and_count(name: str, args) -> dict:
             "final_loss": losses[-1] if losses else None, "word_bytes": wbytes.pop(),
             "layer_keys": layer_keys, "kinds": kinds, "sample_steps": out_steps, "lr": lrs,
             "loss": losses, "counts": np.stack(counts)}
-
-
-def one_step(tr, state, batch):
-    """``Trainer.step`` where it exists; before it did, the same from its parts."""
-    if hasattr(tr, "step"):
-        return tr.step(state, batch)
-    state = tr.prepare(state)
-    params, caches, opt_state, ahead, m = tr.step_fn(
-        state.params, state.caches, state.opt_state, state.ahead, batch)
-    return dataclasses.replace(state, step=state.step + 1, params=params, caches=caches,
-                               opt_state=opt_state, ahead=ahead), m
 
 
 def sampled_steps(steps: int, every: int, dense: str) -> set[int]:

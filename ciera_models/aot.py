@@ -29,7 +29,7 @@ from ciera_jax.kernels.backend import lowering_for
 from ciera_jax.runtime import gpu_targets, schedule
 from ciera_models import memory_limit
 from ciera_models.state import build_trainer, fresh_caches, is_spec
-from ciera_models.step import AHEAD_SPECS
+from ciera_models.step import AHEAD_SPECS, all_words
 
 
 def batch_for(tc, gpus: int, tokens_per_gpu: int):
@@ -56,11 +56,27 @@ def abstract_step_args(tr):
     caches = _placed(jax.eval_shape(lambda: fresh_caches(tr.cache_shapes, tr.tensors,
                                                          tr.cache_modes)), P(), mesh)
     opt = _placed(jax.eval_shape(tr.tx.init, params), tr.opt_specs, mesh)
-    ahead = _placed(jax.eval_shape(tr.prepare_fn, params, caches), AHEAD_SPECS, mesh)
+    ahead = _placed(jax.eval_shape(tr.prepare_fn, params, caches, _word_counts(tr)),
+                    AHEAD_SPECS, mesh)
     # a batch holds seq_len + 1 tokens per sequence: inputs and their next tokens
     tokens = jax.ShapeDtypeStruct((tr.tc.batch_size, tr.tc.length + 1), jnp.int32,
                                   sharding=NamedSharding(mesh, P(AXIS)))
     return params, caches, opt, ahead, tokens
+
+
+def _word_counts(tr):
+    """The encode program's ``word_changed`` argument, abstract (replicated counts)."""
+    return _placed(jax.eval_shape(lambda: all_words(tr.tensors)), P(), tr.mesh)
+
+
+def encode_report(lowered, options: dict, modules: bool = False) -> dict:
+    """The encode program (``prepare_fn``: compiled once per run, beside the step programs)
+    compiled with the step's ``options``: its compile, kernels and XLA's memory count."""
+    c = _compile(lowered, options)
+    return {"compile_s": c.wall_s, "compile_cpu_s": c.cpu_s, "hlo_bytes": len(c.text),
+            "fusions": c.kernels["fusions"], "distinct_fusions": c.kernels["distinct_fusions"],
+            "memory_total": c.total, "collectives": len(c.collectives),
+            **({"ptx_modules": count_ptx_modules(lowered, options)} if modules else {})}
 
 
 def _steady(c: schedule.Collective) -> bool:
@@ -178,6 +194,7 @@ def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: i
         tr = build_trainer(tc, mesh)
         args = tr.at_rungs(abstract_step_args(tr), program)
         lowered = tr.step_fn.lower(*args)
+        lowered_encode = tr.prepare_fn.lower(args[0], args[1], _word_counts(tr))
     t_lower = time.perf_counter() - t0
     model = memory_limit.model_memory(tr, tokens_per_gpu)
     plan = memory_limit.LimitPlan(target, memory_limit.per_gpu_bytes(args), model.total)
@@ -218,4 +235,5 @@ def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: i
     }
     if modules:
         report["ptx_modules"] = count_ptx_modules(lowered, kept.options)
+    report["encode"] = encode_report(lowered_encode, kept.options, modules)
     return report

@@ -156,7 +156,19 @@ def summary_rows(r: dict) -> dict[str, str]:
         "memory model total": _size(tr["memory_model"]["total"]),
         "caches per GPU": f"{_size(tr['cache_bytes'])} ("
                           + ", ".join(f"{n} {m}" for m, n in sorted(modes.items())) + ")",
+        **_encode_rows(r.get("encode")),
     }
+
+
+def _encode_rows(e: dict | None) -> dict[str, str]:
+    """The encode program's rows (compiled once per run, beside the step programs)."""
+    if e is None:
+        return {}
+    modules = f", {e['ptx_modules']:,} PTX modules" if "ptx_modules" in e else ""
+    return {"encode program (once per run): compile": f"{e['compile_s']:.1f} s "
+                                                       f"({e['compile_cpu_s']:.1f} s CPU)",
+            "  its fusions": f"{e['fusions']:,} ({e['distinct_fusions']:,} distinct{modules})",
+            "  its XLA memory total": _size(e["memory_total"])}
 
 
 def ratio_line(a: dict, b: dict) -> str:

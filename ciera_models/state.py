@@ -43,11 +43,12 @@ PROGRAMS = ("steady", "priming")  # the programs Trainer.at_rungs names
 
 @dataclasses.dataclass
 class TrainState:
-    """``ahead``: what the end of the previous step prepared for this one (``encoded``: the
-    ``ciera_jax.Encoded`` of every compressed tensor, per rank; ``word_changed``: bf16 words of
-    each gathered tensor that differ from the previous gather). Derived, like the caches: never
-    checkpointed; None after init/restore (then :meth:`Trainer.prepare` encodes at the start,
-    and the step's gathers prime the fresh caches)."""
+    """``ahead``: what the encode program prepared after the previous step for this one
+    (``encoded``: the ``ciera_jax.Encoded`` of every compressed tensor, per rank;
+    ``word_changed``: bf16 words of each gathered tensor that differ from the previous
+    gather). Derived, like the caches: never checkpointed; None after init/restore (then
+    :meth:`Trainer.prepare` encodes at the start, and the step's gathers prime the fresh
+    caches)."""
 
     step: int
     params: nnx.State
@@ -115,6 +116,7 @@ class Trainer:
     compiled: bool = False  # a step has run (so the next one does not compile)
     policy: RungPolicy | None = None  # picks each step's rungs (rung_policy)
     programs: dict = dataclasses.field(default_factory=dict)  # rung vector -> compiled step
+    encode_program: object = None  # prepare_fn compiled (encode), on first use (``encode``)
     ahead_shapes: dict | None = None  # the shapes of ``ahead`` (_ahead_shapes)
     attention: str = "xla"  # the attention's implementation (tc.attention resolved)
     experts: str = "ragged"  # the experts' grouped matmul (tc.experts_matmul resolved)
@@ -159,7 +161,8 @@ class Trainer:
             return state
         caches = fsdp.cache_dict(state.caches)
         if any(np.any(np.asarray(c.primed)) for c in caches.values()):
-            return dataclasses.replace(state, ahead=self.prepare_fn(state.params, state.caches))
+            ahead, _ = self.encode(state.params, state.caches, all_words(self.tensors))
+            return dataclasses.replace(state, ahead=ahead)
         # Fresh caches (init, restore): every Encoded only has to say "prime me" (demand =
         # int32 max), and the priming gather sends the shard's own bits, not the payload. So
         # build it on the host instead of compiling the encoder a second time.
@@ -178,8 +181,22 @@ class Trainer:
         """The shapes of ``ahead`` (a trace of the encode: once per trainer, the state's
         shapes are the trainer's)."""
         if self.ahead_shapes is None:
-            self.ahead_shapes = jax.eval_shape(self.prepare_fn, state.params, state.caches)
+            self.ahead_shapes = jax.eval_shape(self.prepare_fn, state.params, state.caches,
+                                               all_words(self.tensors))
         return self.ahead_shapes
+
+    def encode(self, params, caches, word_changed) -> tuple[dict, float]:
+        """``(ahead, seconds compiling)``: the encode program (``prepare_fn``: every compressed
+        tensor encoded against ``caches``, one agreement, the rungs needed) on ``params``;
+        compiled on first use (the seconds are 0 after), one program for the whole run."""
+        compile_s = 0.0
+        if self.encode_program is None:
+            t0 = time.perf_counter()
+            lowered = self.prepare_fn.lower(params, caches, word_changed)
+            self.encode_program = lowered.compile(
+                compiler_options=self.compiler_options or None)
+            compile_s = time.perf_counter() - t0
+        return self.encode_program(params, caches, word_changed), compile_s
 
     def rung_policy(self, state: TrainState) -> RungPolicy:
         """The policy that picks each step's rungs (made on first use: it prices the wire of
@@ -234,11 +251,13 @@ class Trainer:
             self.programs[key] = self.compile(args)
             compile_s = time.perf_counter() - t0
             policy.compiled(agreed_seconds(compile_s))
-        params, caches, opt_state, ahead, m = self.programs[key](*args)
+        params, caches, opt_state, word_changed, m = self.programs[key](*args)
+        ahead, encode_compile_s = self.encode(params, caches, word_changed)
         self.compiled = True
         m = jax.device_get(m)
         m["gather"] = per_layer_stats(self.tensors, m["gather"])
-        m["compile_s"] = compile_s
+        m["compile_s"] = compile_s + encode_compile_s
+        m["encode_compile_s"] = encode_compile_s
         m["program"] = list(self.programs).index(key)
         m["overflows"] = sum(int(np.sum(np.asarray(needed[k]) > r)) for k, r in rungs.items()
                              if r != PLAIN_RUNG)

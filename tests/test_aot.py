@@ -133,6 +133,14 @@ def test_tiny_step_compiles_for_h100s_and_the_report_counts_its_hlo(tiny_reports
         assert 0 < rep["ptx_modules"] < rep["fusions"], rep["ptx_modules"]
     else:
         assert "ptx_modules" not in rep
+    # the encode program (once a run, beside the step programs): compiled and counted too
+    enc = rep["encode"]
+    assert enc["compile_s"] > 0 and 0 < enc["memory_total"] < rep["memory"]["total"]
+    assert enc["fusions"] >= enc["distinct_fusions"]
+    if mode != "plain":  # plain encodes nothing
+        assert enc["fusions"] > 0 and enc["collectives"] >= 1  # the one agreement at least
+    if mode == "word":
+        assert 0 < enc["ptx_modules"] <= enc["fusions"]
     assert rep["conditionals"] == len(re.findall(r" conditional\(", text))
     starts = len(re.findall(r" (?:all-gather|all-reduce|reduce-scatter|collective-permute)"
                             r"-start\(", text))

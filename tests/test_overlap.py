@@ -1,7 +1,7 @@
 """The train step's schedule, checked on its jaxpr (the steady program: rungs fixed): one
-agreement per step (the next step's, after the update), the next layer's gather independent of
-the current layer's compute (prefetch), and the Encoded carried from the end of the previous
-step equal to a fresh encode.
+agreement per step (the next step's, in the encode program after it; none in the step), the
+next layer's gather independent of the current layer's compute (prefetch), and the Encoded
+the encode program hands the next step equal to a fresh encode.
 
 All on the trainer test_train compiles (``build_trainer`` is memoized in-process).
 """
@@ -16,6 +16,7 @@ from jaxprs import outside, subjaxprs, walk
 from ciera_jax.fsdp import buckets
 from ciera_jax.fsdp.state.stats import VECTOR_KEYS
 from ciera_models import data
+from ciera_models.step import all_words
 from ciera_models.train import TrainConfig, build_trainer, make_mesh
 from conftest import TINY_PROGRAMS
 
@@ -84,21 +85,23 @@ def step_jaxpr():
 
 
 def test_one_agreement_per_step(step_jaxpr):
-    pmax = [e for e in walk(step_jaxpr) if e.primitive.name == "pmax"]
-    assert len(pmax) == 1, [str(e) for e in pmax]
-    # ... over the demands of every layer of every compressed tensor
+    """The step program agrees on nothing; the encode program after it (``prepare_fn``)
+    agrees ONCE, over every layer of every compressed tensor, outside its per-layer loops."""
+    assert not [e for e in walk(step_jaxpr) if e.primitive.name == "pmax"]
+    assert "pmax" not in str(step_jaxpr)  # make_jaxpr's text includes the nested bodies too
     tr = build_trainer(TC, make_mesh(8))
-    shapes = jax.eval_shape(tr.prepare_fn, *jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (tr.init_state(0).params,
-                                                             tr.init_state(0).caches)))
+    state = tr.init_state(0)
+    encode = jax.make_jaxpr(tr.prepare_fn)(state.params, state.caches,
+                                           all_words(tr.tensors)).jaxpr
+    pmax = [e for e in walk(encode) if e.primitive.name == "pmax"]
+    assert len(pmax) == 1, [str(e) for e in pmax]
+    shapes = jax.eval_shape(tr.prepare_fn, state.params, state.caches, all_words(tr.tensors))
     demands = sum(buckets.unwrap(e).demand.size // 8  # 8 ranks
                   for e in shapes["encoded"].values())
     assert demands > 0 and pmax[0].invars[0].aval.shape == (demands,)
-    # and not inside the layer scan (it would run once per layer)
-    for e in walk(step_jaxpr):
+    for e in walk(encode):  # not inside a stack's per-layer encode (once per layer)
         if e.primitive.name == "scan":
             assert not _has(e.params["jaxpr"].jaxpr, {"pmax"})
-    assert "pmax" in str(step_jaxpr)  # make_jaxpr's text includes the nested bodies too
 
 
 def test_next_layer_gather_does_not_wait_for_this_layer(step_jaxpr):
@@ -142,19 +145,20 @@ def test_layer_scan_stacks_one_stats_vector_per_layer(step_jaxpr):
     assert len(per_layer_scalars) == keys  # each key's changed
 
 
-@pytest.mark.slow  # compiles prepare_fn (an encode of every tensor) for this test alone; the fast
-# lane's train tests check what a stale Encoded would break: every step's self-check passes
+@pytest.mark.slow  # encodes once more (a jit of prepare_fn) for this test alone; the fast lane's
+# train tests check what a stale Encoded would break: every step's self-check passes
 # (test_train) and the run is bitwise plain's
 def test_encoded_ahead_is_a_fresh_encode_of_the_new_state():
     tr = build_trainer(TC, make_mesh(8))
     state = tr.prepare(tr.init_state(0))
     ds = data.load_dataset(None, 256, TC.length)
     for i, rungs in enumerate(("priming", "steady")):  # the programs the trainer runs
-        params, caches, opt, ahead, _ = tr.step_fn(*tr.at_rungs(
+        params, caches, opt, word_changed, _ = tr.step_fn(*tr.at_rungs(
             (state.params, state.caches, state.opt_state, state.ahead, tr.batch(ds, 0, i)),
             rungs))
+        ahead, _ = tr.encode(params, caches, word_changed)  # the encode program
         state = type(state)(i + 1, params, caches, opt, ahead)
-    fresh = tr.prepare_fn(state.params, state.caches)
+    fresh = jax.jit(tr.prepare_fn)(state.params, state.caches, state.ahead["word_changed"])
     got, want = jax.tree.leaves(state.ahead["encoded"]), jax.tree.leaves(fresh["encoded"])
     assert got and len(got) == len(want)
     for a, b in zip(got, want):
