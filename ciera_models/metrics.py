@@ -45,7 +45,9 @@ def step_record(step: int, m: dict, dt: float, kinds: dict, with_tensors: bool,
            # the step's program: its index, the seconds compiling it took if this step did,
            # and the tensor-layers whose demand was above its fixed rung (sent plainly)
            "program": int(m.get("program", 0)), "compile_s": float(m.get("compile_s", 0.0)),
-           # of which the encode program's (compiled once, on the first step that encodes)
+           # the step program's compile alone, and the encode program's (once a run, in a
+           # thread beside the first step program's: compile_s holds only what it added)
+           "step_compile_s": float(m.get("step_compile_s", m.get("compile_s", 0.0))),
            "encode_compile_s": float(m.get("encode_compile_s", 0.0)),
            "overflows": int(m.get("overflows", 0)),
            # what the program's fixed rungs sent beyond this step's ideal ones (one rank)
@@ -114,13 +116,15 @@ def summarize(history: list[dict], tc, gather: str) -> str:
         chg = f"{100 * np.mean(changes):>11.4f}" if changes else f"{'-':>11}"
         lines.append(f"{name:<18}{len(rs):>6}{rs[-1]['loss']:>9.4f}{sent / max(plain, 1):>12.4f}"
                      f"{chg}{sum(r['fallbacks'] for r in rs):>10}{times[len(times) // 2]:>9.3f}")
-    compiles = [r["compile_s"] - r.get("encode_compile_s", 0.0) for r in history
-                if r.get("compile_s", 0.0) - r.get("encode_compile_s", 0.0) > 0]
+    compiles = [r.get("step_compile_s", r["compile_s"]) for r in history
+                if r.get("step_compile_s", r["compile_s"])]
     encode_s = sum(r.get("encode_compile_s", 0.0) for r in history)
+    waited = sum(r["compile_s"] for r in history)
     lines.append(f"programs: {len(compiles)} compiled in this run ({sum(compiles):.1f} s; "
                  f"recompiles {max(len(compiles) - 1, 0)}) and the encode program "
-                 + (f"({encode_s:.1f} s)" if encode_s else "(compiled before this run)")
-                 + ", overflows "
+                 + (f"({encode_s:.1f} s)" if encode_s
+                    else "(compiled before this run)")
+                 + f": {waited:.1f} s waited for compiles; overflows "
                  f"{sum(r.get('overflows', 0) for r in history)} tensor-layers sent plainly "
                  "above their program's rung, overflow redos 0 (the demand is known before the "
                  "step)")

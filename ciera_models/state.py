@@ -6,6 +6,7 @@ process (tests, benchmarks, a resume after a preemption) share one compiled step
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import math
@@ -116,7 +117,8 @@ class Trainer:
     compiled: bool = False  # a step has run (so the next one does not compile)
     policy: RungPolicy | None = None  # picks each step's rungs (rung_policy)
     programs: dict = dataclasses.field(default_factory=dict)  # rung vector -> compiled step
-    encode_program: object = None  # prepare_fn compiled (encode), on first use (``encode``)
+    encode_program: object = None  # prepare_fn compiled, or a Future while it compiles
+    _encode_seconds: tuple = (0.0, 0.0)  # (waited for, compiling) not yet in a step's metrics
     ahead_shapes: dict | None = None  # the shapes of ``ahead`` (_ahead_shapes)
     attention: str = "xla"  # the attention's implementation (tc.attention resolved)
     experts: str = "ragged"  # the experts' grouped matmul (tc.experts_matmul resolved)
@@ -161,8 +163,8 @@ class Trainer:
             return state
         caches = fsdp.cache_dict(state.caches)
         if any(np.any(np.asarray(c.primed)) for c in caches.values()):
-            ahead, _ = self.encode(state.params, state.caches, all_words(self.tensors))
-            return dataclasses.replace(state, ahead=ahead)
+            return dataclasses.replace(state, ahead=self.encode(state.params, state.caches,
+                                                                all_words(self.tensors)))
         # Fresh caches (init, restore): every Encoded only has to say "prime me" (demand =
         # int32 max), and the priming gather sends the shard's own bits, not the payload. So
         # build it on the host instead of compiling the encoder a second time.
@@ -185,18 +187,36 @@ class Trainer:
                                                all_words(self.tensors))
         return self.ahead_shapes
 
-    def encode(self, params, caches, word_changed) -> tuple[dict, float]:
-        """``(ahead, seconds compiling)``: the encode program (``prepare_fn``: every compressed
-        tensor encoded against ``caches``, one agreement, the rungs needed) on ``params``;
-        compiled on first use (the seconds are 0 after), one program for the whole run."""
-        compile_s = 0.0
-        if self.encode_program is None:
+    def start_encode_compile(self, params, caches, word_changed) -> None:
+        """Compile the encode program (one for the whole run) in a thread of its own, for
+        arguments shaped and placed like these: XLA lets go of Python while it compiles, so
+        the first step program compiles meanwhile (on a GPU host, in the wall time of that
+        compile alone; XLA:CPU already compiles one program on every core)."""
+        if self.encode_program is not None:
+            return
+        lowered = self.prepare_fn.lower(params, caches, word_changed)
+        options = self.compiler_options or None
+
+        def compile_timed():
             t0 = time.perf_counter()
-            lowered = self.prepare_fn.lower(params, caches, word_changed)
-            self.encode_program = lowered.compile(
-                compiler_options=self.compiler_options or None)
-            compile_s = time.perf_counter() - t0
-        return self.encode_program(params, caches, word_changed), compile_s
+            return lowered.compile(compiler_options=options), time.perf_counter() - t0
+
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ciera-encode")
+        self.encode_program = pool.submit(compile_timed)
+        pool.shutdown(wait=False)
+
+    def encode(self, params, caches, word_changed) -> dict:
+        """``ahead`` for the next step: the encode program (``prepare_fn``: every compressed
+        tensor encoded against ``caches``, one agreement, the rungs needed) on ``params``,
+        compiled first if it is not (:meth:`start_encode_compile`). The seconds this waited for
+        the compile and the compile's own are reported with the next step's metrics."""
+        t0 = time.perf_counter()
+        self.start_encode_compile(params, caches, word_changed)
+        if isinstance(self.encode_program, concurrent.futures.Future):
+            self.encode_program, compiling_s = self.encode_program.result()
+            waited, compiled = self._encode_seconds
+            self._encode_seconds = (waited + time.perf_counter() - t0, compiled + compiling_s)
+        return self.encode_program(params, caches, word_changed)
 
     def rung_policy(self, state: TrainState) -> RungPolicy:
         """The policy that picks each step's rungs (made on first use: it prices the wire of
@@ -248,16 +268,20 @@ class Trainer:
         compile_s = 0.0
         if key not in self.programs:
             t0 = time.perf_counter()
+            # the encode program compiles beside the run's first step program
+            self.start_encode_compile(state.params, state.caches, state.ahead["word_changed"])
             self.programs[key] = self.compile(args)
             compile_s = time.perf_counter() - t0
             policy.compiled(agreed_seconds(compile_s))
         params, caches, opt_state, word_changed, m = self.programs[key](*args)
-        ahead, encode_compile_s = self.encode(params, caches, word_changed)
+        ahead = self.encode(params, caches, word_changed)
         self.compiled = True
         m = jax.device_get(m)
         m["gather"] = per_layer_stats(self.tensors, m["gather"])
-        m["compile_s"] = compile_s + encode_compile_s
-        m["encode_compile_s"] = encode_compile_s
+        (encode_waited_s, encode_compile_s), self._encode_seconds = self._encode_seconds, (0, 0)
+        m["step_compile_s"] = compile_s  # this step's program (0: compiled before)
+        m["compile_s"] = compile_s + encode_waited_s  # all the step waited for compiles
+        m["encode_compile_s"] = encode_compile_s  # the encode program's own, beside the step's
         m["program"] = list(self.programs).index(key)
         m["overflows"] = sum(int(np.sum(np.asarray(needed[k]) > r)) for k, r in rungs.items()
                              if r != PLAIN_RUNG)
