@@ -164,12 +164,17 @@ def test_tiny_step_gpu_memory_does_not_grow(tiny_reports):
     layer's unpacked codes, dense and filled words, escape flags; the next step's encode),
     0.29 MB of it in the priming program too. Before the blocked matmul, plain's 8.23 MB of
     densified expert temporaries hid most of that working set (word was 9.08 MB). The
-    compressed step may add its caches and that working set, not more."""
+    compressed step may add its caches and that working set, not more.
+
+    2026-12-03, the encode a program of its own: plain 3.99 MB, word 5.30 MB (XLA schedules
+    the step without the encode with 0.11 MB more temporaries at its peak; 0.6 GB, 1.8%, on
+    OLMoE-1B-7B at 16 H100s). The encode program runs after the step, not beside it, so its
+    own count (below the step's: test above) adds nothing to the peak."""
     plain, _ = tiny_reports("plain")
     word, _ = tiny_reports("word")
     assert plain["memory"]["total"] < 1.25 * 4.01e6
     extra = word["memory"]["total"] - plain["memory"]["total"]
-    assert extra < word["trainer"]["cache_bytes"] + 0.9e6, extra
+    assert extra < word["trainer"]["cache_bytes"] + 1.0e6, extra
 
 
 @pytest.mark.slow

@@ -156,7 +156,7 @@ def test_encoded_ahead_is_a_fresh_encode_of_the_new_state():
         params, caches, opt, word_changed, _ = tr.step_fn(*tr.at_rungs(
             (state.params, state.caches, state.opt_state, state.ahead, tr.batch(ds, 0, i)),
             rungs))
-        ahead, _ = tr.encode(params, caches, word_changed)  # the encode program
+        ahead = tr.encode(params, caches, word_changed)  # the encode program
         state = type(state)(i + 1, params, caches, opt, ahead)
     fresh = jax.jit(tr.prepare_fn)(state.params, state.caches, state.ahead["word_changed"])
     got, want = jax.tree.leaves(state.ahead["encoded"]), jax.tree.leaves(fresh["encoded"])
