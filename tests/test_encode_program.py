@@ -1,0 +1,46 @@
+"""The encode program: compiled once per run, in a thread of its own beside the run's first
+step program, and run after every step; its compile is reported apart from the step's.
+
+On test_train's trainer (memoized in-process): a copy of it with nothing compiled recompiles
+both programs (JAX's in-process cache makes that quick) through the trainer's own path.
+"""
+
+import dataclasses
+import threading
+
+import jax
+import jax.stages
+
+from ciera_models import data
+from ciera_models.train import TrainConfig, build_trainer, make_mesh
+from conftest import TINY_PROGRAMS
+
+TC = TrainConfig(config="tiny", schedule_steps=20, **TINY_PROGRAMS)
+
+
+def test_the_encode_program_compiles_in_its_own_thread_beside_the_first_step(monkeypatch):
+    tr = dataclasses.replace(build_trainer(TC, make_mesh(8)), programs={},
+                             encode_program=None, policy=None)
+    threads = []
+    compile_ = jax.stages.Lowered.compile
+
+    def spy(self, *a, **kw):
+        threads.append(threading.current_thread().name)
+        return compile_(self, *a, **kw)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", spy)
+    ds = data.load_dataset(None, 256, TC.length)
+    state = tr.init_state(0)
+    rows = []
+    for i in range(3):
+        state, m = tr.step(state, tr.batch(ds, 0, i))
+        rows.append(m)
+    # two compiles, the encode's on its own thread; none after the first step
+    assert len(threads) == 2 and sum(t.startswith("ciera-encode") for t in threads) == 1
+    first = rows[0]
+    assert first["step_compile_s"] > 0 and first["encode_compile_s"] > 0
+    assert first["compile_s"] >= first["step_compile_s"]  # and whatever the encode added
+    assert all(m["compile_s"] == m["step_compile_s"] == m["encode_compile_s"] == 0
+               for m in rows[1:])
+    assert isinstance(tr.encode_program, jax.stages.Compiled)
+    assert all(int(m["verify_failed"]) == 0 for m in rows)  # each step's Encoded was current
