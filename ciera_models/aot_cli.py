@@ -172,13 +172,18 @@ def _encode_rows(e: dict | None) -> dict[str, str]:
 
 
 def ratio_line(a: dict, b: dict) -> str:
-    """Report ``a`` against report ``b`` (ciera against plain): the compile, the kernels (PTX
-    modules too when both counted them: what the compile follows), HLO and memory."""
+    """Report ``a`` against report ``b`` (ciera against plain): the step program's compile (and
+    with each one's encode program, one after the other, when both compiled one), the kernels
+    (PTX modules too when both counted them: what the compile follows), HLO and memory."""
     modules = (f", {a['ptx_modules'] / max(b['ptx_modules'], 1):.2f}x PTX modules"
                if "ptx_modules" in a and "ptx_modules" in b else "")
+    both = ""
+    if "encode" in a and "encode" in b:
+        total = [r["compile_s"] + r["encode"]["compile_s"] for r in (a, b)]
+        both = f"; step + encode program {total[0] / total[1]:.2f}x"
     return ("ratios (ciera / plain): "
             f"compile {a['compile_s'] / b['compile_s']:.2f}x "
-            f"({a['compile_cpu_s'] / b['compile_cpu_s']:.2f}x CPU), "
+            f"({a['compile_cpu_s'] / b['compile_cpu_s']:.2f}x CPU{both}), "
             f"fusions {a['fusions'] / max(b['fusions'], 1):.2f}x "
             f"({a['distinct_fusions'] / max(b['distinct_fusions'], 1):.2f}x distinct{modules}), "
             f"HLO {a['hlo_bytes'] / b['hlo_bytes']:.2f}x, "

@@ -108,3 +108,6 @@ def test_the_ratio_line_gives_modules_only_when_both_reports_counted_them():
         "ratios (ciera / plain): compile 1.50x (2.00x CPU), fusions 1.50x "
         "(1.50x distinct, 1.71x PTX modules), HLO 2.00x, memory 2.00x")
     assert "PTX modules" not in aot_cli.ratio_line(ciera, _report())
+    encodes = aot_cli.ratio_line({**ciera, "encode": {"compile_s": 15.0}},
+                                 {**plain, "encode": {"compile_s": 0.0}})
+    assert "compile 1.50x (2.00x CPU; step + encode program 2.25x)" in encodes
