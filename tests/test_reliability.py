@@ -339,7 +339,7 @@ def test_a_full_disk_under_the_metrics_file_loses_nothing(saved, tmp_path, strai
             finally:
                 os.write = saved_write
         msg = str(e.value)
-        assert msg.startswith(f"metrics: writing step ") and f"to {out} failed (No space left " \
+        assert msg.startswith("metrics: writing step ") and f"to {out} failed (No space left " \
             "on device" in msg and "\n" not in msg
         assert msg.endswith("the newest checkpoint is step 15 in "
                             f"{ck}: free space, then rerun with --resume (the metrics file is "

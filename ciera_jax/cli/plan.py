@@ -135,9 +135,9 @@ def run(args: argparse.Namespace) -> int:
                  left=1))
     s, u = modes_summary(plan), modes_summary(free)
     print()
-    print(f"tensors by mode: " + ", ".join(f"{m} {n}" for m, n in s["tensors_by_mode"].items()))
-    print(f"cache budget per GPU: " + ("unlimited" if budget is None
-                                       else f"{budget / 1e9:.2f} GB")
+    print("tensors by mode: " + ", ".join(f"{m} {n}" for m, n in s["tensors_by_mode"].items()))
+    print("cache budget per GPU: " + ("unlimited" if budget is None
+                                      else f"{budget / 1e9:.2f} GB")
           + f"; used {s['cache_bytes'] / 1e9:.2f} GB")
     print(f"communication per step (gathers + gradient reduce-scatter): plain "
           f"{s['gather_plain_s'] * 1e3:.2f} ms; "

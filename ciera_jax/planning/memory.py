@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 from ciera_jax.runtime.partition import rule_axis
 from ciera_jax.planning.shapes import ModelConfig, TensorSpec, get_config, tensor_inventory
