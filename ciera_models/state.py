@@ -163,8 +163,8 @@ class Trainer:
             return state
         caches = fsdp.cache_dict(state.caches)
         if any(np.any(np.asarray(c.primed)) for c in caches.values()):
-            return dataclasses.replace(state, ahead=self.encode(state.params, state.caches,
-                                                                all_words(self.tensors)))
+            words = fsdp.put(all_words(self.tensors), P(), self.mesh)  # placed as a step's
+            return dataclasses.replace(state, ahead=self.encode(state.params, state.caches, words))
         # Fresh caches (init, restore): every Encoded only has to say "prime me" (demand =
         # int32 max), and the priming gather sends the shard's own bits, not the payload. So
         # build it on the host instead of compiling the encoder a second time.

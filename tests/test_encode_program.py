@@ -44,3 +44,17 @@ def test_the_encode_program_compiles_in_its_own_thread_beside_the_first_step(mon
                for m in rows[1:])
     assert isinstance(tr.encode_program, jax.stages.Compiled)
     assert all(int(m["verify_failed"]) == 0 for m in rows)  # each step's Encoded was current
+
+
+def test_an_encode_at_the_start_from_primed_caches_runs_the_same_program():
+    """An ahead made at the start from primed caches (``Trainer.prepare``: the start's word
+    counts) and one made after a step run the one compiled encode program, and the step after
+    such a start gathers what it encoded (every self-check passes)."""
+    tr = dataclasses.replace(build_trainer(TC, make_mesh(8)), programs={},
+                             encode_program=None, policy=None)
+    ds = data.load_dataset(None, 256, TC.length)
+    state, _ = tr.step(tr.init_state(0), tr.batch(ds, 0, 0))  # primes the caches
+    program = tr.encode_program
+    state = tr.prepare(dataclasses.replace(state, ahead=None))  # encoded from primed caches
+    state, m = tr.step(state, tr.batch(ds, 0, 1))
+    assert tr.encode_program is program and int(m["verify_failed"]) == 0
