@@ -182,9 +182,10 @@ def test_gather_with_triton_lowers_for_cuda(mesh, mode, escape_kernels):
 
 
 def test_train_step_lowers_for_cuda():
-    """The compiled ``ciera train`` step (tiny config, 8 ranks), its gathers with
-    ``impl="auto"`` resolved as on an H100/H200: Mosaic GPU encode and decode kernels inside
-    (exponent or word mode, whichever the plan gives the tensors)."""
+    """The compiled ``ciera train`` programs (tiny config, 8 ranks), their codec with
+    ``impl="auto"`` resolved as on an H100/H200: Mosaic GPU decode kernels in the step's
+    gathers, encode kernels in the encode program that runs after it (exponent or word mode,
+    whichever the plan gives the tensors)."""
     from ciera_models import data
     from ciera_models.train import TrainConfig, build_trainer, make_mesh
 
@@ -196,12 +197,18 @@ def test_train_step_lowers_for_cuda():
     args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                         tr.at_rungs((state.params, state.caches, state.opt_state,
                                      state.ahead, batch), "steady"))
+    counts = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                          state.ahead["word_changed"])
     with K.lowering_for("cuda", capability="9.0"):
         exported = export.export(tr.step_fn, platforms=["cuda"],
                                  disabled_checks=ALL_CHECKS)(*args)
-    module = exported.mlir_module()
-    assert exported.platforms == ("cuda",) and exported.nr_devices == 8
-    assert module.count(K.CUSTOM_CALL["mosaic"]) >= 2
-    found = set(re.findall(r"ciera_(?:word_)?(?:en|de)code", module))  # the plan's cache modes
-    assert {"ciera_encode", "ciera_decode"} <= found or {
-        "ciera_word_encode", "ciera_word_decode"} <= found, found
+        encode = export.export(tr.prepare_fn, platforms=["cuda"],
+                               disabled_checks=ALL_CHECKS)(args[0], args[1], counts)
+    module, encode_module = exported.mlir_module(), encode.mlir_module()
+    assert exported.platforms == encode.platforms == ("cuda",) and exported.nr_devices == 8
+    assert module.count(K.CUSTOM_CALL["mosaic"]) >= 1
+    assert encode_module.count(K.CUSTOM_CALL["mosaic"]) >= 1
+    kernel = r"ciera_(?:word_)?(?:en|de)code"  # the plan's cache modes
+    step_kernels, encode_kernels = (set(re.findall(kernel, m)) for m in (module, encode_module))
+    assert step_kernels in ({"ciera_decode"}, {"ciera_word_decode"}), step_kernels
+    assert encode_kernels == {step_kernels.pop().replace("decode", "encode")}, encode_kernels
