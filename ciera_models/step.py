@@ -28,7 +28,8 @@
 The encode is a program of its own, not the step's tail: XLA compiles it once, beside the step
 programs (one per rung vector), instead of inside each of them, and the step program holds the
 gathers, the model and the optimizer alone (the encode was 283 of the 815 PTX modules of
-OLMoE-1B-7B's step on 16 H100s). It runs between two steps, where the step's tail ran it: nothing waits longer.
+OLMoE-1B-7B's step on 16 H100s). It runs between two steps, where the step's tail ran it:
+nothing waits longer.
 
 All three gather modes run this same code; ciera and plain give bitwise-identical params. The
 step only proposes the next state and reports metrics; the loop decides to take it.

@@ -33,6 +33,7 @@ collective, the cost model, the simulator and the benchmarks all price these num
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 CHECKSUM_BYTES = 4  # every compressed gather sends a uint32 checksum of the shard's words
@@ -118,7 +119,7 @@ class ExponentWire(_FixedRungs):
     n: int
     word_bytes: int
 
-    @property
+    @functools.cached_property
     def caps(self) -> tuple[int, ...]:
         """Changed exponents a rung holds."""
         return capacities(self.n, EXPONENT_CAPACITIES)
@@ -127,12 +128,12 @@ class ExponentWire(_FixedRungs):
     def ladder(self) -> tuple[int, ...]:
         return self.caps
 
-    @property
+    @functools.cached_property
     def word_caps(self) -> tuple[int, ...]:
         """Nonzero flag words a rung holds (each holds a change: never more than ``caps``)."""
         return tuple(min(c, flag_words(self.n)) for c in self.caps)
 
-    @property
+    @functools.cached_property
     def summary_words(self) -> int:
         """uint32 words of the one-bit-per-flag-word summary."""
         return flag_words(flag_words(self.n))
@@ -153,7 +154,7 @@ class ExponentWire(_FixedRungs):
         cap = self.caps[rung]
         return 4 * (self.summary_words + self.word_caps[rung]) + cap if cap else 0
 
-    @property
+    @functools.cached_property
     def section_sizes(self) -> tuple[int, ...]:
         return tuple(self.section_bytes(k) for k in range(len(self.caps)))
 
@@ -179,7 +180,7 @@ class WordWire(_FixedRungs):
             raise ValueError(f"code_bits must be one of {CODE_BITS_CHOICES}, "
                              f"got {self.code_bits!r}")
 
-    @property
+    @functools.cached_property
     def caps1(self) -> tuple[int, ...]:
         """Escapes a rung holds (level 1)."""
         return capacities(self.n, LEVEL1_CAPACITIES)
@@ -188,7 +189,7 @@ class WordWire(_FixedRungs):
     def ladder(self) -> tuple[int, ...]:
         return self.caps1
 
-    @property
+    @functools.cached_property
     def caps2(self) -> tuple[int, ...]:
         """Raw words a rung holds (level 2)."""
         return tuple(math.ceil(c * LEVEL2_SHARE) for c in self.caps1)
@@ -204,7 +205,7 @@ class WordWire(_FixedRungs):
     def section_bytes(self, rung: int) -> int:
         return self.caps1[rung] + self.caps2[rung] * self.word_bytes
 
-    @property
+    @functools.cached_property
     def section_sizes(self) -> tuple[int, ...]:
         return tuple(self.section_bytes(k) for k in range(len(self.caps1)))
 
