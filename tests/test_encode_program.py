@@ -19,8 +19,11 @@ TC = TrainConfig(config="tiny", schedule_steps=20, **TINY_PROGRAMS)
 
 
 def test_the_encode_program_compiles_in_its_own_thread_beside_the_first_step(monkeypatch):
+    # one step program a run: this process's quick recompiles would otherwise price a second
+    # one low enough to buy at step 2 or 3 (the rung vector is not what this test is about)
     tr = dataclasses.replace(build_trainer(TC, make_mesh(8)), programs={},
-                             encode_program=None, policy=None)
+                             encode_program=None, policy=None,
+                             tc=dataclasses.replace(TC, max_programs=1))
     threads = []
     compile_ = jax.stages.Lowered.compile
 
