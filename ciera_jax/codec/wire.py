@@ -14,7 +14,8 @@ Every compressed gather has two parts (:mod:`ciera_jax.collective.gather`):
   word saying which are nonzero) and the new exponents in position order; a rung holding ``K``
   exponents holds ``min(K, W)`` flag words, since each nonzero word holds a change. Word mode
   sends level 1 (an int8 move per escape, or ``LEVEL2``) and level 2 (the raw word of each
-  ``LEVEL2`` escape), level 2 sized at 1/8 of level 1.
+  ``LEVEL2`` escape), level 2 sized at 1/16 of level 1 on the rungs up to a quarter of the
+  shard and at 1/8 above (:data:`LEVEL2_SHARES`).
 
 Above the top rung, or on an unprimed cache, the gather falls back to a plain all-gather of the
 bits (the one conditional with a large transfer, taken on rare steps). The main transfer
@@ -46,7 +47,7 @@ PLAIN_RUNG = -1  # a rung fixed at compile time that gathers the tensor plainly
 # Changed exponents one rank may send (0: nothing changed on any rank).
 EXPONENT_CAPACITIES = (0.0, 1 / 2048, 1 / 1024, 1 / 512, 1 / 256, 1 / 128, 1 / 64, 1 / 32,
                        1 / 16, 1 / 8, 1 / 4)
-# Word mode: escapes (|d| > code limit); raw words (|d| > 127) get LEVEL2_SHARE of as many.
+# Word mode: escapes (|d| > code limit); raw words (|d| > 127) get LEVEL2_SHARES of as many.
 # Up to every element escaping, so warm-up (30-50% escapes, ~10% raw) still travels as words
 # (priced on tiny's warm-up: 1.12 B/weight against exponent mode's 1.24 and plain's 2).
 # Steps of at most 1.5x from n/32 up (steady state: 8-15% escapes at 3 bits; peak LR: 30-40%),
@@ -55,7 +56,13 @@ EXPONENT_CAPACITIES = (0.0, 1 / 2048, 1 / 1024, 1 / 512, 1 / 256, 1 / 128, 1 / 6
 # (+0.001 of plain at steady state, +0.003 late, equal at peak).
 LEVEL1_CAPACITIES = (0.0, 1 / 64, 1 / 32, 1 / 16, 3 / 32, 1 / 8, 3 / 16, 1 / 4, 3 / 8, 1 / 2,
                      3 / 4, 1.0)
-LEVEL2_SHARE = 1 / 8
+# Raw words a rung holds, as a share of its escapes, by the rung's size (up to that share of
+# the shard's elements). Raw words are 3-5% of the escapes (median) from warm-up to the end
+# (small's 300 steps and tiny's 200, recorded counts), more at the top rungs' warm-up (~10% raw
+# at 30-50% escapes). 1/16 on the low rungs, where a train run spends its steady state, sends
+# 0.008 of plain less than 1/8 at 1/8 escapes (tiny's last quarter: 0.266 -> 0.258 of plain at
+# its program's rung; small: -0.004 at every phase, with the rungs its raw words then need).
+LEVEL2_SHARES = ((1 / 4, 1 / 16), (1.0, 1 / 8))
 DEFAULT_CODE_BITS = 3  # the word-delta study: the best single width across phases
 CODE_BITS_CHOICES = (2, 3, 4)
 
@@ -68,6 +75,12 @@ def capacities(n: int, fractions) -> tuple[int, ...]:
         if not out or c > out[-1]:
             out.append(c)
     return tuple(out)
+
+
+def level2_share(escapes: int, n: int) -> float:
+    """Raw words a level-1 capacity of ``escapes`` (of a shard of ``n``) comes with, per
+    escape (:data:`LEVEL2_SHARES`)."""
+    return next(share for upto, share in LEVEL2_SHARES if escapes <= math.ceil(n * upto))
 
 
 def rung_for(caps: tuple[int, ...], count: int) -> int | None:
@@ -191,8 +204,8 @@ class WordWire(_FixedRungs):
 
     @functools.cached_property
     def caps2(self) -> tuple[int, ...]:
-        """Raw words a rung holds (level 2)."""
-        return tuple(math.ceil(c * LEVEL2_SHARE) for c in self.caps1)
+        """Raw words a rung holds (level 2): :data:`LEVEL2_SHARES` of its escapes."""
+        return tuple(math.ceil(c * level2_share(c, self.n)) for c in self.caps1)
 
     @property
     def main_bytes(self) -> int:
