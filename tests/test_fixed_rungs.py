@@ -60,7 +60,8 @@ def _run(rung, x, cache):
 def _trajectory(rng, dtype):
     """Adversarial start, then a step of small moves with every kind of far move mixed in
     (sign flips, every exponent changing, NaN payloads, infinities, signed zeros, subnormals,
-    words moved by any amount), then a step in which nothing moves."""
+    words moved by any amount), a step of fewer far and medium moves (its demand inside the
+    ladder), then a step in which nothing moves."""
     word = np.dtype(_word(dtype))
     x0 = adversarial(rng, SHAPE, dtype)
     b = bits_of(x0).astype(np.int64).reshape(-1)
@@ -73,30 +74,44 @@ def _trajectory(rng, dtype):
     sp = special_words(dtype)
     b1[:sp.size] = sp
     x1 = b1.astype(word).view(dtype).reshape(SHAPE)
-    return [x0, x1, x1]
+    # a step whose demand sits inside the ladder: a few far moves and flips, some medium ones
+    b2 = b1.copy()
+    some = rng.choice(b.size, size=b.size // 8, replace=False)
+    b2[some[:b.size // 40]] += rng.integers(1 << 8, 1 << 16, size=b.size // 40)
+    b2[some[b.size // 40:]] += rng.integers(4, 100, size=some.size - b.size // 40)
+    b2[some[:b.size // 200]] ^= 1 << (8 * word.itemsize - 1)
+    x2 = (b2 % (1 << (8 * word.itemsize))).astype(word).view(dtype).reshape(SHAPE)
+    return [x0, x1, x2, x2]
 
 
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("mode", ["exponent", "word"])
 def test_every_fixed_rung_is_bitwise_a_plain_gather(mode, dtype):
-    """Each step runs at PLAIN_RUNG, the needed rung, one below it (the fallback) and the top;
-    all four give the plain gather's bits, price their bytes as the wire table says, and
-    leave the same cache (carried on)."""
+    """Each step runs at PLAIN_RUNG, the needed rung, the rungs below it down to one past the
+    overflow ladder (word mode: each overflow exit, then the plain fallback; exponent mode: the
+    fallback) and the top; all give the plain gather's bits, price their bytes as the wire
+    table says, and leave the same cache (carried on)."""
     rng = np.random.default_rng(7)
     cache = ciera_jax.init_cache(SHAPE, dtype, mode)
     wire = _wire(mode, np.dtype(dtype).itemsize)
+    exits = set()  # (need - rung) of the overflows that still sent words
     for step, x in enumerate(_trajectory(rng, dtype)):
         need = int(_run(capacity.PLAIN_RUNG, x, cache)[3])
         rungs = {capacity.PLAIN_RUNG, wire.rungs - 1}
         if need < wire.rungs:
-            rungs |= {need} | ({need - 1} if need > 0 else set())
+            below = range(need - 1, need - 2 - len(wire.overflow_rungs(0)), -1)
+            rungs |= {need} | {r for r in below if r >= 0}
         new_caches = []
         for rung in sorted(rungs):
             full, ref, new_c, need_again, sent, fallback, failed = _run(rung, x, cache)
             assert np.array_equal(bits_of(full), np.asarray(ref)), (mode, step, rung)
             assert int(need_again) == need
             assert int(failed) == 0
-            assert bool(fallback) == (rung == capacity.PLAIN_RUNG or need > rung), (rung, need)
+            plain = rung == capacity.PLAIN_RUNG or (
+                need > rung and need not in wire.overflow_rungs(rung))
+            assert bool(fallback) == plain, (rung, need)
+            if need > rung and not plain:
+                exits.add(need - rung)
             assert int(sent) == wire.bytes_at(rung, need) + (12 if mode == "word" else 4)
             new_caches.append(jax.tree.leaves(new_c))
         for leaves in new_caches[1:]:  # every rung leaves the same (primed) cache
@@ -104,6 +119,7 @@ def test_every_fixed_rung_is_bitwise_a_plain_gather(mode, dtype):
                 assert np.array_equal(np.asarray(a), np.asarray(b))
         cache = jax.tree.unflatten(jax.tree.structure(cache), new_caches[0])
     assert need == 0, "the last step moved nothing: the smallest rung holds it"
+    assert exits == (set(range(1, len(wire.overflow_rungs(0)) + 1)) if mode == "word" else set())
 
 
 def _jaxpr(mode, rung):
@@ -122,7 +138,8 @@ def _wire(mode, word_bytes=2):
 @pytest.mark.parametrize("mode", ["exponent", "word"])
 def test_a_fixed_rung_sends_its_section_in_the_main_transfer(mode):
     """One transfer outside every conditional, the main plane + checksum + the rung's section;
-    the one conditional holding a collective is the fallback's rest of the bits."""
+    the one conditional holding collectives is the fallback: word mode's overflow exits (the
+    escapes past the rung's section, up to each overflow rung's) and the rest of the bits."""
     wire = _wire(mode)
     rung = wire.rungs // 2
     jaxpr = _jaxpr(mode, rung)
@@ -135,8 +152,10 @@ def test_a_fixed_rung_sends_its_section_in_the_main_transfer(mode):
              and any(e.primitive.name in GATHERS for b in subjaxprs(c) for e in walk(b))]
     assert len(conds) == 1, "the fallback only: no rung switch"
     rest = [e for b in subjaxprs(conds[0]) for e in walk(b) if e.primitive.name in GATHERS]
+    exits = [wire.section_bytes(r) - wire.section_bytes(rung) for r in wire.overflow_rungs(rung)]
+    assert len(exits) == (3 if mode == "word" else 0)
     assert [e.invars[0].aval.size for e in rest] == [
-        wire.plain_bytes - (wire.main_bytes - 4 + wire.section_bytes(rung))]
+        *exits, wire.plain_bytes - (wire.main_bytes - 4 + wire.section_bytes(rung))]
 
 
 @pytest.mark.parametrize("mode", ["exponent", "word"])

@@ -63,6 +63,14 @@ LEVEL1_CAPACITIES = (0.0, 1 / 64, 1 / 32, 1 / 16, 3 / 32, 1 / 8, 3 / 16, 1 / 4, 
 # 0.008 of plain less than 1/8 at 1/8 escapes (tiny's last quarter: 0.266 -> 0.258 of plain at
 # its program's rung; small: -0.004 at every phase, with the rungs its raw words then need).
 LEVEL2_SHARES = ((1 / 4, 1 / 16), (1.0, 1 / 8))
+# A word tensor whose demand is above its fixed rung by up to this many rungs still travels as
+# words: the fallback's switch sends the escapes past the fixed prefix, at the needed rung's
+# size; further above, the fallback is a plain gather. A program's one rung then costs a
+# drifting demand (warm-up, peak, decay) what each step's own rung would, up to padding
+# (small's policy replay at one program: steady state 0.553 -> 0.284 of plain; 3 rungs, not
+# 1 or 2: 0.316 / 0.381), at one more conditional branch and decode per rung, all off the
+# steady path.
+OVERFLOW_RUNGS = 3
 DEFAULT_CODE_BITS = 3  # the word-delta study: the best single width across phases
 CODE_BITS_CHOICES = (2, 3, 4)
 
@@ -121,8 +129,21 @@ class _FixedRungs:
         if not 0 <= rung < self.rungs:
             raise ValueError(f"rung {rung} is outside 0..{self.rungs - 1} (or PLAIN_RUNG)")
         if need > rung:
-            return self.fallback_bytes
+            return self.overflow_bytes(rung, need)
         return self.main_bytes + self.section_bytes(rung)
+
+    def overflow_rungs(self, rung: int) -> tuple[int, ...]:
+        """The rungs above a fixed ``rung`` that an overflow still sends at (none: every
+        overflow is a plain fallback)."""
+        return ()
+
+    def overflow_bytes(self, rung: int, need: int) -> int:
+        """Bytes one rank sends with the rung fixed at ``rung`` when the demand needs rung
+        ``need > rung``: the escapes at ``need``'s size when it is one of
+        :meth:`overflow_rungs`, else the fallback's plain bytes."""
+        if need in self.overflow_rungs(rung):
+            return self.main_bytes + self.section_bytes(need)
+        return self.fallback_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +242,14 @@ class WordWire(_FixedRungs):
     @functools.cached_property
     def section_sizes(self) -> tuple[int, ...]:
         return tuple(self.section_bytes(k) for k in range(len(self.caps1)))
+
+    def overflow_rungs(self, rung: int) -> tuple[int, ...]:
+        """Up to :data:`OVERFLOW_RUNGS` rungs above ``rung``, within the ladder: an overflow
+        to one of them sends the escapes past the fixed prefix (both levels' slots up to that
+        rung's capacities) in the fallback's switch."""
+        if rung == PLAIN_RUNG:
+            return ()
+        return tuple(range(rung + 1, min(rung + OVERFLOW_RUNGS, self.rungs - 1) + 1))
 
     def rung(self, escapes: int, raw: int) -> int | None:
         """The smallest rung holding both counts; None above the top."""

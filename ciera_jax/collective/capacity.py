@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from ciera_jax.codec.wire import PLAIN_RUNG, WordWire
 from ciera_jax.codec.word_ladder import ESCAPES, RAW
 
-__all__ = ["FixedRung", "PLAIN_RUNG", "exceeded", "fix", "is_fixed", "needed_rung",
-           "overflows"]
+__all__ = ["FixedRung", "PLAIN_RUNG", "exceeded", "exit_index", "fix", "is_fixed",
+           "needed_rung", "overflows"]
 
 
 @jax.tree_util.register_dataclass
@@ -66,8 +66,20 @@ def needed_rung(wire, demand: jax.Array) -> jax.Array:
 
 def overflows(wire, fixed: FixedRung) -> jax.Array:
     """bool, rank-invariant: the agreed demand does not fit the fixed rung (the fallback)."""
+    return _needed(wire, fixed) > fixed.rung
+
+
+def exit_index(wire, fixed: FixedRung) -> jax.Array:
+    """int32, rank-invariant: which way the gather at a fixed rung ends. 0: the rung holds the
+    demand; ``i`` in 1..K: the demand needs ``wire.overflow_rungs(rung)[i - 1]`` (K of them);
+    K + 1: the plain fallback (further above, or an unprimed cache)."""
+    k = len(wire.overflow_rungs(fixed.rung))
+    over = _needed(wire, fixed) - fixed.rung
+    return jnp.where(over <= 0, 0, jnp.minimum(over, k + 1)).astype(jnp.int32)
+
+
+def _needed(wire, fixed: FixedRung) -> jax.Array:
     if not 0 <= fixed.rung < wire.rungs:
         raise ValueError(f"a fixed rung must be in 0..{wire.rungs - 1} for this tensor's "
                          f"{wire.rungs} capacities (or PLAIN_RUNG), got {fixed.rung}")
-    needed = needed_rung(wire, fixed.demand) if fixed.needed is None else fixed.needed
-    return needed > fixed.rung
+    return needed_rung(wire, fixed.demand) if fixed.needed is None else fixed.needed

@@ -251,18 +251,31 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
     option, cached = ((word_option, cache.words) if word else (exponent_option, cache.exp))
     sent = option.send(e, agreed, shard, axis_name)
     fallback, rung, section = sent.overflow, sent.rung, sent.section_bytes
+    wire = e.wire
+    # the rung whose capacity the escapes had (an overflow's exit: the rung it sent at)
+    taken = rung if sent.exit is None else rung + jnp.where(fallback, 0, sent.exit)
     # The decode, outside the fallback's conditional: XLA fuses it with the layer's other
     # decodes there. Word mode hands the conditional one array (the words; the tensor is their
     # bits): the compressed branch passes it through, a copy on XLA:GPU, and the tensor and its
     # words as two outputs were two copies (OLMoE-1B-7B on 16 H100s: 52 -> 38 GB a step).
-    *decoded, failed = option.decode(e, sent, cached, dtype, impl)
+    # Word mode's self-check result goes through the conditional too: an overflow's exit
+    # decodes the escapes past the fixed prefix and checks its own words.
+    exits = []
+    if word:
+        got = word_option.receive(e, sent, cached, impl)
+        decoded = word_option.fill(e, got, *got.levels,
+                                   jnp.asarray(wire.caps1, jnp.int32)[rung], dtype, impl)
+        exits = word_option.overflow_exits(e, sent, got, dtype, impl, axis_name)
+    else:
+        *decoded, failed = option.decode(e, sent, cached, dtype, impl)
     operands = (shard, sent.rows, tuple(decoded))
 
-    def plain(shard, rows, _):
+    def plain(shard, rows, decoded):
         bits = rows_to_full(transfer.plain_rest(rows, bitfields.to_bits(shard), axis_name),
                             e.shard_shape, e.axis)
         if word:
-            return varying_like(bits, operands, axis_name),
+            return tuple(varying_like(a, operands, axis_name)
+                         for a in (bits, jnp.zeros_like(decoded[1])))
         full = bitfields.from_bits(bits, dtype)
         return tuple(varying_like(a, operands, axis_name)
                      for a in (full, bitfields.exponent(full)))
@@ -270,15 +283,23 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
     def compressed(_, __, decoded):
         return tuple(varying_like(a, operands, axis_name) for a in decoded)
 
-    # The one conditional with a large transfer: taken only when some rank overflowed its rung
-    # or a cache is unprimed (the agreement makes ``fallback`` rank-invariant).
-    out = lax.cond(fallback, plain, compressed, *operands)
+    def exit_branch(exit_fn):
+        return lambda *_: tuple(varying_like(a, operands, axis_name) for a in exit_fn())
+
+    if exits:
+        # The one conditional with collectives: 0 the fixed rung held the demand (no
+        # transfer), then each overflow rung's exit, then the plain fallback; all off the
+        # steady path (``sent.exit`` is rank-invariant, from the agreement).
+        out = lax.switch(sent.exit, [compressed, *map(exit_branch, exits), plain], *operands)
+    else:
+        # The one conditional with a large transfer: taken only when some rank overflowed its
+        # rung or a cache is unprimed (the agreement makes ``fallback`` rank-invariant).
+        out = lax.cond(fallback, plain, compressed, *operands)
     if word:
-        (new_cached,) = out
+        new_cached, failed = out
         full = bitfields.from_bits(new_cached, dtype)
     else:
         full, new_cached = out
-    wire = e.wire
     caps = wire.caps1 if word else wire.caps
     demand = agreed.demand if capacity.is_fixed(agreed) else agreed
     sent_bytes = jnp.where(fallback, wire.fallback_bytes, wire.main_bytes + section)
@@ -289,9 +310,9 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
         changed=e.count,
         agreed_changed=jnp.minimum(demand[word_option.EXP_CHANGED] if word else demand,
                                    wire.n).astype(jnp.int32),
-        tier=jnp.where(fallback, len(caps), rung).astype(jnp.int32),
-        capacity=jnp.where(fallback, wire.n, jnp.asarray(caps, jnp.int32)[rung]),
-        bitmap=jnp.bool_(not word) & (rung > 0),
+        tier=jnp.where(fallback, len(caps), taken).astype(jnp.int32),
+        capacity=jnp.where(fallback, wire.n, jnp.asarray(caps, jnp.int32)[taken]),
+        bitmap=jnp.bool_(not word) & (taken > 0),
         fallback=fallback,
         mode=jnp.where(fallback, MODE_PLAIN, MODE_WORD if word else MODE_EXPONENT
                        ).astype(jnp.int32),

@@ -35,8 +35,9 @@ class Sent(NamedTuple):
     rows: jax.Array  # the main transfer's rows (N, L + CHECKSUM_BYTES): plane, fixed section
     sections: tuple  # a traced rung's section rows per level (N, C); () for a fixed rung
     rung: Any  # int (fixed when compiled) or int32
-    overflow: jax.Array  # bool, rank-invariant: the fallback finishes the gather
+    overflow: jax.Array  # bool, rank-invariant: the plain fallback finishes the gather
     section_bytes: jax.Array  # int32: the escape section's bytes sent
+    exit: Any = None  # int32 at a fixed rung with overflow rungs: capacity.exit_index
 
 
 def gather_rows(buf_L: jax.Array, axis_name) -> jax.Array:
@@ -77,7 +78,7 @@ def read_fixed(rows: jax.Array, plane_len: int, dtypes, sizes, lengths):
 # The functions whose transfers run only on a fallback step (an overflow, a fresh cache): a
 # compiled program's collectives under them are off the steady path (``ciera aot`` tells them
 # apart by their stack).
-FALLBACK_FUNCTIONS = ("plain_rest",)
+FALLBACK_FUNCTIONS = ("plain_rest", "overflow_rest")
 
 
 def plain_rest(main_rows: jax.Array, bits: jax.Array, axis_name) -> jax.Array:
@@ -91,6 +92,21 @@ def plain_rest(main_rows: jax.Array, bits: jax.Array, axis_name) -> jax.Array:
     rest = gather_rows(shard_bytes[main_NxL.shape[1]:], axis_name)
     rows = jnp.concatenate([main_NxL, rest], axis=1)
     return _from_bytes(rows, bits.dtype, bits.size)
+
+
+def overflow_rest(parts, sent_sizes, sizes, axis_name) -> list[jax.Array]:
+    """An overflow's transfer (word mode, above its fixed rung by a few rungs): of each of
+    ``parts``, the entries from ``sent_sizes[i]`` (what the main transfer carried) up to
+    ``sizes[i]``, end to end in ONE all-gather. Returns every rank's (N, sizes[i] -
+    sent_sizes[i]) per part, in its dtype."""
+    pieces = [_to_bytes(p[a:b]) for p, a, b in zip(parts, sent_sizes, sizes)]
+    rows = gather_rows(jnp.concatenate(pieces), axis_name)
+    out, at = [], 0
+    for p, a, b in zip(parts, sent_sizes, sizes):
+        width = np.dtype(p.dtype).itemsize
+        out.append(_from_bytes(rows[:, at:at + (b - a) * width], p.dtype, b - a))
+        at += (b - a) * width
+    return out
 
 
 def _head_bytes(shard: jax.Array, n_bytes: int) -> jax.Array:

@@ -16,6 +16,8 @@ Shape letters: N ranks, n elements per shard, W flag words, C a capacity.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -110,11 +112,14 @@ def send(e: WordEncoded, agreed, shard, axis_name) -> transfer.Sent:
     :mod:`ciera_jax.codec.wire`)."""
     wire = e.wire
     if capacity.is_fixed(agreed):
-        rung, overflow = agreed.rung, capacity.overflows(wire, agreed)
+        rung, exit_ = agreed.rung, capacity.exit_index(wire, agreed)
+        ladder = wire.overflow_rungs(rung)
+        plain = exit_ > len(ladder)  # an overflow within the ladder still sends words
         rows = transfer.send_fixed(e.codes, [e.level1, e.level2], _sizes(wire, rung), shard,
-                                   overflow, e.checksum, axis_name)
-        return transfer.Sent(rows, (), rung, overflow,
-                             transfer.section_bytes(wire.section_sizes, rung))
+                                   plain, e.checksum, axis_name)
+        taken = rung + jnp.where(plain, 0, exit_)  # the rung whose section travels in all
+        return transfer.Sent(rows, (), rung, plain,
+                             transfer.section_bytes(wire.section_sizes, taken), exit_)
     rung1, over1 = transfer.pick_rung(wire.caps1, agreed[ESCAPES])
     rung2, over2 = transfer.pick_rung(wire.caps2, agreed[RAW])
     overflow = over1 | over2
@@ -130,33 +135,67 @@ def _sizes(wire: WordWire, rung: int) -> list[int]:
     return [wire.caps1[rung], wire.caps2[rung]]
 
 
-def decode(e: WordEncoded, sent: transfer.Sent, cache_words, dtype, impl: str):
-    """The tensor from what arrived and the cache: ``(its words (the new cache), failed
-    shards)``. Meaningless on an overflow."""
+class Received(NamedTuple):
+    """What a word gather's decode made of the transfers before its fill of the escapes."""
+
+    checksums_N: jax.Array  # every rank's checksum of its true words
+    dense_Nxn: jax.Array  # each element's cached word moved by its code (escapes: by the top)
+    escape_NxW: jax.Array  # the escape flags, packed
+    levels: tuple  # (level 1 (N, C1), level 2 (N, C2)) as they arrived
+
+
+def receive(e: WordEncoded, sent: transfer.Sent, cache_words, impl: str) -> Received:
+    """The checksums, the code plane decoded against the cache and the escape levels."""
     wire, b = e.wire, e.code_bits
-    n = wire.n
     at = () if sent.sections else _sizes(wire, sent.rung)  # a traced rung's came apart
     sent_N, plane_NxL, fixed = transfer.read_fixed(
         sent.rows, e.codes.shape[0], [e.level1.dtype, e.level2.dtype], at,
         [max(c, 1) for c in at])
-    level1_NxC, level2_NxC = sent.sections or fixed
-
-    codes_Nxn = wordcodec.unpack_codes(plane_NxL, b, n)
+    codes_Nxn = wordcodec.unpack_codes(plane_NxL, b, wire.n)
     cached_Nxn = full_to_rows(cache_words, e.shard_shape, e.axis, e.n_ranks)
     dense_Nxn = kernels.word_decode(cached_Nxn, codes_Nxn, b, impl=impl)
+    esc_NxW = escapes.pack_flags(codes_Nxn == escape_code(b))
+    return Received(sent_N, dense_Nxn, esc_NxW, tuple(sent.sections or fixed))
 
+
+def fill(e: WordEncoded, got: Received, level1_NxC, level2_NxC, limit, dtype, impl: str):
+    """``(words, failed shards)``: the dense words with the first ``limit`` escapes of each
+    row set from the levels, and the self-check of the result."""
+    b = e.code_bits
     # An escape's dense word is its cached word moved by the escape code's offset, so the loop
     # over escapes reads where it writes and never touches the cache.
     escape_offset = escape_code(b) - code_limit(b)
-
-    esc_NxW = escapes.pack_flags(codes_Nxn == escape_code(b))
-    limit = jnp.full((e.n_ranks,), jnp.asarray(wire.caps1, jnp.int32)[sent.rung])
     bits_Nxn = kernels.escape_fill_words(
-        dense_Nxn, esc_NxW, limit, level1_NxC, level2_NxC, escape_offset=escape_offset,
-        level2_code=LEVEL2, values_at=escape_words(level1_NxC, level2_NxC, escape_offset),
+        got.dense_Nxn, got.escape_NxW, jnp.full((e.n_ranks,), limit, jnp.int32), level1_NxC,
+        level2_NxC, escape_offset=escape_offset, level2_code=LEVEL2,
+        values_at=escape_words(level1_NxC, level2_NxC, escape_offset),
         init=jnp.zeros((e.n_ranks,), jnp.int32), impl=impl)
     words = rows_to_full(bits_Nxn, e.shard_shape, e.axis)
-    return words, selfcheck.failed_shards(bitfields.from_bits(words, dtype), sent_N, e.axis)
+    return words, selfcheck.failed_shards(bitfields.from_bits(words, dtype), got.checksums_N,
+                                          e.axis)
+
+
+def overflow_exits(e: WordEncoded, sent: transfer.Sent, got: Received, dtype, impl: str,
+                   axis_name) -> list:
+    """At a fixed rung: one function per overflow rung (``e.wire.overflow_rungs``), each the
+    fallback branch that gathers the escapes past the fixed prefix up to its rung's
+    capacities (:func:`transfer.overflow_rest`) and fills them: ``() -> (words, failed)``.
+    Every exit fills levels of the top exit's lengths, so their decodes are alike."""
+    wire = e.wire
+    ladder = wire.overflow_rungs(sent.rung) if not sent.sections else ()
+    if not ladder:
+        return []
+    sent_sizes, top = _sizes(wire, sent.rung), _sizes(wire, ladder[-1])
+    prefixes = [level[:, :size] for level, size in zip(got.levels, sent_sizes)]
+
+    def exit_at(rung):
+        sizes = _sizes(wire, rung)
+        rest = transfer.overflow_rest([e.level1, e.level2], sent_sizes, sizes, axis_name)
+        levels = [jnp.pad(jnp.concatenate([p, r], axis=1), ((0, 0), (0, t - s)))
+                  for p, r, s, t in zip(prefixes, rest, sizes, top)]
+        return fill(e, got, *levels, wire.caps1[rung], dtype, impl)
+
+    return [functools.partial(exit_at, r) for r in ladder]
 
 
 def escape_words(level1_NxC, level2_NxC, escape_offset: int):

@@ -156,12 +156,16 @@ class RungPolicy:
 
     def best_for(self, steps: list) -> dict:
         """Per key, the rung (or PLAIN_RUNG) that sends the fewest bytes over ``steps`` (each a
-        ``needed`` dict as :meth:`choose` takes it): one step's ideal, or a window's program."""
+        ``needed`` dict as :meth:`choose` takes it): one step's ideal, or a window's program.
+        Of rungs sending as much, the one overflowing least: an overflow rung's escapes send
+        what its own rung would, but in the fallback's conditional, where they cannot overlap
+        compute."""
         out = {}
         for key, wire in self.wires.items():
             options = (PLAIN_RUNG, *range(wire.rungs))
-            out[key] = min(options, key=lambda r: (sum(self.tensor_bytes(key, r, s[key])
-                                                       for s in steps), r))
+            out[key] = min(options, key=lambda r: (
+                sum(self.tensor_bytes(key, r, s[key]) for s in steps),
+                sum(int(np.sum(np.asarray(s[key]) > r)) for s in steps if r != PLAIN_RUNG), r))
         return out
 
 
