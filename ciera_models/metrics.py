@@ -43,13 +43,15 @@ def step_record(step: int, m: dict, dt: float, kinds: dict, with_tensors: bool,
            "tiers": tiers, "step_time_s": dt, "priming": priming,
            "verify_failed": int(m["verify_failed"]), "retried": retried,
            # the step's program: its index, the seconds compiling it took if this step did,
-           # and the tensor-layers whose demand was above its fixed rung (sent plainly)
+           # and the tensor-layers whose demand was above its fixed rung (of those, the ones
+           # still sent as words at an overflow rung: the rest went plainly)
            "program": int(m.get("program", 0)), "compile_s": float(m.get("compile_s", 0.0)),
            # the step program's compile alone, and the encode program's (once a run, in a
            # thread beside the first step program's: compile_s holds only what it added)
            "step_compile_s": float(m.get("step_compile_s", m.get("compile_s", 0.0))),
            "encode_compile_s": float(m.get("encode_compile_s", 0.0)),
            "overflows": int(m.get("overflows", 0)),
+           "overflow_words": int(m.get("overflow_words", 0)),
            # what the program's fixed rungs sent beyond this step's ideal ones (one rank)
            "padding_bytes": int(m.get("padding_bytes", 0))}
     if with_tensors:
@@ -120,14 +122,16 @@ def summarize(history: list[dict], tc, gather: str) -> str:
                 if r.get("step_compile_s", r["compile_s"])]
     encode_s = sum(r.get("encode_compile_s", 0.0) for r in history)
     waited = sum(r["compile_s"] for r in history)
+    overflows = sum(r.get("overflows", 0) for r in history)
+    as_words = sum(r.get("overflow_words", 0) for r in history)
     lines.append(f"programs: {len(compiles)} compiled in this run ({sum(compiles):.1f} s; "
                  f"recompiles {max(len(compiles) - 1, 0)}) and the encode program "
                  + (f"({encode_s:.1f} s)" if encode_s
                     else "(compiled before this run)")
-                 + f": {waited:.1f} s waited for compiles; overflows "
-                 f"{sum(r.get('overflows', 0) for r in history)} tensor-layers sent plainly "
-                 "above their program's rung, overflow redos 0 (the demand is known before the "
-                 "step)")
+                 + f": {waited:.1f} s waited for compiles; overflows {overflows} "
+                 f"tensor-layers above their program's rung ({as_words} of them sent as words "
+                 "at the rung they needed, the rest plainly), overflow redos 0 (the demand is "
+                 "known before the step)")
     last = history[len(history) - max(1, len(history) // 4):]
     plain = max(sum(r["plain_bytes"] for r in last), 1)
     padding = sum(r.get("padding_bytes", 0) for r in last)

@@ -244,7 +244,8 @@ class Trainer:
             wires = fsdp.wires(self.tensors, ahead["encoded"], self.n)
             rungs = (rungs_holding(wires) if rungs == "steady"
                      else {k: PLAIN_RUNG for k in wires})
-        ahead = {**ahead, "agreed": fsdp.fix_rungs(ahead["agreed"], rungs, ahead["needed"])}
+        ahead = {**ahead, "agreed": fsdp.fix_rungs(ahead["agreed"], rungs, ahead["needed"],
+                                                   self.tc.overflow_rungs)}
         return params, caches, opt_state, ahead, tokens
 
     def step(self, state: TrainState, tokens: jax.Array,
@@ -257,7 +258,9 @@ class Trainer:
         The rungs of the step's gathers are fixed here, from the demands the previous step
         agreed on (``ahead["needed"]``, read on the host) by :attr:`policy`; a rung vector not
         run before compiles a program (``m["compile_s"]``); a tensor whose demand is above the
-        program's rung takes the fallback (``m["overflows"]``: tensor-layers)."""
+        program's rung overflows (``m["overflows"]``: tensor-layers): a word tensor up to
+        ``--overflow-rungs`` above still sends words at the rung it needs
+        (``m["overflow_words"]``), any other takes the plain fallback."""
         state = self.prepare(state)
         policy = self.rung_policy(state)
         needed = jax.device_get(state.ahead["needed"])
@@ -285,6 +288,10 @@ class Trainer:
         m["program"] = list(self.programs).index(key)
         m["overflows"] = sum(int(np.sum(np.asarray(needed[k]) > r)) for k, r in rungs.items()
                              if r != PLAIN_RUNG)
+        # of those, the ones still sent as words, at an overflow rung (the rest went plainly)
+        m["overflow_words"] = sum(
+            int(np.sum(np.isin(needed[k], policy.wires[k].overflow_rungs(r, policy.exits))))
+            for k, r in rungs.items())
         m["padding_bytes"] = policy.padding(rungs, needed)  # one rank's, as sent_bytes
         # A failed self-check left params and optimizer state as they were: same step again.
         done = 0 if int(m["verify_failed"]) else 1

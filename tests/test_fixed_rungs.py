@@ -16,7 +16,7 @@ import ciera_jax
 from bitdata import BF16, F32, adversarial, bits_of, special_words
 from ciera_jax.collective import capacity
 from ciera_jax.collective import gather as G
-from ciera_jax.codec.wire import ExponentWire, WordWire
+from ciera_jax.codec.wire import OVERFLOW_RUNGS, ExponentWire, WordWire
 from jaxprs import outside, subjaxprs, walk
 
 N = 8
@@ -28,14 +28,14 @@ def _mesh():
     return jax.make_mesh((N,), ("fsdp",))
 
 
-def _body(rung):
-    """One encode + agree + exchange at ``rung`` (None: the needed rung, traced and fixed
-    by the test below it), returning what a test checks."""
+def _body(rung, exits=0):
+    """One encode + agree + exchange at ``rung`` with ``exits`` overflow rungs, returning
+    what a test checks."""
     def body(x, c):
         e = G.encode(x, c, "fsdp")
         agreed = G.agree(e, "fsdp")
         need = capacity.needed_rung(e.wire, agreed)
-        full, new_c, st = G.exchange(x, e, c, capacity.fix(agreed, rung), "fsdp")
+        full, new_c, st = G.exchange(x, e, c, capacity.fix(agreed, rung, exits=exits), "fsdp")
         ref = lax.all_gather(lax.bitcast_convert_type(x, _word(x.dtype)), "fsdp", tiled=True)
         return full, ref, new_c, need, st["sent_bytes"], st["fallback"], st["verify_failed"]
     return body
@@ -48,11 +48,12 @@ def _word(dtype):
 _RUNS: dict = {}
 
 
-def _run(rung, x, cache):
-    key = (rung, x.dtype, type(cache).__name__)
+def _run(rung, x, cache, exits=0):
+    key = (rung, exits, x.dtype, type(cache).__name__)
     if key not in _RUNS:
-        _RUNS[key] = jax.jit(jax.shard_map(_body(rung), mesh=_mesh(), in_specs=(P("fsdp"), P()),
-                                           out_specs=P(), check_vma=False))
+        _RUNS[key] = jax.jit(jax.shard_map(_body(rung, exits), mesh=_mesh(),
+                                           in_specs=(P("fsdp"), P()), out_specs=P(),
+                                           check_vma=False))
     x = jax.device_put(jnp.asarray(x), NamedSharding(_mesh(), P("fsdp")))
     return _RUNS[key](x, cache)
 
@@ -85,8 +86,9 @@ def _trajectory(rng, dtype):
 
 
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("mode", ["exponent", "word"])
-def test_every_fixed_rung_is_bitwise_a_plain_gather(mode, dtype):
+@pytest.mark.parametrize("mode,exits", [("exponent", 0), ("word", 0), ("word", OVERFLOW_RUNGS)],
+                         ids=["exponent", "word", "word-exits"])
+def test_every_fixed_rung_is_bitwise_a_plain_gather(mode, exits, dtype):
     """Each step runs at PLAIN_RUNG, the needed rung, the rungs below it down to one past the
     overflow ladder (word mode: each overflow exit, then the plain fallback; exponent mode: the
     fallback) and the top; all give the plain gather's bits, price their bytes as the wire
@@ -94,37 +96,37 @@ def test_every_fixed_rung_is_bitwise_a_plain_gather(mode, dtype):
     rng = np.random.default_rng(7)
     cache = ciera_jax.init_cache(SHAPE, dtype, mode)
     wire = _wire(mode, np.dtype(dtype).itemsize)
-    exits = set()  # (need - rung) of the overflows that still sent words
+    taken = set()  # (need - rung) of the overflows that still sent words
     for step, x in enumerate(_trajectory(rng, dtype)):
         need = int(_run(capacity.PLAIN_RUNG, x, cache)[3])
         rungs = {capacity.PLAIN_RUNG, wire.rungs - 1}
         if need < wire.rungs:
-            below = range(need - 1, need - 2 - len(wire.overflow_rungs(0)), -1)
+            below = range(need - 1, need - 2 - exits, -1)
             rungs |= {need} | {r for r in below if r >= 0}
         new_caches = []
         for rung in sorted(rungs):
-            full, ref, new_c, need_again, sent, fallback, failed = _run(rung, x, cache)
+            full, ref, new_c, need_again, sent, fallback, failed = _run(rung, x, cache, exits)
             assert np.array_equal(bits_of(full), np.asarray(ref)), (mode, step, rung)
             assert int(need_again) == need
             assert int(failed) == 0
             plain = rung == capacity.PLAIN_RUNG or (
-                need > rung and need not in wire.overflow_rungs(rung))
+                need > rung and need not in wire.overflow_rungs(rung, exits))
             assert bool(fallback) == plain, (rung, need)
             if need > rung and not plain:
-                exits.add(need - rung)
-            assert int(sent) == wire.bytes_at(rung, need) + (12 if mode == "word" else 4)
+                taken.add(need - rung)
+            assert int(sent) == wire.bytes_at(rung, need, exits) + (12 if mode == "word" else 4)
             new_caches.append(jax.tree.leaves(new_c))
         for leaves in new_caches[1:]:  # every rung leaves the same (primed) cache
             for a, b in zip(leaves, new_caches[0]):
                 assert np.array_equal(np.asarray(a), np.asarray(b))
         cache = jax.tree.unflatten(jax.tree.structure(cache), new_caches[0])
     assert need == 0, "the last step moved nothing: the smallest rung holds it"
-    assert exits == (set(range(1, len(wire.overflow_rungs(0)) + 1)) if mode == "word" else set())
+    assert taken == set(range(1, exits + 1))
 
 
-def _jaxpr(mode, rung):
+def _jaxpr(mode, rung, exits=0):
     cache = ciera_jax.init_cache(SHAPE, BF16, mode)
-    fn = jax.shard_map(lambda x, c: _body(rung)(x, c)[:3], mesh=_mesh(),
+    fn = jax.shard_map(lambda x, c: _body(rung, exits)(x, c)[:3], mesh=_mesh(),
                        in_specs=(P("fsdp"), P()), out_specs=P(), check_vma=False)
     x = jax.device_put(jnp.zeros(SHAPE, BF16), NamedSharding(_mesh(), P("fsdp")))
     return jax.make_jaxpr(fn)(x, cache).jaxpr
@@ -135,27 +137,32 @@ def _wire(mode, word_bytes=2):
     return ExponentWire(n, word_bytes) if mode == "exponent" else WordWire(n, word_bytes)
 
 
-@pytest.mark.parametrize("mode", ["exponent", "word"])
-def test_a_fixed_rung_sends_its_section_in_the_main_transfer(mode):
+@pytest.mark.parametrize("mode,exits", [("exponent", 0), ("exponent", OVERFLOW_RUNGS),
+                                        ("word", 0), ("word", OVERFLOW_RUNGS)])
+def test_a_fixed_rung_sends_its_section_in_the_main_transfer(mode, exits):
     """One transfer outside every conditional, the main plane + checksum + the rung's section;
-    the one conditional holding collectives is the fallback: word mode's overflow exits (the
-    escapes past the rung's section, up to each overflow rung's) and the rest of the bits."""
+    the one conditional holding collectives is the fallback: word mode's overflow exit (a
+    switch inside it sends the escapes past the rung's section, up to each overflow rung's)
+    and the rest of the bits."""
     wire = _wire(mode)
     rung = wire.rungs // 2
-    jaxpr = _jaxpr(mode, rung)
+    jaxpr = _jaxpr(mode, rung, exits)
     gathers = [e for e in outside(jaxpr, "cond") if e.primitive.name in GATHERS]
     # the reference plain gather of the test's body, and the compressed one
     sizes = sorted(e.invars[0].aval.size * e.invars[0].aval.dtype.itemsize for e in gathers)
     assert wire.main_bytes + wire.section_bytes(rung) in sizes, sizes
     assert len(gathers) == 2, sizes
-    conds = [c for c in walk(jaxpr) if c.primitive.name == "cond"
+    conds = [c for c in outside(jaxpr, "cond") if c.primitive.name == "cond"
              and any(e.primitive.name in GATHERS for b in subjaxprs(c) for e in walk(b))]
     assert len(conds) == 1, "the fallback only: no rung switch"
-    rest = [e for b in subjaxprs(conds[0]) for e in walk(b) if e.primitive.name in GATHERS]
-    exits = [wire.section_bytes(r) - wire.section_bytes(rung) for r in wire.overflow_rungs(rung)]
-    assert len(exits) == (3 if mode == "word" else 0)
+    branches = subjaxprs(conds[0])
+    assert not [e for e in walk(branches[0]) if e.primitive.name in GATHERS]  # the rung held
+    rest = [e for b in branches for e in walk(b) if e.primitive.name in GATHERS]
+    ladder = wire.overflow_rungs(rung, exits)
+    assert len(ladder) == (exits if mode == "word" else 0)
     assert [e.invars[0].aval.size for e in rest] == [
-        *exits, wire.plain_bytes - (wire.main_bytes - 4 + wire.section_bytes(rung))]
+        *(wire.section_bytes(r) - wire.section_bytes(rung) for r in ladder),
+        wire.plain_bytes - (wire.main_bytes - 4 + wire.section_bytes(rung))]
 
 
 @pytest.mark.parametrize("mode", ["exponent", "word"])

@@ -63,13 +63,14 @@ LEVEL1_CAPACITIES = (0.0, 1 / 64, 1 / 32, 1 / 16, 3 / 32, 1 / 8, 3 / 16, 1 / 4, 
 # 0.008 of plain less than 1/8 at 1/8 escapes (tiny's last quarter: 0.266 -> 0.258 of plain at
 # its program's rung; small: -0.004 at every phase, with the rungs its raw words then need).
 LEVEL2_SHARES = ((1 / 4, 1 / 16), (1.0, 1 / 8))
-# A word tensor whose demand is above its fixed rung by up to this many rungs still travels as
-# words: the fallback's switch sends the escapes past the fixed prefix, at the needed rung's
-# size; further above, the fallback is a plain gather. A program's one rung then costs a
-# drifting demand (warm-up, peak, decay) what each step's own rung would, up to padding
-# (small's policy replay at one program: steady state 0.553 -> 0.284 of plain; 3 rungs, not
-# 1 or 2: 0.316 / 0.381), at one more conditional branch and decode per rung, all off the
-# steady path.
+# Overflow rungs (``exits``, opt-in: ``ciera train --overflow-rungs``): a word tensor whose
+# demand is above its fixed rung by up to this many rungs still travels as words; the
+# fallback's conditional sends the escapes past the fixed prefix at the needed rung's size and
+# fills them. A program's one rung then costs a drifting demand (warm-up, peak, decay) what
+# each step's own rung would, up to padding (small's policy replay at one program: steady
+# state 0.553 -> 0.284 of plain; 1 or 2 rungs: 0.381 / 0.316), for a fill and a small switch
+# in every word tensor's fallback, off the steady path: OLMoE-1B-7B's step on 16 H100s
+# compiles 1.69x plain instead of 1.43x.
 OVERFLOW_RUNGS = 3
 DEFAULT_CODE_BITS = 3  # the word-delta study: the best single width across phases
 CODE_BITS_CHOICES = (2, 3, 4)
@@ -120,28 +121,29 @@ class _FixedRungs:
         """Rungs of the ladder (exponent mode's ``caps``, word mode's ``caps1``)."""
         return len(self.ladder)
 
-    def bytes_at(self, rung: int, need: int) -> int:
+    def bytes_at(self, rung: int, need: int, exits: int = 0) -> int:
         """Bytes one rank sends with the rung fixed at ``rung`` when the agreed demand needs
-        rung ``need`` (:attr:`rungs`: above the top, or unprimed): the fixed section, or the
-        fallback's plain bytes when it overflows; :data:`PLAIN_RUNG`: a plain gather."""
+        rung ``need`` (:attr:`rungs`: above the top, or unprimed): the fixed section, or on an
+        overflow :meth:`overflow_bytes` (``exits``: overflow rungs compiled);
+        :data:`PLAIN_RUNG`: a plain gather."""
         if rung == PLAIN_RUNG:
             return self.plain_bytes
         if not 0 <= rung < self.rungs:
             raise ValueError(f"rung {rung} is outside 0..{self.rungs - 1} (or PLAIN_RUNG)")
         if need > rung:
-            return self.overflow_bytes(rung, need)
+            return self.overflow_bytes(rung, need, exits)
         return self.main_bytes + self.section_bytes(rung)
 
-    def overflow_rungs(self, rung: int) -> tuple[int, ...]:
-        """The rungs above a fixed ``rung`` that an overflow still sends at (none: every
-        overflow is a plain fallback)."""
+    def overflow_rungs(self, rung: int, exits: int) -> tuple[int, ...]:
+        """The rungs above a fixed ``rung`` that an overflow still sends at, with ``exits``
+        compiled (exponent mode: none, every overflow is a plain fallback)."""
         return ()
 
-    def overflow_bytes(self, rung: int, need: int) -> int:
+    def overflow_bytes(self, rung: int, need: int, exits: int = 0) -> int:
         """Bytes one rank sends with the rung fixed at ``rung`` when the demand needs rung
         ``need > rung``: the escapes at ``need``'s size when it is one of
         :meth:`overflow_rungs`, else the fallback's plain bytes."""
-        if need in self.overflow_rungs(rung):
+        if need in self.overflow_rungs(rung, exits):
             return self.main_bytes + self.section_bytes(need)
         return self.fallback_bytes
 
@@ -243,13 +245,15 @@ class WordWire(_FixedRungs):
     def section_sizes(self) -> tuple[int, ...]:
         return tuple(self.section_bytes(k) for k in range(len(self.caps1)))
 
-    def overflow_rungs(self, rung: int) -> tuple[int, ...]:
-        """Up to :data:`OVERFLOW_RUNGS` rungs above ``rung``, within the ladder: an overflow
-        to one of them sends the escapes past the fixed prefix (both levels' slots up to that
-        rung's capacities) in the fallback's switch."""
+    def overflow_rungs(self, rung: int, exits: int) -> tuple[int, ...]:
+        """Up to ``exits`` rungs above ``rung``, within the ladder: an overflow to one of them
+        sends the escapes past the fixed prefix (both levels' slots up to that rung's
+        capacities) in the fallback's conditional."""
+        if exits < 0:
+            raise ValueError(f"exits must be >= 0, got {exits}")
         if rung == PLAIN_RUNG:
             return ()
-        return tuple(range(rung + 1, min(rung + OVERFLOW_RUNGS, self.rungs - 1) + 1))
+        return tuple(range(rung + 1, min(rung + exits, self.rungs - 1) + 1))
 
     def rung(self, escapes: int, raw: int) -> int | None:
         """The smallest rung holding both counts; None above the top."""

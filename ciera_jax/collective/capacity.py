@@ -38,10 +38,13 @@ class FixedRung:
     demand: jax.Array
     rung: int = dataclasses.field(metadata=dict(static=True))
     needed: jax.Array | None = None
+    exits: int = dataclasses.field(default=0, metadata=dict(static=True))
 
 
-def fix(agreed, rung: int, needed=None) -> FixedRung:
-    return FixedRung(agreed, int(rung), needed)
+def fix(agreed, rung: int, needed=None, exits: int = 0) -> FixedRung:
+    """``exits``: word mode's overflow rungs compiled (``wire.overflow_rungs``): a demand up
+    to that many rungs above ``rung`` still sends words, in the fallback's conditional."""
+    return FixedRung(agreed, int(rung), needed, int(exits))
 
 
 def is_fixed(agreed) -> bool:
@@ -71,9 +74,9 @@ def overflows(wire, fixed: FixedRung) -> jax.Array:
 
 def exit_index(wire, fixed: FixedRung) -> jax.Array:
     """int32, rank-invariant: which way the gather at a fixed rung ends. 0: the rung holds the
-    demand; ``i`` in 1..K: the demand needs ``wire.overflow_rungs(rung)[i - 1]`` (K of them);
+    demand; ``i`` in 1..K: the demand needs ``wire.overflow_rungs(rung, exits)[i - 1]``;
     K + 1: the plain fallback (further above, or an unprimed cache)."""
-    k = len(wire.overflow_rungs(fixed.rung))
+    k = len(wire.overflow_rungs(fixed.rung, fixed.exits))
     over = _needed(wire, fixed) - fixed.rung
     return jnp.where(over <= 0, 0, jnp.minimum(over, k + 1)).astype(jnp.int32)
 

@@ -258,14 +258,14 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
     # decodes there. Word mode hands the conditional one array (the words; the tensor is their
     # bits): the compressed branch passes it through, a copy on XLA:GPU, and the tensor and its
     # words as two outputs were two copies (OLMoE-1B-7B on 16 H100s: 52 -> 38 GB a step).
-    # Word mode's self-check result goes through the conditional too: an overflow's exit
-    # decodes the escapes past the fixed prefix and checks its own words.
-    exits = []
+    # Word mode checks the conditional's words, whichever way they came: an overflow's exit
+    # fills the escapes past the fixed prefix in its branch.
+    finish = None
     if word:
         got = word_option.receive(e, sent, cached, impl)
-        decoded = word_option.fill(e, got, *got.levels,
-                                   jnp.asarray(wire.caps1, jnp.int32)[rung], dtype, impl)
-        exits = word_option.overflow_exits(e, sent, got, dtype, impl, axis_name)
+        decoded = (word_option.fill(e, got, *got.levels,
+                                    jnp.asarray(wire.caps1, jnp.int32)[rung], impl),)
+        finish = word_option.overflow_exit(e, sent, got, impl, axis_name)
     else:
         *decoded, failed = option.decode(e, sent, cached, dtype, impl)
     operands = (shard, sent.rows, tuple(decoded))
@@ -274,8 +274,7 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
         bits = rows_to_full(transfer.plain_rest(rows, bitfields.to_bits(shard), axis_name),
                             e.shard_shape, e.axis)
         if word:
-            return tuple(varying_like(a, operands, axis_name)
-                         for a in (bits, jnp.zeros_like(decoded[1])))
+            return varying_like(bits, operands, axis_name),
         full = bitfields.from_bits(bits, dtype)
         return tuple(varying_like(a, operands, axis_name)
                      for a in (full, bitfields.exponent(full)))
@@ -283,20 +282,23 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
     def compressed(_, __, decoded):
         return tuple(varying_like(a, operands, axis_name) for a in decoded)
 
-    def exit_branch(exit_fn):
-        return lambda *_: tuple(varying_like(a, operands, axis_name) for a in exit_fn())
+    def overflow(*_):
+        return varying_like(finish(), operands, axis_name),
 
-    if exits:
-        # The one conditional with collectives: 0 the fixed rung held the demand (no
-        # transfer), then each overflow rung's exit, then the plain fallback; all off the
-        # steady path (``sent.exit`` is rank-invariant, from the agreement).
-        out = lax.switch(sent.exit, [compressed, *map(exit_branch, exits), plain], *operands)
+    if finish is not None:
+        # The one conditional with collectives: the fixed rung held the demand (no transfer),
+        # an overflow rung's exit (its transfer in a switch of its own, inside), or the plain
+        # fallback; all but the first off the steady path (``sent.exit`` is rank-invariant,
+        # from the agreement).
+        way = jnp.minimum(sent.exit, 1) + fallback.astype(jnp.int32)
+        out = lax.switch(way, [compressed, overflow, plain], *operands)
     else:
         # The one conditional with a large transfer: taken only when some rank overflowed its
         # rung or a cache is unprimed (the agreement makes ``fallback`` rank-invariant).
         out = lax.cond(fallback, plain, compressed, *operands)
     if word:
-        new_cached, failed = out
+        (new_cached,) = out
+        failed = word_option.check(e, got, new_cached, dtype)
         full = bitfields.from_bits(new_cached, dtype)
     else:
         full, new_cached = out

@@ -38,6 +38,7 @@ class Sent(NamedTuple):
     overflow: jax.Array  # bool, rank-invariant: the plain fallback finishes the gather
     section_bytes: jax.Array  # int32: the escape section's bytes sent
     exit: Any = None  # int32 at a fixed rung with overflow rungs: capacity.exit_index
+    ladder: tuple = ()  # those overflow rungs (static)
 
 
 def gather_rows(buf_L: jax.Array, axis_name) -> jax.Array:
@@ -94,19 +95,17 @@ def plain_rest(main_rows: jax.Array, bits: jax.Array, axis_name) -> jax.Array:
     return _from_bytes(rows, bits.dtype, bits.size)
 
 
-def overflow_rest(parts, sent_sizes, sizes, axis_name) -> list[jax.Array]:
-    """An overflow's transfer (word mode, above its fixed rung by a few rungs): of each of
+def overflow_rest(parts, sent_sizes, sizes_per_rung, index, axis_name) -> list[jax.Array]:
+    """An overflow's transfer (word mode, a few rungs above its fixed rung): of each of
     ``parts``, the entries from ``sent_sizes[i]`` (what the main transfer carried) up to
-    ``sizes[i]``, end to end in ONE all-gather. Returns every rank's (N, sizes[i] -
-    sent_sizes[i]) per part, in its dtype."""
-    pieces = [_to_bytes(p[a:b]) for p, a, b in zip(parts, sent_sizes, sizes)]
-    rows = gather_rows(jnp.concatenate(pieces), axis_name)
-    out, at = [], 0
-    for p, a, b in zip(parts, sent_sizes, sizes):
-        width = np.dtype(p.dtype).itemsize
-        out.append(_from_bytes(rows[:, at:at + (b - a) * width], p.dtype, b - a))
-        at += (b - a) * width
-    return out
+    ``sizes_per_rung[index][i]``, all parts end to end in ONE all-gather, in the branch of a
+    switch on ``index`` (rank-invariant) that holds nothing but that transfer. Returns every
+    rank's (N, top - sent_sizes[i]) per part (top: the last rung's size), entries past the
+    rung's unspecified."""
+    tops = sizes_per_rung[-1]
+    rest = [p[a:t] for p, a, t in zip(parts, sent_sizes, tops)]
+    sizes = [tuple(r[i] - a for r in sizes_per_rung) for i, a in enumerate(sent_sizes)]
+    return gather_section(rest, sizes, index, axis_name)
 
 
 def _head_bytes(shard: jax.Array, n_bytes: int) -> jax.Array:

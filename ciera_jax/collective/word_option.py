@@ -16,7 +16,6 @@ Shape letters: N ranks, n elements per shard, W flag words, C a capacity.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import NamedTuple
 
 import jax
@@ -113,13 +112,13 @@ def send(e: WordEncoded, agreed, shard, axis_name) -> transfer.Sent:
     wire = e.wire
     if capacity.is_fixed(agreed):
         rung, exit_ = agreed.rung, capacity.exit_index(wire, agreed)
-        ladder = wire.overflow_rungs(rung)
+        ladder = wire.overflow_rungs(rung, agreed.exits)
         plain = exit_ > len(ladder)  # an overflow within the ladder still sends words
         rows = transfer.send_fixed(e.codes, [e.level1, e.level2], _sizes(wire, rung), shard,
                                    plain, e.checksum, axis_name)
         taken = rung + jnp.where(plain, 0, exit_)  # the rung whose section travels in all
         return transfer.Sent(rows, (), rung, plain,
-                             transfer.section_bytes(wire.section_sizes, taken), exit_)
+                             transfer.section_bytes(wire.section_sizes, taken), exit_, ladder)
     rung1, over1 = transfer.pick_rung(wire.caps1, agreed[ESCAPES])
     rung2, over2 = transfer.pick_rung(wire.caps2, agreed[RAW])
     overflow = over1 | over2
@@ -158,44 +157,54 @@ def receive(e: WordEncoded, sent: transfer.Sent, cache_words, impl: str) -> Rece
     return Received(sent_N, dense_Nxn, esc_NxW, tuple(sent.sections or fixed))
 
 
-def fill(e: WordEncoded, got: Received, level1_NxC, level2_NxC, limit, dtype, impl: str):
-    """``(words, failed shards)``: the dense words with the first ``limit`` escapes of each
-    row set from the levels, and the self-check of the result."""
+def fill(e: WordEncoded, got: Received, level1_NxC, level2_NxC, limit, impl: str,
+         walk: str | None = None):
+    """The words: the dense words with the first ``limit`` escapes of each row set from the
+    levels. ``walk="dense"``: one pass over every element on the jnp path (an overflow's exit:
+    rare, and a fraction of the loop's program)."""
     b = e.code_bits
     # An escape's dense word is its cached word moved by the escape code's offset, so the loop
     # over escapes reads where it writes and never touches the cache.
     escape_offset = escape_code(b) - code_limit(b)
-    bits_Nxn = kernels.escape_fill_words(
-        got.dense_Nxn, got.escape_NxW, jnp.full((e.n_ranks,), limit, jnp.int32), level1_NxC,
-        level2_NxC, escape_offset=escape_offset, level2_code=LEVEL2,
-        values_at=escape_words(level1_NxC, level2_NxC, escape_offset),
-        init=jnp.zeros((e.n_ranks,), jnp.int32), impl=impl)
-    words = rows_to_full(bits_Nxn, e.shard_shape, e.axis)
-    return words, selfcheck.failed_shards(bitfields.from_bits(words, dtype), got.checksums_N,
-                                          e.axis)
+    limit_N = jnp.full((e.n_ranks,), limit, jnp.int32)
+    values_at = escape_words(level1_NxC, level2_NxC, escape_offset)
+    init = jnp.zeros((e.n_ranks,), jnp.int32)
+    if walk is not None:
+        bits_Nxn = escapes.fill(got.dense_Nxn, got.escape_NxW, limit_N, values_at, init, walk)
+    else:
+        bits_Nxn = kernels.escape_fill_words(
+            got.dense_Nxn, got.escape_NxW, limit_N, level1_NxC, level2_NxC,
+            escape_offset=escape_offset, level2_code=LEVEL2, values_at=values_at, init=init,
+            impl=impl)
+    return rows_to_full(bits_Nxn, e.shard_shape, e.axis)
 
 
-def overflow_exits(e: WordEncoded, sent: transfer.Sent, got: Received, dtype, impl: str,
-                   axis_name) -> list:
-    """At a fixed rung: one function per overflow rung (``e.wire.overflow_rungs``), each the
-    fallback branch that gathers the escapes past the fixed prefix up to its rung's
-    capacities (:func:`transfer.overflow_rest`) and fills them: ``() -> (words, failed)``.
-    Every exit fills levels of the top exit's lengths, so their decodes are alike."""
-    wire = e.wire
-    ladder = wire.overflow_rungs(sent.rung) if not sent.sections else ()
+def check(e: WordEncoded, got: Received, words, dtype) -> jax.Array:
+    """The self-check of the rebuilt words: shards whose checksum differs from the sender's."""
+    return selfcheck.failed_shards(bitfields.from_bits(words, dtype), got.checksums_N, e.axis)
+
+
+def overflow_exit(e: WordEncoded, sent: transfer.Sent, got: Received, impl: str, axis_name):
+    """At a fixed rung with overflow rungs (``sent.ladder``): the fallback branch
+    that finishes an overflow to one of them, ``() -> words``, or None. A switch on the rung
+    (``sent.exit``) whose branches hold only the transfer of the escapes past the fixed prefix
+    up to that rung's capacities (:func:`transfer.overflow_rest`); one dense fill then sets
+    them. The self-check runs once, after the fallback's conditional."""
+    wire, ladder = e.wire, sent.ladder
     if not ladder:
-        return []
-    sent_sizes, top = _sizes(wire, sent.rung), _sizes(wire, ladder[-1])
-    prefixes = [level[:, :size] for level, size in zip(got.levels, sent_sizes)]
+        return None
+    sent_sizes = _sizes(wire, sent.rung)
 
-    def exit_at(rung):
-        sizes = _sizes(wire, rung)
-        rest = transfer.overflow_rest([e.level1, e.level2], sent_sizes, sizes, axis_name)
-        levels = [jnp.pad(jnp.concatenate([p, r], axis=1), ((0, 0), (0, t - s)))
-                  for p, r, s, t in zip(prefixes, rest, sizes, top)]
-        return fill(e, got, *levels, wire.caps1[rung], dtype, impl)
+    def finish():
+        rest = transfer.overflow_rest([e.level1, e.level2], sent_sizes,
+                                      [_sizes(wire, r) for r in ladder], sent.exit - 1,
+                                      axis_name)
+        levels = [jnp.concatenate([level[:, :size], r], axis=1)
+                  for level, size, r in zip(got.levels, sent_sizes, rest)]
+        limit = jnp.asarray(wire.caps1, jnp.int32)[sent.rung + sent.exit]
+        return fill(e, got, *levels, limit, impl, walk="dense")
 
-    return [functools.partial(exit_at, r) for r in ladder]
+    return finish
 
 
 def escape_words(level1_NxC, level2_NxC, escape_offset: int):

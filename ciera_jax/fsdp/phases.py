@@ -128,15 +128,16 @@ def needed_rungs(tensors: dict, encoded: dict, agreed: dict) -> dict:
     return out
 
 
-def fix_rungs(agreed: dict, rungs: dict, needed: dict | None = None) -> dict:
+def fix_rungs(agreed: dict, rungs: dict, needed: dict | None = None, exits: int = 0) -> dict:
     """``agreed`` with each key's rung fixed at ``rungs[key]`` (an int, or
     :data:`~ciera_jax.collective.capacity.PLAIN_RUNG`): what :func:`~ciera_jax.fsdp.prepare`
     takes for a step compiled at those rungs. ``needed``: :func:`needed_rungs` of the same
-    agreement, when it was computed with it (the gathers then need not compute it again)."""
+    agreement, when it was computed with it (the gathers then need not compute it again);
+    ``exits``: word mode's overflow rungs (:func:`ciera_jax.collective.capacity.fix`)."""
     missing = sorted(set(agreed) - set(rungs))
     if missing:
         raise ValueError(f"no rung for {missing}")
-    return {k: capacity.fix(a, rungs[k], None if needed is None else needed[k])
+    return {k: capacity.fix(a, rungs[k], None if needed is None else needed[k], exits)
             for k, a in agreed.items()}
 
 

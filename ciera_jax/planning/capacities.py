@@ -63,6 +63,7 @@ class RungPolicy:
     max_programs: int = 8
     patience: float = 1.0
     window: int = 4
+    exits: int = 0  # word mode's overflow rungs compiled in every program (``bytes_at``)
     programs: list = dataclasses.field(default_factory=list)
     compile_s: list = dataclasses.field(default_factory=list)  # seconds of each compile
     _history: collections.deque = dataclasses.field(init=False, repr=False)
@@ -73,6 +74,8 @@ class RungPolicy:
             raise ValueError(f"max_programs must be >= 1, got {self.max_programs}")
         if not self.patience >= 0:
             raise ValueError(f"patience must be >= 0, got {self.patience}")
+        if self.exits < 0:
+            raise ValueError(f"exits must be >= 0, got {self.exits}")
         if self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window}")
         if not self.seconds_per_byte >= 0:
@@ -152,7 +155,7 @@ class RungPolicy:
         """Bytes one rank sends for every layer of tensor ``key`` at ``rung``, each layer's
         demand ``need`` (a fallback's where it does not fit)."""
         wire = self.wires[key]
-        return sum(wire.bytes_at(rung, int(n)) for n in np.ravel(need))
+        return sum(wire.bytes_at(rung, int(n), self.exits) for n in np.ravel(need))
 
     def best_for(self, steps: list) -> dict:
         """Per key, the rung (or PLAIN_RUNG) that sends the fewest bytes over ``steps`` (each a
