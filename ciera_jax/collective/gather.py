@@ -258,14 +258,16 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
     # decodes there. Word mode hands the conditional one array (the words; the tensor is their
     # bits): the compressed branch passes it through, a copy on XLA:GPU, and the tensor and its
     # words as two outputs were two copies (OLMoE-1B-7B on 16 H100s: 52 -> 38 GB a step).
-    # Word mode checks the conditional's words, whichever way they came: an overflow's exit
-    # fills the escapes past the fixed prefix in its branch.
     finish = None
     if word:
         got = word_option.receive(e, sent, cached, impl)
         decoded = (word_option.fill(e, got, *got.levels,
                                     jnp.asarray(wire.caps1, jnp.int32)[rung], impl),)
         finish = word_option.overflow_exit(e, sent, got, impl, axis_name)
+        # With overflow rungs, the check takes the conditional's words, whichever way they
+        # came (an exit fills the escapes past the fixed prefix in its branch); without, the
+        # decode's, fused with it before the conditional.
+        failed = None if finish else word_option.check(e, got, decoded[0], dtype)
     else:
         *decoded, failed = option.decode(e, sent, cached, dtype, impl)
     operands = (shard, sent.rows, tuple(decoded))
@@ -298,7 +300,8 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
         out = lax.cond(fallback, plain, compressed, *operands)
     if word:
         (new_cached,) = out
-        failed = word_option.check(e, got, new_cached, dtype)
+        if failed is None:
+            failed = word_option.check(e, got, new_cached, dtype)
         full = bitfields.from_bits(new_cached, dtype)
     else:
         full, new_cached = out

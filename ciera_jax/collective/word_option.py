@@ -111,12 +111,16 @@ def send(e: WordEncoded, agreed, shard, axis_name) -> transfer.Sent:
     :mod:`ciera_jax.codec.wire`)."""
     wire = e.wire
     if capacity.is_fixed(agreed):
-        rung, exit_ = agreed.rung, capacity.exit_index(wire, agreed)
+        rung = agreed.rung
         ladder = wire.overflow_rungs(rung, agreed.exits)
-        plain = exit_ > len(ladder)  # an overflow within the ladder still sends words
+        if ladder:  # an overflow within the ladder still sends words
+            exit_ = capacity.exit_index(wire, agreed)
+            plain = exit_ > len(ladder)
+            taken = rung + jnp.where(plain, 0, exit_)  # the rung whose section travels in all
+        else:
+            exit_, plain, taken = None, capacity.overflows(wire, agreed), rung
         rows = transfer.send_fixed(e.codes, [e.level1, e.level2], _sizes(wire, rung), shard,
                                    plain, e.checksum, axis_name)
-        taken = rung + jnp.where(plain, 0, exit_)  # the rung whose section travels in all
         return transfer.Sent(rows, (), rung, plain,
                              transfer.section_bytes(wire.section_sizes, taken), exit_, ladder)
     rung1, over1 = transfer.pick_rung(wire.caps1, agreed[ESCAPES])
