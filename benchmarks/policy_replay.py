@@ -25,14 +25,19 @@ from ciera_jax.planning import costmodel
 from ciera_jax.planning.capacities import RungPolicy, seconds_per_byte
 from common import RESULTS, parser, write_results  # benchmarks/common.py, beside this script
 
-# (label, profile, patience, max_programs): the defaults on CPU and GPU links, then cheaper
-# compiles (a compile priced like a few plain steps of small's bytes)
-PRICES = [("defaults, cpu-emulated link", "cpu-emulated", 1.0, 8),
-          ("defaults, h100-nvlink link", "h100-nvlink", 1.0, 8),
-          ("patience 5e-4", "cpu-emulated", 5e-4, 8),
-          ("patience 1e-4", "cpu-emulated", 1e-4, 8),
-          ("patience 1e-4, 32 programs", "cpu-emulated", 1e-4, 32),
-          ("patience 2e-5, 32 programs", "cpu-emulated", 2e-5, 32)]
+# (label, profile, patience, max_programs, overflow rungs): the defaults on CPU and GPU links,
+# then cheaper compiles (a compile priced like a few plain steps of small's bytes), then
+# overflow rungs (``--overflow-rungs``) at the default price
+PRICES = [("defaults, cpu-emulated link", "cpu-emulated", 1.0, 8, 0),
+          ("defaults, h100-nvlink link", "h100-nvlink", 1.0, 8, 0),
+          ("patience 5e-4", "cpu-emulated", 5e-4, 8, 0),
+          ("patience 1e-4", "cpu-emulated", 1e-4, 8, 0),
+          ("patience 1e-4, 32 programs", "cpu-emulated", 1e-4, 32, 0),
+          ("patience 2e-5, 32 programs", "cpu-emulated", 2e-5, 32, 0),
+          ("--overflow-rungs 1", "cpu-emulated", 1.0, 8, 1),
+          ("--overflow-rungs 2", "cpu-emulated", 1.0, 8, 2),
+          ("--overflow-rungs 3", "cpu-emulated", 1.0, 8, 3),
+          ("--overflow-rungs 3, h100 link", "h100-nvlink", 1.0, 8, 3)]
 
 
 def parse_args(argv=None):
@@ -93,12 +98,12 @@ def main(argv=None) -> int:
           f"a compile {args.compile_s:g} s")
     print(f"{'price':<30}{'programs':>9}{'run':>7}{'steady':>8}{'late':>7}  bought at steps")
     rows = []
-    for label, profile, patience, max_programs in PRICES:
+    for label, profile, patience, max_programs, exits in PRICES:
         spb = seconds_per_byte(costmodel.get_link(profile), 8)
         r = replay(wires, needs, spb, args.compile_s, patience=patience,
-                   max_programs=max_programs)
+                   max_programs=max_programs, exits=exits)
         rows.append({"price": label, "profile": profile, "patience": patience,
-                     "max_programs": max_programs, **r})
+                     "max_programs": max_programs, "overflow_rungs": exits, **r})
         print(f"{label:<30}{r['programs']:>9}{r['run']:>7.3f}{r['steady']:>8.3f}{r['late']:>7.3f}"
               f"  {r['bought_at'][:10]}")
     r = rows[0]

@@ -183,3 +183,21 @@ def test_seconds_per_byte_is_the_rings_bandwidth_term():
 def test_bytes_at_refuses_a_rung_off_the_ladder():
     with pytest.raises(ValueError, match="outside 0.."):
         WIRES["attn"].bytes_at(WIRES["attn"].rungs, 0)
+
+
+def test_overflow_rungs_price_an_overflow_at_its_own_rung_and_never_win_a_tie():
+    """With 3 overflow rungs a word tensor up to 3 rungs above its program's rung sends what
+    its own rung would; further above, and any exponent tensor above its rung, plain's bytes.
+    Of rungs sending as much, the policy keeps the one holding the demand (an overflow's
+    escapes travel in the fallback's conditional, where they cannot overlap compute)."""
+    policy = RungPolicy(WIRES, SLOW, first=dict(STEADY), exits=3)
+    word, exp = WIRES["experts"], WIRES["attn"]
+    for need in (6, 7, 8):
+        assert policy.tensor_bytes("experts", 5, np.full(LAYERS, need)) == LAYERS * (
+            word.main_bytes + word.section_bytes(need))
+    assert policy.tensor_bytes("experts", 5, np.full(LAYERS, 9)) == LAYERS * word.fallback_bytes
+    assert policy.tensor_bytes("attn", 2, np.full(LAYERS, 3)) == LAYERS * exp.fallback_bytes
+    assert policy.best_for([needs(7, 2)]) == {"experts": 7, "attn": 2}
+    assert policy.padding(STEADY, needs(7, 2)) == 0  # the program's overflow sends the ideal
+    with pytest.raises(ValueError, match="exits must be >= 0"):
+        RungPolicy(WIRES, SLOW, exits=-1)

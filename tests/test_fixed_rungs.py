@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import ciera_jax
 from bitdata import BF16, F32, adversarial, bits_of, special_words
-from ciera_jax.collective import capacity
+from ciera_jax.collective import capacity, faults
 from ciera_jax.collective import gather as G
 from ciera_jax.codec.wire import OVERFLOW_RUNGS, ExponentWire, WordWire
 from jaxprs import outside, subjaxprs, walk
@@ -197,3 +197,33 @@ def test_a_needed_rung_given_with_the_demand_decides_as_the_demand_does(wire):
         given = capacity.overflows(wire, capacity.fix(demand, rung, needed))
         np.testing.assert_array_equal(given, alone)
         assert bool(jnp.any(alone)) and not bool(jnp.all(alone))  # above the top; none
+
+
+def test_an_overflow_exit_checks_the_words_it_rebuilt():
+    """Rank 0's copy of the cache drifted (a flipped word in rank 1's part): rank 0 decodes a
+    wrong word at the needed rung and at each overflow exit below it, and the self-check after
+    the fallback's conditional names it; the plain fallback further below gathers the bits and
+    is not checked (it re-primes the cache)."""
+    rng = np.random.default_rng(7)
+    cache = ciera_jax.init_cache(SHAPE, BF16, "word")
+    xs = _trajectory(rng, BF16)
+    for x in xs[:2]:  # prime on the start, then carry the far-moving step
+        cache = jax.tree.unflatten(jax.tree.structure(cache),
+                                   jax.tree.leaves(_run(capacity.PLAIN_RUNG, x, cache)[2]))
+    x = xs[2]
+    need = int(_run(capacity.PLAIN_RUNG, x, cache)[3])
+    assert OVERFLOW_RUNGS < need < _wire("word").rungs
+
+    def flip(words):
+        words = words.copy()
+        words[SHAPE[0] // N, 5] ^= 1  # rank 1's first row
+        return words
+
+    drifted = faults.corrupt_cache(cache, jax.devices()[0], flip)
+    for rung in range(need - OVERFLOW_RUNGS - 1, need + 1):
+        full, ref, _, _, _, fallback, failed = _run(rung, x, drifted, OVERFLOW_RUNGS)
+        if rung < need - OVERFLOW_RUNGS:  # beyond the exits: plain, exact, unchecked
+            assert bool(fallback) and int(failed) == 0
+            assert np.array_equal(bits_of(full), np.asarray(ref))
+        else:  # rank 0's answer (out_specs P()): its copy failed rank 1's shard
+            assert not bool(fallback) and int(failed) == 1, rung

@@ -105,6 +105,22 @@ def test_the_default_price_compiles_one_program_on_the_emulated_link(runs):
     assert re.match(r"programs: [01] compiled", res.summary.splitlines()[-2])
 
 
+@pytest.mark.slow
+def test_overflow_rungs_send_words_above_the_program_and_stay_bitwise_plain(runs):
+    """``--overflow-rungs 3`` with one program: the steps whose demand is up to 3 rungs above
+    it still send words (``overflow_words``), none of those goes plain (``fallbacks`` counts
+    what the device sent plainly), every self-check passes, and the params are plain's."""
+    tc = TrainConfig(**{**TC.__dict__, "overflow_rungs": 3, "max_programs": 1})
+    res = train(tc, steps=STEPS, seed=0, mesh=make_mesh(8), log=None)
+    assert res.sha256 == runs["plain"].sha256
+    assert all(r["verify_failed"] == 0 and not r["retried"] for r in res.history)
+    assert all(r["overflow_words"] <= r["overflows"] for r in res.history)
+    exits_only = [r for r in res.history if 0 < r["overflow_words"] == r["overflows"]]
+    assert exits_only and all(r["fallbacks"] == 0 for r in exits_only)
+    assert re.search(r"overflows \d+ tensor-layers above their program's rung \(\d+ of them "
+                     r"sent as words", res.summary)
+
+
 def test_loss_falls(runs):
     losses = [r["loss"] for r in runs["ciera"].history]
     assert losses[-1] < losses[0] - 0.8, losses
