@@ -68,9 +68,9 @@ LEVEL2_SHARES = ((1 / 4, 1 / 16), (1.0, 1 / 8))
 # fallback's conditional sends the escapes past the fixed prefix at the needed rung's size and
 # fills them. A program's one rung then costs a drifting demand (warm-up, peak, decay) what
 # each step's own rung would, up to padding (small's policy replay at one program: steady
-# state 0.553 -> 0.284 of plain; 1 or 2 rungs: 0.381 / 0.316), for a fill and a small switch
+# state 0.553 -> 0.284 of plain; 1 or 2 rungs: 0.389 / 0.324), for a fill and a small switch
 # in every word tensor's fallback, off the steady path: OLMoE-1B-7B's step on 16 H100s
-# compiles 1.69x plain instead of 1.43x.
+# compiles 1.80x plain instead of 1.17x (the fastest of 2 compiles each).
 OVERFLOW_RUNGS = 3
 DEFAULT_CODE_BITS = 3  # the word-delta study: the best single width across phases
 CODE_BITS_CHOICES = (2, 3, 4)
