@@ -59,6 +59,9 @@ def check_inputs(tc: TrainConfig, run: RunConfig) -> None:
     if tc.max_programs < 1:
         raise ValueError(f"--max-programs must be >= 1 (the first step's program is one), "
                          f"got {tc.max_programs}")
+    if tc.overflow_rungs < 0:
+        raise ValueError(f"--overflow-rungs must be >= 0 (0: every overflow a plain gather), "
+                         f"got {tc.overflow_rungs}")
     if not tc.program_patience >= 0:
         raise ValueError(f"--program-patience must be >= 0 compiles' seconds, got "
                          f"{tc.program_patience:g}")

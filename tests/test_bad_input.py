@@ -38,6 +38,8 @@ ROWS = [
                                        "program is one), got 0"),
     (["train", "--program-patience", "-1"], "--program-patience must be >= 0 compiles' "
                                             "seconds, got -1"),
+    (["train", "--overflow-rungs", "-1"], "--overflow-rungs must be >= 0 (0: every overflow "
+                                          "a plain gather), got -1"),
     (["train", "--steps", "-1"], "--steps must be >= 0, got -1"),
     (["train", "--log-every", "-1"], "--log-every must be >= 0 (0: never), got -1"),
     (["train", "--trace-every", "-3"], "--trace-every must be >= 0 (0: never), got -3"),

@@ -22,7 +22,9 @@ Phases, per tensor:
 The rung is either traced (the agreement's output: a ``lax.switch`` picks the section's
 transfer) or fixed when the step is compiled (a :class:`~ciera_jax.collective.capacity.FixedRung`
 from a host that knew the demand before the step: the section rides in the main transfer, and
-the fallback's ``lax.cond`` is the only conditional with a collective). A train step fixes it
+the fallback's conditional is the only one with collectives; with overflow rungs
+(``FixedRung.exits``) it also finishes a word tensor a few rungs above its fixed one as words,
+:func:`ciera_jax.collective.word_option.overflow_exit`). A train step fixes it
 (:mod:`ciera_jax.fsdp.phases`); a lone :func:`all_gather` cannot know its demand in advance.
 
 Each compressed tensor thus has one codec in the compiled step, and its main transfer is
@@ -272,7 +274,7 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
         *decoded, failed = option.decode(e, sent, cached, dtype, impl)
     operands = (shard, sent.rows, tuple(decoded))
 
-    def plain(shard, rows, decoded):
+    def plain(shard, rows, _):
         bits = rows_to_full(transfer.plain_rest(rows, bitfields.to_bits(shard), axis_name),
                             e.shard_shape, e.axis)
         if word:

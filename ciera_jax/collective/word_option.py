@@ -8,7 +8,9 @@ Sender (:func:`encode`, no collective): deltas, codes, both escape levels packed
 capacities, the counts the agreement needs. Receiver: :func:`send`'s transfers (the code
 plane, the checksum and, at a fixed rung, both levels in one unconditional all-gather; a
 traced rung sends the levels in the section switch, :mod:`ciera_jax.codec.wire`), then
-:func:`decode`: one dense decode against the cache, one fill of the escapes, one self-check.
+:func:`receive` (one dense decode against the cache), :func:`fill` (one fill of the escapes)
+and :func:`check` (one self-check); at a fixed rung with overflow rungs,
+:func:`overflow_exit` finishes a demand above it in the fallback's conditional.
 
 Shape letters: N ranks, n elements per shard, W flag words, C a capacity.
 """
