@@ -254,8 +254,7 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
     sent = option.send(e, agreed, shard, axis_name)
     fallback, rung, section = sent.overflow, sent.rung, sent.section_bytes
     wire = e.wire
-    # the rung whose capacity the escapes had (an overflow's exit: the rung it sent at)
-    taken = rung if sent.exit is None else rung + jnp.where(fallback, 0, sent.exit)
+    taken = sent.rung_sent  # an overflow's exit: the rung it sent at
     # The decode, outside the fallback's conditional: XLA fuses it with the layer's other
     # decodes there. Word mode hands the conditional one array (the words; the tensor is their
     # bits): the compressed branch passes it through, a copy on XLA:GPU, and the tensor and its

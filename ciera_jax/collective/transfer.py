@@ -39,6 +39,12 @@ class Sent(NamedTuple):
     section_bytes: jax.Array  # int32: the escape section's bytes sent
     exit: Any = None  # int32 at a fixed rung with overflow rungs: capacity.exit_index
     ladder: tuple = ()  # those overflow rungs (static)
+    taken: Any = None  # int32: the rung whose section travelled, when an exit may differ
+
+    @property
+    def rung_sent(self):
+        """The rung whose capacity the escapes had: ``rung``, or an overflow's exit rung."""
+        return self.rung if self.taken is None else self.taken
 
 
 def gather_rows(buf_L: jax.Array, axis_name) -> jax.Array:

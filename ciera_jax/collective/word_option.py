@@ -120,11 +120,11 @@ def send(e: WordEncoded, agreed, shard, axis_name) -> transfer.Sent:
             plain = exit_ > len(ladder)
             taken = rung + jnp.where(plain, 0, exit_)  # the rung whose section travels in all
         else:
-            exit_, plain, taken = None, capacity.overflows(wire, agreed), rung
+            exit_, plain, taken = None, capacity.overflows(wire, agreed), None
         rows = transfer.send_fixed(e.codes, [e.level1, e.level2], _sizes(wire, rung), shard,
                                    plain, e.checksum, axis_name)
-        return transfer.Sent(rows, (), rung, plain,
-                             transfer.section_bytes(wire.section_sizes, taken), exit_, ladder)
+        return transfer.Sent(rows, (), rung, plain, transfer.section_bytes(
+            wire.section_sizes, rung if taken is None else taken), exit_, ladder, taken)
     rung1, over1 = transfer.pick_rung(wire.caps1, agreed[ESCAPES])
     rung2, over2 = transfer.pick_rung(wire.caps2, agreed[RAW])
     overflow = over1 | over2
