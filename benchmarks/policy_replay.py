@@ -22,22 +22,29 @@ import numpy as np
 
 from ciera_jax.codec.wire import WordWire
 from ciera_jax.planning import costmodel
-from ciera_jax.planning.capacities import RungPolicy, seconds_per_byte
+from ciera_jax.planning.capacities import (EXIT_SHARE, RungPolicy, exits_for,
+                                           seconds_per_byte)
 from common import RESULTS, parser, write_results  # benchmarks/common.py, beside this script
 
-# (label, profile, patience, max_programs, overflow rungs): the defaults on CPU and GPU links,
-# then cheaper compiles (a compile priced like a few plain steps of small's bytes), then
-# overflow rungs (``--overflow-rungs``) at the default price
-PRICES = [("defaults, cpu-emulated link", "cpu-emulated", 1.0, 8, 0),
-          ("defaults, h100-nvlink link", "h100-nvlink", 1.0, 8, 0),
-          ("patience 5e-4", "cpu-emulated", 5e-4, 8, 0),
-          ("patience 1e-4", "cpu-emulated", 1e-4, 8, 0),
-          ("patience 1e-4, 32 programs", "cpu-emulated", 1e-4, 32, 0),
-          ("patience 2e-5, 32 programs", "cpu-emulated", 2e-5, 32, 0),
-          ("--overflow-rungs 1", "cpu-emulated", 1.0, 8, 1),
-          ("--overflow-rungs 2", "cpu-emulated", 1.0, 8, 2),
-          ("--overflow-rungs 3", "cpu-emulated", 1.0, 8, 3),
-          ("--overflow-rungs 3, h100 link", "h100-nvlink", 1.0, 8, 3)]
+# (label, profile, patience, max_programs, overflow rungs, the share of the word bytes a
+# tensor carries to compile them, ``capacities.exits_for``): the defaults on CPU and GPU
+# links, then cheaper compiles (a compile priced like a few plain steps of small's bytes),
+# then overflow rungs (``--overflow-rungs``) at the default price, on the tensors the trainer
+# gives them (EXIT_SHARE) or on every one (share 0: what the trainer does where a layer's
+# tensors are one bucket, small's and tiny's on 8 devices)
+PRICES = [("defaults, cpu-emulated link", "cpu-emulated", 1.0, 8, 0, EXIT_SHARE),
+          ("defaults, h100-nvlink link", "h100-nvlink", 1.0, 8, 0, EXIT_SHARE),
+          ("patience 5e-4", "cpu-emulated", 5e-4, 8, 0, EXIT_SHARE),
+          ("patience 1e-4", "cpu-emulated", 1e-4, 8, 0, EXIT_SHARE),
+          ("patience 1e-4, 32 programs", "cpu-emulated", 1e-4, 32, 0, EXIT_SHARE),
+          ("patience 2e-5, 32 programs", "cpu-emulated", 2e-5, 32, 0, EXIT_SHARE),
+          ("--overflow-rungs 1", "cpu-emulated", 1.0, 8, 1, EXIT_SHARE),
+          ("--overflow-rungs 2", "cpu-emulated", 1.0, 8, 2, EXIT_SHARE),
+          ("--overflow-rungs 3", "cpu-emulated", 1.0, 8, 3, EXIT_SHARE),
+          ("--overflow-rungs 3, h100 link", "h100-nvlink", 1.0, 8, 3, EXIT_SHARE),
+          ("--overflow-rungs 1, every tensor", "cpu-emulated", 1.0, 8, 1, 0.0),
+          ("--overflow-rungs 2, every tensor", "cpu-emulated", 1.0, 8, 2, 0.0),
+          ("--overflow-rungs 3, every tensor", "cpu-emulated", 1.0, 8, 3, 0.0)]
 
 
 def parse_args(argv=None):
@@ -50,7 +57,7 @@ def parse_args(argv=None):
 
 def demands(path: str) -> tuple[dict, list]:
     """``(wires, needs)``: each tensor's WordWire (one layer) and, per recorded step, the rung
-    each of its layers needs (``wire.rungs``: above the top)."""
+    each of its layers needs (``wire.rungs``: above the top; an array of one per layer)."""
     z = np.load(path)
     cols = list(z["cols"])
     counts = z["counts"]
@@ -73,7 +80,7 @@ def replay(wires: dict, needs: list, seconds_per_byte_: float, compile_s: float,
            **policy) -> dict:
     """The policy's choices over ``needs``; wire shares of plain for the run, its second half
     and its last quarter, sent and ideal."""
-    p = RungPolicy(wires, seconds_per_byte_, **policy)
+    p = RungPolicy(wires, seconds_per_byte_, **policy)  # exits: exits_for's, per tensor
     sent, plain, ideal, bought = [], [], [], []
     for i, need in enumerate(needs):
         rungs, new = p.choose(need, steps_left=len(needs) - i)
@@ -96,18 +103,22 @@ def main(argv=None) -> int:
     wires, needs = demands(args.counts)
     print(f"{args.counts}: {len(needs)} steps, {len(wires)} tensors; "
           f"a compile {args.compile_s:g} s")
-    print(f"{'price':<30}{'programs':>9}{'run':>7}{'steady':>8}{'late':>7}  bought at steps")
+    print(f"{'price':<34}{'programs':>9}{'run':>7}{'steady':>8}{'late':>7}  bought at steps")
     rows = []
-    for label, profile, patience, max_programs, exits in PRICES:
+    layers = {k: len(v) for k, v in needs[0].items()}
+    for label, profile, patience, max_programs, exits, share in PRICES:
         spb = seconds_per_byte(costmodel.get_link(profile), 8)
+        per_tensor = exits_for(wires, layers, exits, share)
         r = replay(wires, needs, spb, args.compile_s, patience=patience,
-                   max_programs=max_programs, exits=exits)
+                   max_programs=max_programs, exits=per_tensor)
         rows.append({"price": label, "profile": profile, "patience": patience,
-                     "max_programs": max_programs, "overflow_rungs": exits, **r})
-        print(f"{label:<30}{r['programs']:>9}{r['run']:>7.3f}{r['steady']:>8.3f}{r['late']:>7.3f}"
+                     "max_programs": max_programs, "overflow_rungs": exits,
+                     "exit_share": share,
+                     "tensors_with_exits": sorted(k for k, e in per_tensor.items() if e), **r})
+        print(f"{label:<34}{r['programs']:>9}{r['run']:>7.3f}{r['steady']:>8.3f}{r['late']:>7.3f}"
               f"  {r['bought_at'][:10]}")
     r = rows[0]
-    print(f"{'ideal (a rung per layer-step)':<30}{'-':>9}{r['ideal_run']:>7.3f}"
+    print(f"{'ideal (a rung per layer-step)':<34}{'-':>9}{r['ideal_run']:>7.3f}"
           f"{r['ideal_steady']:>8.3f}{r['ideal_late']:>7.3f}")
     write_results(args.out, {"counts": args.counts, "compile_s": args.compile_s, "rows": rows})
     return 0

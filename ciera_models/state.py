@@ -29,7 +29,7 @@ from ciera_jax.codec.wire import PLAIN_RUNG
 from ciera_jax.fsdp import AXIS, GatherCacheVar
 from ciera_jax.planning import costmodel
 from ciera_jax.runtime import gpu_targets
-from ciera_jax.planning.capacities import (RungPolicy, program_key, rungs_holding,
+from ciera_jax.planning.capacities import (RungPolicy, exits_for, program_key, rungs_holding,
                                            seconds_per_byte)
 from ciera_models import configs, memory_limit
 from ciera_models.data import Dataset
@@ -228,8 +228,16 @@ class Trainer:
             link = costmodel.get_link(self.tc.profile or default_profile(platform))
             self.policy = RungPolicy(fsdp.wires(self.tensors, shapes, self.n),
                                      seconds_per_byte(link, self.n),
+                                     exits=self.unit_exits(shapes),
                                      **self.tc.rung_policy_options())
         return self.policy
+
+    def unit_exits(self, encoded) -> dict:
+        """``{key: overflow rungs}`` of every compressed tensor and bucket: ``--overflow-rungs``
+        where the unit carries enough of the word bytes (:func:`capacities.exits_for`), none
+        elsewhere. ``encoded``: ahead's, arrays or shapes."""
+        return exits_for(fsdp.wires(self.tensors, encoded, self.n),
+                         fsdp.unit_layers(self.tensors, encoded), self.tc.overflow_rungs)
 
     def at_rungs(self, args: tuple, rungs="steady") -> tuple:
         """The step's ``(params, caches, opt_state, ahead, tokens)`` with every compressed
@@ -244,8 +252,10 @@ class Trainer:
             wires = fsdp.wires(self.tensors, ahead["encoded"], self.n)
             rungs = (rungs_holding(wires) if rungs == "steady"
                      else {k: PLAIN_RUNG for k in wires})
+        exits = (self.policy.exits if self.policy is not None
+                 else self.unit_exits(ahead["encoded"]))
         ahead = {**ahead, "agreed": fsdp.fix_rungs(ahead["agreed"], rungs, ahead["needed"],
-                                                   self.tc.overflow_rungs)}
+                                                   exits)}
         return params, caches, opt_state, ahead, tokens
 
     def step(self, state: TrainState, tokens: jax.Array,
@@ -290,7 +300,8 @@ class Trainer:
                              if r != PLAIN_RUNG)
         # of those, the ones still sent as words, at an overflow rung (the rest went plainly)
         m["overflow_words"] = sum(
-            int(np.sum(np.isin(needed[k], policy.wires[k].overflow_rungs(r, policy.exits))))
+            int(np.sum(np.isin(needed[k],
+                               policy.wires[k].overflow_rungs(r, policy.exits_of(k)))))
             for k, r in rungs.items())
         m["padding_bytes"] = policy.padding(rungs, needed)  # one rank's, as sent_bytes
         # A failed self-check left params and optimizer state as they were: same step again.

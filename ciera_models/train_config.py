@@ -115,11 +115,12 @@ class TrainConfig:
         1.0, "how many compiles' seconds of lost wire time buy a new program (0: one whenever "
         "a better one exists, up to --max-programs)", metavar="X")
     overflow_rungs: int = option(
-        0, "word mode (ciera only): a tensor whose demand is above its program's rung by up to "
-        "this many rungs still sends words (the escapes past the program's section, in its "
-        "fallback's conditional) instead of a plain gather; 3 sends about what each step's "
-        "own rungs would (small's steady state 0.28 of plain against 0.55 at 0) for a "
-        "bigger compile (OLMoE-1B-7B on 16 H100s: 1.80x plain against 1.17x)", metavar="N")
+        0, "word mode (ciera only): a tensor or bucket whose demand is above its program's rung "
+        "by up to this many rungs still sends words (the escapes past the program's section, in "
+        "its fallback's conditional) instead of a plain gather; compiled for the ones carrying "
+        "at least 1/32 of the word bytes (OLMoE-1B-7B: the 3 expert tensors; tiny, small: the "
+        "layer's bucket). 3 sends about what each step's own rungs would (small's steady state "
+        "0.28 of plain against 0.55 at 0) for a bigger compile", metavar="N")
     attention: str = option(
         "auto", "jax.nn.dot_product_attention's implementation: auto (cudnn when the mesh's "
         "devices are GPUs, xla otherwise), xla (materializes the L x L scores), cudnn "
@@ -143,8 +144,7 @@ class TrainConfig:
 
     def rung_policy_options(self) -> dict:
         """Keyword arguments of :class:`ciera_jax.planning.capacities.RungPolicy`."""
-        return {"max_programs": self.max_programs, "patience": self.program_patience,
-                "exits": self.overflow_rungs}
+        return {"max_programs": self.max_programs, "patience": self.program_patience}
 
     @property
     def model(self) -> configs.ModelConfig:

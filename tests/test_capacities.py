@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from ciera_jax.codec.wire import PLAIN_RUNG, ExponentWire, WordWire
-from ciera_jax.planning.capacities import RungPolicy, rungs_holding, seconds_per_byte
+from ciera_jax.planning.capacities import (EXIT_SHARE, RungPolicy, exits_for, rungs_holding,
+                                           seconds_per_byte)
 from ciera_jax.planning.costmodel import Profile
 
 WIRES = {"experts": WordWire(1 << 16, 2), "attn": ExponentWire(1 << 14, 2)}
@@ -201,3 +202,41 @@ def test_overflow_rungs_price_an_overflow_at_its_own_rung_and_never_win_a_tie():
     assert policy.padding(STEADY, needs(7, 2)) == 0  # the program's overflow sends the ideal
     with pytest.raises(ValueError, match="exits must be >= 0"):
         RungPolicy(WIRES, SLOW, exits=-1)
+    with pytest.raises(ValueError, match="exits must be >= 0"):
+        RungPolicy(WIRES, SLOW, exits={"experts": -1})
+
+
+def test_overflow_rungs_go_to_the_units_carrying_the_word_bytes():
+    """An exit costs every unit the same compile and saves bytes in proportion to the unit:
+    the word units carrying at least EXIT_SHARE of a step's word bytes (a layer's bytes times
+    the layers) compile them, the rest overflow plainly, and the policy prices each so."""
+    wires = {**WIRES, "embed": WordWire(1 << 10, 2)}
+    layers = {"experts": LAYERS, "attn": LAYERS, "embed": 1}
+    exits = exits_for(wires, layers, 3)
+    assert exits == {"experts": 3, "embed": 0}  # 1/257 of the word bytes; attn: exponent
+    assert exits_for(wires, layers, 3, share=0) == {"experts": 3, "embed": 3}
+    assert exits_for(wires, layers, 0) == {"experts": 0, "embed": 0}
+    share = wires["embed"].plain_bytes / (wires["embed"].plain_bytes
+                                          + LAYERS * wires["experts"].plain_bytes)
+    assert exits_for(wires, layers, 3, share=share)["embed"] == 3  # at the share: in
+    assert share < EXIT_SHARE
+    policy = RungPolicy(wires, SLOW, first={**STEADY, "embed": 5}, exits=exits)
+    assert [policy.exits_of(k) for k in ("experts", "attn", "embed")] == [3, 0, 0]
+    word, small = wires["experts"], wires["embed"]
+    assert policy.tensor_bytes("experts", 5, np.full(LAYERS, 7)) == LAYERS * (
+        word.main_bytes + word.section_bytes(7))
+    assert policy.tensor_bytes("embed", 5, np.array([6])) == small.fallback_bytes
+    for bad in ({"exits": -1}, {"exits": 1, "share": 1.5}):
+        with pytest.raises(ValueError, match="must be"):
+            exits_for(wires, layers, **bad)
+
+
+def test_fix_rungs_takes_each_units_exits():
+    import jax.numpy as jnp
+
+    from ciera_jax import fsdp
+
+    agreed = {"a": jnp.int32(5), "b": jnp.int32(7)}
+    fixed = fsdp.fix_rungs(agreed, {"a": 1, "b": 2}, exits={"a": 3})
+    assert (fixed["a"].rung, fixed["a"].exits, fixed["b"].rung, fixed["b"].exits) == (1, 3, 2, 0)
+    assert fsdp.fix_rungs(agreed, {"a": 1, "b": 2}, exits=2)["b"].exits == 2

@@ -343,15 +343,16 @@ def pack(values: jax.Array | PerElement, words_W: jax.Array, capacity: int,
 
 
 def fill(dest_RxN: jax.Array, words_RxW: jax.Array, limit_R: jax.Array, values_at, init=None,
-         walk: str | None = None):
+         walk: str | None = None, running_RxW=None):
     """Receiver: ``dest_RxN`` with each row's flagged elements set, in order, to
     ``values_at(slot_RxS, current_RxS, live_RxS, carry) -> (values_RxS, carry)``: the slots'
     values (read from the row's section), given what ``dest`` holds at their elements now;
     ``carry`` starts at ``init``. Dense escapes take one pass over every element instead, with
-    the same ``values_at`` called once on whole rows. ``walk``: as :func:`pack`."""
+    the same ``values_at`` called once on whole rows. ``walk``: as :func:`pack`;
+    ``running_RxW``: :func:`running_count` of ``words_RxW``, when the caller has it."""
     n = dest_RxN.shape[1]
     rows = jnp.arange(dest_RxN.shape[0])[:, None]
-    running = running_count(words_RxW)
+    running = running_count(words_RxW) if running_RxW is None else running_RxW
 
     def body(slot, element, live, state):
         dest, carry = state

@@ -108,10 +108,8 @@ def overflow_rest(parts, sent_sizes, sizes_per_rung, index, axis_name) -> list[j
     switch on ``index`` (rank-invariant) that holds nothing but that transfer. Returns every
     rank's (N, top - sent_sizes[i]) per part (top: the last rung's size), entries past the
     rung's unspecified."""
-    tops = sizes_per_rung[-1]
-    rest = [p[a:t] for p, a, t in zip(parts, sent_sizes, tops)]
     sizes = [tuple(r[i] - a for r in sizes_per_rung) for i, a in enumerate(sent_sizes)]
-    return gather_section(rest, sizes, index, axis_name)
+    return gather_section(parts, sizes, index, axis_name, starts=sent_sizes)
 
 
 def _head_bytes(shard: jax.Array, n_bytes: int) -> jax.Array:
@@ -137,10 +135,13 @@ def _from_bytes(rows_NxB: jax.Array, dtype, count: int) -> jax.Array:
         rows_NxB.reshape(rows_NxB.shape[0], count, np.dtype(dtype).itemsize), dtype)
 
 
-def _prefixes(byte_parts, *, sizes, length, axis_name):
-    """One branch: every rank's first ``sizes[i]`` bytes of each of ``byte_parts``, end to end,
-    in ONE all-gather, zero-padded to ``length``: (N, length) uint8."""
-    pieces = [part[:size] for part, size in zip(byte_parts, sizes) if size]
+def _prefixes(byte_parts, *, sizes, starts, length, axis_name):
+    """One branch: every rank's ``sizes[i]`` bytes of each of ``byte_parts`` from
+    ``starts[i]``, end to end, in ONE all-gather, zero-padded to ``length``: (N, length)
+    uint8. The slices are the branch's own: made outside, each would be a kernel and a buffer
+    on every step."""
+    pieces = [part[start:start + size] for part, size, start in zip(byte_parts, sizes, starts)
+              if size]
     if not pieces:
         rows = jnp.zeros((lax.axis_size(axis_name), length), jnp.uint8)
     else:
@@ -149,12 +150,12 @@ def _prefixes(byte_parts, *, sizes, length, axis_name):
     return varying_like(rows, byte_parts, axis_name)  # every branch typed alike
 
 
-def gather_section(parts, sizes_per_part, rung: jax.Array, axis_name):
+def gather_section(parts, sizes_per_part, rung: jax.Array, axis_name, starts=None):
     """All-gather the escape section: for the agreed ``rung``, the first
-    ``sizes_per_part[i][rung]`` entries of every rank's ``parts[i]`` (each as long as its top
-    size). Returns (N, len(part)) per part; entries past the rung's prefix are unspecified (the
-    next part's bytes: receivers read only the slots the agreement covers). ``rung`` must be
-    rank-invariant.
+    ``sizes_per_part[i][rung]`` entries of every rank's ``parts[i]`` from entry ``starts[i]``
+    (default 0). Returns (N, top size) per part; entries past the rung's prefix are
+    unspecified (the next part's bytes: receivers read only the slots the agreement covers).
+    ``rung`` must be rank-invariant.
 
     One ``lax.switch`` on the rung; each branch holds nothing but ONE transfer (the rung's
     prefixes end to end, an all-gather of a static size and a pad), so the codec exists once,
@@ -166,17 +167,20 @@ def gather_section(parts, sizes_per_part, rung: jax.Array, axis_name):
     widths = [np.dtype(p.dtype).itemsize for p in parts]
     byte_parts = [_to_bytes(p) for p in parts]
     byte_sizes = [tuple(w * s for s in sizes) for w, sizes in zip(widths, sizes_per_part)]
-    # Each part's offset per rung; the buffer holds any part's full length from any offset.
+    byte_starts = [w * s for w, s in zip(widths, starts or [0] * len(parts))]
+    spans = [max(sizes) for sizes in byte_sizes]  # bytes returned per part
+    # Each part's offset per rung; the buffer holds any part's full span from any offset.
     offsets = np.cumsum([[0] * len(byte_sizes[0])] + byte_sizes[:-1], axis=0)
-    length = int(max(offsets[i].max() + bp.shape[0] for i, bp in enumerate(byte_parts)))
-    branches = [functools.partial(_prefixes, sizes=sizes, length=length, axis_name=axis_name)
+    length = int(max(offsets[i].max() + span for i, span in enumerate(spans)))
+    branches = [functools.partial(_prefixes, sizes=sizes, starts=byte_starts, length=length,
+                                  axis_name=axis_name)
                 for sizes in zip(*byte_sizes)]
     rows_NxB = lax.switch(rung, branches, byte_parts)
     out = []
-    for part, bp, offset in zip(parts, byte_parts, offsets):
+    for part, span, width, offset in zip(parts, spans, widths, offsets):
         at = jnp.asarray(offset, jnp.int32)[rung]
-        piece = lax.dynamic_slice_in_dim(rows_NxB, at, bp.shape[0], axis=1)
-        out.append(_from_bytes(piece, part.dtype, part.shape[0]))
+        piece = lax.dynamic_slice_in_dim(rows_NxB, at, span, axis=1)
+        out.append(_from_bytes(piece, part.dtype, span // width))
     return out
 
 

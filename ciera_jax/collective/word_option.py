@@ -147,6 +147,9 @@ class Received(NamedTuple):
     dense_Nxn: jax.Array  # each element's cached word moved by its code (escapes: by the top)
     escape_NxW: jax.Array  # the escape flags, packed
     levels: tuple  # (level 1 (N, C1), level 2 (N, C2)) as they arrived
+    # the escape flags' running count per word: the fill's, and an overflow exit's without a
+    # prefix sum of its own (unused by the Triton fill, and then not compiled)
+    running_NxW: jax.Array
 
 
 def receive(e: WordEncoded, sent: transfer.Sent, cache_words, impl: str) -> Received:
@@ -160,7 +163,8 @@ def receive(e: WordEncoded, sent: transfer.Sent, cache_words, impl: str) -> Rece
     cached_Nxn = full_to_rows(cache_words, e.shard_shape, e.axis, e.n_ranks)
     dense_Nxn = kernels.word_decode(cached_Nxn, codes_Nxn, b, impl=impl)
     esc_NxW = escapes.pack_flags(codes_Nxn == escape_code(b))
-    return Received(sent_N, dense_Nxn, esc_NxW, tuple(sent.sections or fixed))
+    return Received(sent_N, dense_Nxn, esc_NxW, tuple(sent.sections or fixed),
+                    escapes.running_count(esc_NxW))
 
 
 def fill(e: WordEncoded, got: Received, level1_NxC, level2_NxC, limit, impl: str,
@@ -176,12 +180,13 @@ def fill(e: WordEncoded, got: Received, level1_NxC, level2_NxC, limit, impl: str
     values_at = escape_words(level1_NxC, level2_NxC, escape_offset)
     init = jnp.zeros((e.n_ranks,), jnp.int32)
     if walk is not None:
-        bits_Nxn = escapes.fill(got.dense_Nxn, got.escape_NxW, limit_N, values_at, init, walk)
+        bits_Nxn = escapes.fill(got.dense_Nxn, got.escape_NxW, limit_N, values_at, init, walk,
+                                got.running_NxW)
     else:
         bits_Nxn = kernels.escape_fill_words(
             got.dense_Nxn, got.escape_NxW, limit_N, level1_NxC, level2_NxC,
             escape_offset=escape_offset, level2_code=LEVEL2, values_at=values_at, init=init,
-            impl=impl)
+            impl=impl, running_RxW=got.running_NxW)
     return rows_to_full(bits_Nxn, e.shard_shape, e.axis)
 
 

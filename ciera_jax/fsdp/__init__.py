@@ -46,7 +46,7 @@ from ciera_jax.fsdp.state.inventory import (GatheredTensor, Gatherer, gathered_t
                                             param_dict)
 from ciera_jax.fsdp.layer_stack import scan_layers
 from ciera_jax.fsdp.phases import (agree_tensors, encode_tensors, fix_rungs, needed_rungs,
-                                   priming_inputs, wires)
+                                   priming_inputs, unit_layers, wires)
 from ciera_jax.fsdp.state.plan import (GATHER_MODES, REMAT_POLICIES, WORD_BACKWARDS, Plan,
                                        gather_mode, plan_of, set_gather_mode)
 from ciera_jax.fsdp.prepared import GatherInputs, prepare
@@ -69,6 +69,7 @@ __all__ = [
     "merge", "needed_rungs", "param_dict", "param_specs", "plan_of", "prepare", "priming_inputs",
     "put", "rule_axis",
     "scan_layers", "set_gather_mode", "shard", "spec_for", "split_axes", "stack", "stack_size",
-    "stat_columns", "state_specs", "stats_from_columns", "unpack_stats", "wire_ratio", "wires",
+    "stat_columns", "state_specs", "stats_from_columns", "unit_layers", "unpack_stats",
+    "wire_ratio", "wires",
     "with_caches",
 ]

@@ -128,17 +128,27 @@ def needed_rungs(tensors: dict, encoded: dict, agreed: dict) -> dict:
     return out
 
 
-def fix_rungs(agreed: dict, rungs: dict, needed: dict | None = None, exits: int = 0) -> dict:
+def fix_rungs(agreed: dict, rungs: dict, needed: dict | None = None,
+              exits: int | dict = 0) -> dict:
     """``agreed`` with each key's rung fixed at ``rungs[key]`` (an int, or
     :data:`~ciera_jax.collective.capacity.PLAIN_RUNG`): what :func:`~ciera_jax.fsdp.prepare`
     takes for a step compiled at those rungs. ``needed``: :func:`needed_rungs` of the same
     agreement, when it was computed with it (the gathers then need not compute it again);
-    ``exits``: word mode's overflow rungs (:func:`ciera_jax.collective.capacity.fix`)."""
+    ``exits``: word mode's overflow rungs (:func:`ciera_jax.collective.capacity.fix`), for
+    every key or ``{key: exits}`` (a key left out: none)."""
     missing = sorted(set(agreed) - set(rungs))
     if missing:
         raise ValueError(f"no rung for {missing}")
-    return {k: capacity.fix(a, rungs[k], None if needed is None else needed[k], exits)
+    return {k: capacity.fix(a, rungs[k], None if needed is None else needed[k],
+                            exits.get(k, 0) if isinstance(exits, dict) else exits)
             for k, a in agreed.items()}
+
+
+def unit_layers(tensors: dict, encoded_shapes: dict) -> dict:
+    """``{key: layers}`` of each tensor and bucket (1 for one not stacked): how many times a
+    step sends what :func:`wires` prices for one layer."""
+    return {k: tensors[e.members[0] if buckets.is_bucket(e) else k].stack or 1
+            for k, e in encoded_shapes.items()}
 
 
 def wires(tensors: dict, encoded_shapes: dict, n_ranks: int) -> dict:

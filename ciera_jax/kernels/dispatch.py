@@ -126,13 +126,15 @@ def escape_fill_exponents(cached_Rxn: jnp.ndarray, flags_RxW: jnp.ndarray,
 
 def escape_fill_words(dense_Rxn: jnp.ndarray, flags_RxW: jnp.ndarray, limit_R: jnp.ndarray,
                       level1_RxC: jnp.ndarray, level2_RxC: jnp.ndarray, *, escape_offset: int,
-                      level2_code: int, values_at, init, impl: str = "auto"):
+                      level2_code: int, values_at, init, impl: str = "auto", running_RxW=None):
     """Word mode's receiver: ``escapes.fill(dense_Rxn, flags_RxW, limit_R, values_at, init)``
-    on the jnp path (``values_at``: the caller's rule, level 1's move or level 2's raw word);
-    the Triton kernel applies the same rule from ``level1_RxC``, ``level2_RxC``,
-    ``escape_offset`` and ``level2_code`` (see :func:`kernels.escape.fill_words_pallas`)."""
+    on the jnp path (``values_at``: the caller's rule, level 1's move or level 2's raw word;
+    ``running_RxW``: the flags' running count, when the caller has it); the Triton kernel
+    applies the same rule from ``level1_RxC``, ``level2_RxC``, ``escape_offset`` and
+    ``level2_code`` (see :func:`kernels.escape.fill_words_pallas`)."""
     kw = _escape_pallas(impl)
     if kw is None:
-        return escapes.fill(dense_Rxn, flags_RxW, limit_R, values_at, init)
+        return escapes.fill(dense_Rxn, flags_RxW, limit_R, values_at, init,
+                            running_RxW=running_RxW)
     return fill_words_pallas(dense_Rxn, flags_RxW, level1_RxC, level2_RxC, limit_R,
                              escape_offset=escape_offset, level2_code=level2_code, **kw)
