@@ -3,9 +3,9 @@
 Runs ``ciera train`` (a fresh process each, so nothing compiled is shared) for ``--gather
 plain``, the defaults and ``--cache exponent`` (``--runs``; ``defaults+slow`` and
 ``exponent+slow`` add ``--program-patience 2e-5``, a compile priced like about one plain step
-of tiny's bytes; ``defaults+exits`` adds ``--overflow-rungs 3``), one after another per round,
-and reads each run's JSONL: the first step (compile + priming, what a user waits for), every program the run
-compiled (count, seconds, recompiles), the median step after ``--settle`` steps (the steady
+of tiny's bytes; ``no-exits`` adds ``--overflow-rungs 0``: every overflow a plain gather), one
+after another per round, and reads each run's JSONL: the first step (compile + priming, what a
+user waits for), every program the run compiled (count, seconds, recompiles), the median step after ``--settle`` steps (the steady
 step, compile-free steps only), the wire over the run and its last quarter (padding up to the
 programs' rungs and overflows counted), and the params hash (all equal).
 
@@ -29,7 +29,7 @@ from common import parser, write_results  # benchmarks/common.py, beside this sc
 SLOW = ["--program-patience", "2e-5"]
 RUNS = {"plain": ["--gather", "plain"], "defaults": [], "exponent": ["--cache", "exponent"],
         "defaults+slow": SLOW, "exponent+slow": ["--cache", "exponent", *SLOW],
-        "defaults+exits": ["--overflow-rungs", "3"]}
+        "no-exits": ["--overflow-rungs", "0"]}
 
 
 def parse_args(argv=None):

@@ -138,7 +138,9 @@ def summary_rows(r: dict) -> dict[str, str]:
         "steady path per step: kernel launches": f"{r['steady_launches_per_step']:,}",
         "steady path per step: copies": f"{r['steady_copies_per_step']:,} ("
                                         f"{_size(r['steady_copy_bytes_per_step'])})",
-        "conditionals": f"{r['conditionals']:,}",
+        "conditionals": f"{r['conditionals']:,}" + (
+            f" ({r['nested_conditionals']:,} inside another's branch)"
+            if r.get("nested_conditionals") else ""),
         "collectives": f"{len(colls):,}",
         "  inside conditional branches": f"{len(in_branch)} ({sum(c['steady'] for c in in_branch)}"
                                          " on the steady path)",

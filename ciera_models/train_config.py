@@ -18,6 +18,7 @@ import dataclasses
 import importlib
 import typing
 
+from ciera_jax.codec.wire import OVERFLOW_RUNGS
 from ciera_jax.runtime.gpu_targets import is_gpu
 from ciera_models import configs
 from ciera_models.data import TOKEN_DTYPES
@@ -115,12 +116,13 @@ class TrainConfig:
         1.0, "how many compiles' seconds of lost wire time buy a new program (0: one whenever "
         "a better one exists, up to --max-programs)", metavar="X")
     overflow_rungs: int = option(
-        0, "word mode (ciera only): a tensor or bucket whose demand is above its program's rung "
-        "by up to this many rungs still sends words (the escapes past the program's section, in "
-        "its fallback's conditional) instead of a plain gather; compiled for the ones carrying "
-        "at least 1/32 of the word bytes (OLMoE-1B-7B: the 3 expert tensors; tiny, small: the "
-        "layer's bucket). 3 sends about what each step's own rungs would (small's steady state "
-        "0.28 of plain against 0.55 at 0) for a bigger compile", metavar="N")
+        OVERFLOW_RUNGS, "word mode (ciera only): a tensor or bucket whose demand is above its "
+        "program's rung by up to this many rungs still sends words (the escapes past the "
+        "program's section, in its fallback's conditional) instead of a plain gather; compiled "
+        "for the ones carrying at least 1/32 of the word bytes (OLMoE-1B-7B: the 3 expert "
+        "tensors; tiny, small: the layer's bucket), so one program follows the demand from "
+        "warm-up to decay (small's steady state 0.28 of plain, against 0.55 at 0); 0: every "
+        "overflow a plain gather, a smaller compile", metavar="N")
     attention: str = option(
         "auto", "jax.nn.dot_product_attention's implementation: auto (cudnn when the mesh's "
         "devices are GPUs, xla otherwise), xla (materializes the L x L scores), cudnn "

@@ -82,7 +82,8 @@ def test_each_step_runs_a_program_whose_rungs_were_fixed_for_it(runs):
     seen = set()
     for r in hist:
         assert (r["program"] not in seen) or r["compile_s"] == 0, r["step"]
-        assert r["overflows"] <= r["fallbacks"]
+        # an overflow goes plain unless an overflow rung sent it as words
+        assert r["overflows"] - r["overflow_words"] <= r["fallbacks"]
         seen.add(r["program"])
     assert 2 <= len(seen) <= TC.max_programs
     assert any(r["fallbacks"] == 0 for r in hist)  # some steps compress every tensor
@@ -119,6 +120,16 @@ def test_overflow_rungs_send_words_above_the_program_and_stay_bitwise_plain(runs
     assert exits_only and all(r["fallbacks"] == 0 for r in exits_only)
     assert re.search(r"overflows \d+ tensor-layers above their program's rung \(\d+ of them "
                      r"sent as words", res.summary)
+
+
+@pytest.mark.slow
+def test_no_overflow_rungs_send_every_overflow_plainly_and_stay_bitwise_plain(runs):
+    """``--overflow-rungs 0`` (the smaller compile): every overflow is a plain gather."""
+    tc = TrainConfig(**{**TC.__dict__, "overflow_rungs": 0, "max_programs": 1})
+    res = train(tc, steps=STEPS, seed=0, mesh=make_mesh(8), log=None)
+    assert res.sha256 == runs["plain"].sha256
+    assert all(r["overflow_words"] == 0 for r in res.history)
+    assert sum(r["overflows"] for r in res.history) > 0
 
 
 def test_loss_falls(runs):

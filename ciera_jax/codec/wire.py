@@ -63,14 +63,16 @@ LEVEL1_CAPACITIES = (0.0, 1 / 64, 1 / 32, 1 / 16, 3 / 32, 1 / 8, 3 / 16, 1 / 4, 
 # 0.008 of plain less than 1/8 at 1/8 escapes (tiny's last quarter: 0.266 -> 0.258 of plain at
 # its program's rung; small: -0.004 at every phase, with the rungs its raw words then need).
 LEVEL2_SHARES = ((1 / 4, 1 / 16), (1.0, 1 / 8))
-# Overflow rungs (``exits``, opt-in: ``ciera train --overflow-rungs``): a word tensor whose
-# demand is above its fixed rung by up to this many rungs still travels as words; the
+# Overflow rungs (``exits``, ``ciera train --overflow-rungs``, on by default): a word tensor
+# whose demand is above its fixed rung by up to this many rungs still travels as words; the
 # fallback's conditional sends the escapes past the fixed prefix at the needed rung's size and
 # fills them. A program's one rung then costs a drifting demand (warm-up, peak, decay) what
 # each step's own rung would, up to padding (small's policy replay at one program: steady
 # state 0.553 -> 0.284 of plain; 1 or 2 rungs: 0.389 / 0.324), for a fill and a small switch
-# in every word tensor's fallback, off the steady path: OLMoE-1B-7B's step on 16 H100s
-# compiles 1.80x plain instead of 1.17x (the fastest of 2 compiles each).
+# in the fallback, off the steady path, of the units carrying most of the word bytes
+# (``planning.capacities.EXIT_SHARE``): OLMoE-1B-7B's step on 16 H100s compiles 1.43x plain
+# with them on its 3 expert tensors, 1.17x without (the fastest of 2 compiles each), 1.80x
+# with them on all 10 tensors.
 OVERFLOW_RUNGS = 3
 DEFAULT_CODE_BITS = 3  # the word-delta study: the best single width across phases
 CODE_BITS_CHOICES = (2, 3, 4)

@@ -194,6 +194,10 @@ class Program:
         return {"fusions": len(fusions), "distinct_fusions": len({_kernel_of(i) for i in fusions}),
                 "custom_calls": sum(i.op == "custom-call" for i in every),
                 "conditionals": sum(i.op == "conditional" for i in every),
+                # of those, the ones inside another's branch (an overflow exit's switch): a step
+                # meets them only where it took that branch
+                "nested_conditionals": sum(i.op == "conditional" for c in self.branches
+                                           for i in self.comps.get(c, [])),
                 "while_loops": sum(i.op == "while" for i in every)}
 
     def per_step(self, off_path: set[str]) -> dict[str, int]:
