@@ -26,25 +26,34 @@ from ciera_jax.planning.capacities import (EXIT_SHARE, RungPolicy, exits_for,
                                            seconds_per_byte)
 from common import RESULTS, parser, write_results  # benchmarks/common.py, beside this script
 
-# (label, profile, patience, max_programs, overflow rungs, the share of the word bytes a
-# tensor carries to compile them, ``capacities.exits_for``): the defaults on CPU and GPU
-# links, then cheaper compiles (a compile priced like a few plain steps of small's bytes),
-# then overflow rungs (``--overflow-rungs``) at the default price, on the tensors the trainer
-# gives them (EXIT_SHARE) or on every one (share 0: what the trainer does where a layer's
-# tensors are one bucket, small's and tiny's on 8 devices)
-PRICES = [("defaults, cpu-emulated link", "cpu-emulated", 1.0, 8, 0, EXIT_SHARE),
-          ("defaults, h100-nvlink link", "h100-nvlink", 1.0, 8, 0, EXIT_SHARE),
-          ("patience 5e-4", "cpu-emulated", 5e-4, 8, 0, EXIT_SHARE),
-          ("patience 1e-4", "cpu-emulated", 1e-4, 8, 0, EXIT_SHARE),
-          ("patience 1e-4, 32 programs", "cpu-emulated", 1e-4, 32, 0, EXIT_SHARE),
-          ("patience 2e-5, 32 programs", "cpu-emulated", 2e-5, 32, 0, EXIT_SHARE),
+# (label, profile, patience, max_programs, overflow rungs, the tensors that compile them): the
+# defaults on CPU and GPU links, then without overflow rungs and cheaper compiles (a compile
+# priced like a few plain steps of small's bytes), then fewer overflow rungs. Which tensors
+# compile them: EXIT_SHARE, the trainer's rule (``capacities.exits_for``) on the tensors as
+# this replay takes them, each alone (the 3 expert tensors); LAYERS, every layer tensor: the
+# unit the trainer makes of them where a layer is one bucket (small and tiny on 8 devices),
+# which then carries over 90% of the word bytes and compiles them.
+LAYERS = "layers"
+PRICES = [("defaults, cpu-emulated link", "cpu-emulated", 1.0, 8, 3, EXIT_SHARE),
+          ("defaults, h100-nvlink link", "h100-nvlink", 1.0, 8, 3, EXIT_SHARE),
+          ("defaults, a layer one bucket", "cpu-emulated", 1.0, 8, 3, LAYERS),
+          ("--overflow-rungs 0", "cpu-emulated", 1.0, 8, 0, EXIT_SHARE),
+          ("--overflow-rungs 0, patience 5e-4", "cpu-emulated", 5e-4, 8, 0, EXIT_SHARE),
+          ("--overflow-rungs 0, patience 1e-4", "cpu-emulated", 1e-4, 8, 0, EXIT_SHARE),
+          ("... 1e-4, 32 programs", "cpu-emulated", 1e-4, 32, 0, EXIT_SHARE),
+          ("... 2e-5, 32 programs", "cpu-emulated", 2e-5, 32, 0, EXIT_SHARE),
           ("--overflow-rungs 1", "cpu-emulated", 1.0, 8, 1, EXIT_SHARE),
           ("--overflow-rungs 2", "cpu-emulated", 1.0, 8, 2, EXIT_SHARE),
-          ("--overflow-rungs 3", "cpu-emulated", 1.0, 8, 3, EXIT_SHARE),
-          ("--overflow-rungs 3, h100 link", "h100-nvlink", 1.0, 8, 3, EXIT_SHARE),
-          ("--overflow-rungs 1, every tensor", "cpu-emulated", 1.0, 8, 1, 0.0),
-          ("--overflow-rungs 2, every tensor", "cpu-emulated", 1.0, 8, 2, 0.0),
+          ("--overflow-rungs 1, a layer one bucket", "cpu-emulated", 1.0, 8, 1, LAYERS),
+          ("--overflow-rungs 2, a layer one bucket", "cpu-emulated", 1.0, 8, 2, LAYERS),
           ("--overflow-rungs 3, every tensor", "cpu-emulated", 1.0, 8, 3, 0.0)]
+
+
+def exits_of(wires: dict, layers: dict, exits: int, units) -> dict:
+    """``{tensor: overflow rungs}`` for a row of :data:`PRICES`."""
+    if units == LAYERS:
+        return {k: exits if k.startswith("layers/") else 0 for k in wires}
+    return exits_for(wires, layers, exits, units)
 
 
 def parse_args(argv=None):
@@ -103,22 +112,22 @@ def main(argv=None) -> int:
     wires, needs = demands(args.counts)
     print(f"{args.counts}: {len(needs)} steps, {len(wires)} tensors; "
           f"a compile {args.compile_s:g} s")
-    print(f"{'price':<34}{'programs':>9}{'run':>7}{'steady':>8}{'late':>7}  bought at steps")
+    print(f"{'price':<40}{'programs':>9}{'run':>7}{'steady':>8}{'late':>7}  bought at steps")
     rows = []
     layers = {k: len(v) for k, v in needs[0].items()}
-    for label, profile, patience, max_programs, exits, share in PRICES:
+    for label, profile, patience, max_programs, exits, units in PRICES:
         spb = seconds_per_byte(costmodel.get_link(profile), 8)
-        per_tensor = exits_for(wires, layers, exits, share)
+        per_tensor = exits_of(wires, layers, exits, units)
         r = replay(wires, needs, spb, args.compile_s, patience=patience,
                    max_programs=max_programs, exits=per_tensor)
         rows.append({"price": label, "profile": profile, "patience": patience,
                      "max_programs": max_programs, "overflow_rungs": exits,
-                     "exit_share": share,
+                     "exits_on": units,
                      "tensors_with_exits": sorted(k for k, e in per_tensor.items() if e), **r})
-        print(f"{label:<34}{r['programs']:>9}{r['run']:>7.3f}{r['steady']:>8.3f}{r['late']:>7.3f}"
+        print(f"{label:<40}{r['programs']:>9}{r['run']:>7.3f}{r['steady']:>8.3f}{r['late']:>7.3f}"
               f"  {r['bought_at'][:10]}")
     r = rows[0]
-    print(f"{'ideal (a rung per layer-step)':<34}{'-':>9}{r['ideal_run']:>7.3f}"
+    print(f"{'ideal (a rung per layer-step)':<40}{'-':>9}{r['ideal_run']:>7.3f}"
           f"{r['ideal_steady']:>8.3f}{r['ideal_late']:>7.3f}")
     write_results(args.out, {"counts": args.counts, "compile_s": args.compile_s, "rows": rows})
     return 0

@@ -179,8 +179,9 @@ def test_backward_reads_the_caches_instead_of_a_compressed_gather():
     runs the compressed gather again. (Traced copies: a stack's forward traces its gathers
     twice, the first layer's before its scan; its backward once. The compiled word step's
     backward is checked to gather nothing in test_word_backward.)"""
-    def step(**kw):
-        return _step_jaxpr(TrainConfig(**{**TC.__dict__, "plan": "all", **kw}))
+    def step(**kw):  # no overflow rungs: their switch nests in the fallback (test_fixed_rungs)
+        return _step_jaxpr(TrainConfig(**{**TC.__dict__, "plan": "all", "overflow_rungs": 0,
+                                          **kw}))
 
     def payload_gathers(jaxpr):  # uint8 planes outside any cond: main planes and payloads
         return sum(1 for e in outside(jaxpr, "cond") if e.primitive.name == "all_gather"
