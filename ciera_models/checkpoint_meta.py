@@ -19,9 +19,10 @@ from ciera_models.shard_digest import Damaged
 # A resumed run must agree on these, or the checkpoint does not fit (shapes, data) or is not
 # the run it claims to continue.
 MUST_MATCH = ("config", "gather", "batch_size", "seq_len", "seed")
-# These change what is sent over the wire or how XLA schedules the step, never what is
-# computed: free to change.
-FREE_ON_RESUME = ("plan", "profile", "cache", "xla_flags", "memory_limit")
+# These change what is sent over the wire, which programs compile or how XLA schedules the
+# step, never what is computed: free to change.
+FREE_ON_RESUME = ("plan", "profile", "cache", "xla_flags", "memory_limit", "max_programs",
+                  "program_patience", "overflow_rungs")
 FORMAT = 2  # per-shard digests in digests/; 1: whole-state digests in the metadata
 # What a save records about itself (format 2; the shard digests are in digests/).
 FORMAT_KEYS = ("checkpoint_format", "digest_processes", "meta_sha256")

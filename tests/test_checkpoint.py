@@ -66,7 +66,8 @@ def test_checkpoint_of_another_run_is_refused(tmp_path):
             meta, {**this, "gather": "plain", "config": "small", "seed": 1}, "ck")
     # what is sent may change; what is computed may too, with a note that the runs now differ
     notes = checkpoint_meta.check_resumable(
-        meta, {**this, "gather": "plain", "plan": "all", "lr": 2e-3}, "ck")
+        meta, {**this, "gather": "plain", "plan": "all", "lr": 2e-3, "overflow_rungs": 0,
+               "max_programs": 2, "program_patience": 0.5}, "ck")
     assert len(notes) == 1 and notes[0].startswith("--lr is 0.002 (the checkpoint's run had 0.001)")
     # a checkpoint written before the config was stored: its top-level keys are checked
     with pytest.raises(ValueError, match="--config small"):
