@@ -49,7 +49,7 @@ PRICES = [("defaults, cpu-emulated link", "cpu-emulated", 1.0, 8, 3, EXIT_SHARE)
           ("--overflow-rungs 3, every tensor", "cpu-emulated", 1.0, 8, 3, 0.0)]
 
 
-def exits_of(wires: dict, layers: dict, exits: int, units) -> dict:
+def row_exits(wires: dict, layers: dict, exits: int, units) -> dict:
     """``{tensor: overflow rungs}`` for a row of :data:`PRICES`."""
     if units == LAYERS:
         return {k: exits if k.startswith("layers/") else 0 for k in wires}
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     layers = {k: len(v) for k, v in needs[0].items()}
     for label, profile, patience, max_programs, exits, units in PRICES:
         spb = seconds_per_byte(costmodel.get_link(profile), 8)
-        per_tensor = exits_of(wires, layers, exits, units)
+        per_tensor = row_exits(wires, layers, exits, units)
         r = replay(wires, needs, spb, args.compile_s, patience=patience,
                    max_programs=max_programs, exits=per_tensor)
         rows.append({"price": label, "profile": profile, "patience": patience,

@@ -5,9 +5,10 @@ plain``, the defaults and ``--cache exponent`` (``--runs``; ``defaults+slow`` an
 ``exponent+slow`` add ``--program-patience 2e-5``, a compile priced like about one plain step
 of tiny's bytes; ``no-exits`` adds ``--overflow-rungs 0``: every overflow a plain gather), one
 after another per round, and reads each run's JSONL: the first step (compile + priming, what a
-user waits for), every program the run compiled (count, seconds, recompiles), the median step after ``--settle`` steps (the steady
-step, compile-free steps only), the wire over the run and its last quarter (padding up to the
-programs' rungs and overflows counted), and the params hash (all equal).
+user waits for), every program the run compiled (count, seconds, recompiles), the median step
+after ``--settle`` steps (the steady step, compile-free steps only), the wire over the run and
+its last quarter (padding up to the programs' rungs and overflows counted), and the params
+hash (all equal).
 
     python benchmarks/programs.py [--config tiny] [--steps 200] [--rounds 1] [--runs ...]
                                   [--out PATH]
