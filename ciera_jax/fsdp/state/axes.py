@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ciera_jax.runtime.partition import AXIS
+from ciera_jax.runtime import partition
 
+AXIS = partition.AXIS  # the gather axis: the fsdp modules take it from here
 MANUAL, REGION, UNSHARDED = "manual", "region", "unsharded"
 
 
