@@ -5,10 +5,11 @@ plain``, the defaults and ``--cache exponent`` (``--runs``; ``defaults+slow`` an
 ``exponent+slow`` add ``--program-patience 2e-5``, a compile priced like about one plain step
 of tiny's bytes; ``no-exits`` adds ``--overflow-rungs 0``: every overflow a plain gather), one
 after another per round, and reads each run's JSONL: the first step (compile + priming, what a
-user waits for), every program the run compiled (count, seconds, recompiles), the median step
-after ``--settle`` steps (the steady step, compile-free steps only), the wire over the run and
-its last quarter (padding up to the programs' rungs and overflows counted), and the params
-hash (all equal).
+user waits for; in wall seconds and in the process's CPU seconds, every thread: the steadier
+figure on a shared machine), every program the run compiled (count, seconds, recompiles), the
+median step after ``--settle`` steps (the steady step, compile-free steps only), the wire over
+the run and its last quarter (padding up to the programs' rungs and overflows counted), and
+the params hash (all equal).
 
     python benchmarks/programs.py [--config tiny] [--steps 200] [--rounds 1] [--runs ...]
                                   [--out PATH]
@@ -59,7 +60,8 @@ def one_run(name: str, args, tmp: str) -> dict:
     steady = [r["step_time_s"] for r in rows[args.settle:] if not r["compile_s"]]
     q = rows[len(rows) - len(rows) // 4:]
     return dict(
-        run=name, sha256=sha, first_step_s=rows[0]["step_time_s"], programs=len(compiles),
+        run=name, sha256=sha, first_step_s=rows[0]["step_time_s"],
+        first_step_cpu_s=rows[0]["step_cpu_s"], programs=len(compiles),
         compile_s=sum(compiles), compiles=compiles, steady_step_s=statistics.median(steady),
         wire=sum(r["sent_bytes"] for r in rows) / sum(r["plain_bytes"] for r in rows),
         wire_last_quarter=sum(r["sent_bytes"] for r in q) / sum(r["plain_bytes"] for r in q),
@@ -75,16 +77,17 @@ def main(argv=None) -> int:
             for name in args.runs:
                 results[name].append(one_run(name, args, tmp))
                 x = results[name][-1]
-                print(f"round {r + 1}: {name:<14} first step {x['first_step_s']:6.1f} s, "
+                print(f"round {r + 1}: {name:<14} first step {x['first_step_s']:6.1f} s "
+                      f"({x['first_step_cpu_s']:.1f} CPU s), "
                       f"{x['programs']} programs {x['compile_s']:6.1f} s, steady "
                       f"{x['steady_step_s']:.3f} s, wire {x['wire']:.3f} / last quarter "
                       f"{x['wire_last_quarter']:.3f}", flush=True)
     med = {n: {k: statistics.median(x[k] for x in rs) for k in
-               ("first_step_s", "compile_s", "steady_step_s")} for n, rs in results.items()}
+               ("first_step_s", "first_step_cpu_s", "compile_s", "steady_step_s")} for n, rs in results.items()}
     base = med.get("plain")
     print(f"\n{args.config}, {args.steps} steps, median of {args.rounds} round(s), load average "
           f"{os.getloadavg()[0]:.1f}; x plain: the plain run's (compile: its one program)")
-    print(f"{'run':<15}{'first s':>9}{'x':>6}{'programs':>9}{'compile s':>10}{'x':>6}"
+    print(f"{'run':<15}{'first s':>9}{'x':>6}{'CPU s':>7}{'x':>6}{'programs':>9}{'compile s':>10}{'x':>6}"
           f"{'steady s':>9}{'x':>6}{'wire':>7}{'last 1/4':>9}{'overflows':>10}  compiled at steps")
     rows = []
     for name, rs in results.items():
@@ -93,6 +96,7 @@ def main(argv=None) -> int:
         rows.append(dict(run=name, **m, **{f"{k}_vs_plain": v for k, v in ratio.items()},
                          rounds=rs))
         print(f"{name:<15}{m['first_step_s']:>9.1f}{ratio['first_step_s']:>6.2f}"
+              f"{m['first_step_cpu_s']:>7.1f}{ratio['first_step_cpu_s']:>6.2f}"
               f"{last['programs']:>9}{m['compile_s']:>10.1f}{ratio['compile_s']:>6.2f}"
               f"{m['steady_step_s']:>9.3f}{ratio['steady_step_s']:>6.2f}{last['wire']:>7.3f}"
               f"{last['wire_last_quarter']:>9.3f}{last['overflows']:>10}  "

@@ -211,12 +211,13 @@ def _one_step(tr, state: TrainState, dataset, run: RunConfig,
     """Run the step at ``state.step`` (data position == step) and take its result."""
     batch = tr.batch(dataset, run.seed, state.step)
     priming = state.priming and tr.tc.gather == "ciera"
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     new_state, m = tr.step(state, batch, steps_left=run.steps - state.step)
-    dt = time.perf_counter() - t0
+    dt, cpu_s = time.perf_counter() - t0, time.process_time() - c0
     step = state.step + 1
     traced = run.trace_every > 0 and (step % run.trace_every == 0 or step == 1)
-    return metrics.step_record(step, m, dt, tr.kinds, traced, priming, retried), new_state
+    return metrics.step_record(step, m, dt, tr.kinds, traced, priming, retried,
+                               cpu_s), new_state
 
 
 MAX_RETRIES = 3  # a fault that survives re-priming this often is not a transient one

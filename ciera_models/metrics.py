@@ -21,10 +21,11 @@ TIER_LEGEND = ("tiers T:n = n tensor-layers whose gather took option T: -1 not c
 
 
 def step_record(step: int, m: dict, dt: float, kinds: dict, with_tensors: bool,
-                priming: bool = False, retried: bool = False) -> dict:
+                priming: bool = False, retried: bool = False, cpu_s: float = 0.0) -> dict:
     """One JSONL row from the step's host metrics ``m``. ``verify_failed``: shards whose
     self-check failed (summed over ranks; the step was not applied and runs again);
-    ``retried``: this row is such a redo."""
+    ``retried``: this row is such a redo; ``cpu_s``: the process's CPU seconds over the step
+    (every thread: compiles, XLA:CPU's devices), steadier than ``dt`` on a shared machine."""
     g = m["gather"]
     sent = sum(float(s["sent_bytes"]) for s in g.values())
     plain = sum(float(s["plain_bytes"]) for s in g.values())
@@ -40,7 +41,7 @@ def step_record(step: int, m: dict, dt: float, kinds: dict, with_tensors: bool,
            "exp_changed_frac": changed / max(elems, 1.0),
            "word_changed_frac": words / max(elems, 1.0),
            "fallbacks": int(sum(int(s["fallback"]) for s in g.values())),
-           "tiers": tiers, "step_time_s": dt, "priming": priming,
+           "tiers": tiers, "step_time_s": dt, "step_cpu_s": cpu_s, "priming": priming,
            "verify_failed": int(m["verify_failed"]), "retried": retried,
            # the step's program: its index, the seconds compiling it took if this step did,
            # and the tensor-layers whose demand was above its fixed rung (of those, the ones

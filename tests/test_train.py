@@ -175,8 +175,9 @@ def test_cli_resume_is_bitwise_and_writes_metrics(runs, tmp_path, capsys):
     recs = [r for r in lines if "header" not in r]
     assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
     for key in ("step", "loss", "sent_bytes", "plain_bytes", "exp_changed_frac", "fallbacks",
-                "step_time_s", "word_changed_frac"):
+                "step_time_s", "step_cpu_s", "word_changed_frac"):
         assert key in recs[0]
+    assert all(r["step_cpu_s"] > 0 for r in recs)  # every step computes on the host's CPU
     # a first gather: every word is new; later a word changes at least as often as its exponent
     assert recs[0]["word_changed_frac"] == 1.0 and recs[10]["word_changed_frac"] == 1.0
     assert all(r["exp_changed_frac"] <= r["word_changed_frac"] <= 1 for r in recs)
