@@ -82,13 +82,15 @@ def main(argv=None) -> int:
                       f"{x['programs']} programs {x['compile_s']:6.1f} s, steady "
                       f"{x['steady_step_s']:.3f} s, wire {x['wire']:.3f} / last quarter "
                       f"{x['wire_last_quarter']:.3f}", flush=True)
-    med = {n: {k: statistics.median(x[k] for x in rs) for k in
-               ("first_step_s", "first_step_cpu_s", "compile_s", "steady_step_s")} for n, rs in results.items()}
+    keys = ("first_step_s", "first_step_cpu_s", "compile_s", "steady_step_s")
+    med = {n: {k: statistics.median(x[k] for x in rs) for k in keys}
+           for n, rs in results.items()}
     base = med.get("plain")
     print(f"\n{args.config}, {args.steps} steps, median of {args.rounds} round(s), load average "
           f"{os.getloadavg()[0]:.1f}; x plain: the plain run's (compile: its one program)")
-    print(f"{'run':<15}{'first s':>9}{'x':>6}{'CPU s':>7}{'x':>6}{'programs':>9}{'compile s':>10}{'x':>6}"
-          f"{'steady s':>9}{'x':>6}{'wire':>7}{'last 1/4':>9}{'overflows':>10}  compiled at steps")
+    print(f"{'run':<15}{'first s':>9}{'x':>6}{'CPU s':>7}{'x':>6}{'programs':>9}"
+          f"{'compile s':>10}{'x':>6}{'steady s':>9}{'x':>6}{'wire':>7}{'last 1/4':>9}"
+          f"{'overflows':>10}  compiled at steps")
     rows = []
     for name, rs in results.items():
         m, last = med[name], rs[-1]
@@ -102,7 +104,8 @@ def main(argv=None) -> int:
               f"{last['wire_last_quarter']:>9.3f}{last['overflows']:>10}  "
               f"{last['program_steps']}")
     hashes = {x["sha256"] for rs in results.values() for x in rs}
-    print(f"params_sha256: {'all equal' if len(hashes) == 1 else 'DIFFER'} ({sorted(hashes)[0][:16]}...)")
+    print(f"params_sha256: {'all equal' if len(hashes) == 1 else 'DIFFER'} "
+          f"({sorted(hashes)[0][:16]}...)")
     write_results(args.out, {"config": args.config, "steps": args.steps, "rows": rows,
                          "load_average": os.getloadavg()})
     return 0 if len(hashes) == 1 else 1
