@@ -289,20 +289,26 @@ def _fault_rows(res, step):
     return [r for r in res.history if r["step"] == step]
 
 
+def _drill_config(**changes) -> TrainConfig:
+    """TC for a fault drill, whose faulted step must compress the faulted tensor: a step that
+    gathers it plainly (priming, an overflow) refreshes the cache from the bits, unchecked,
+    so the fault is overwritten and nothing is lost, but nothing is caught either. Which steps
+    compress depends on when the policy buys programs; at TC's patience that is priced by
+    measured compile seconds, so it moves with the machine's load (CI once missed step 8 of
+    the exponent drill, and step 7 of the word drill). Patience 0 buys whenever a better
+    program exists, whatever a compile takes."""
+    return TrainConfig(**{**TC.__dict__, "program_patience": 0.0, "max_programs": 4,
+                          **changes})
+
+
 def test_injected_cache_fault_is_caught_healed_and_lost_nothing(runs):
     """Bits flipped in rank 2's cache before step 8: that step's row shows the failed check,
     nothing is applied, the batch runs again, and the run ends bitwise where plain ends."""
     lines = []
-    # exponent caches, step 8: a step whose program compresses the tensor. A step that gathers
-    # it plainly (the priming program, an overflow) refreshes the cache from the bits,
-    # unchecked: the fault is overwritten and nothing is lost, but nothing is caught either.
-    # tiny's exponents churn far above the first program's rungs, so which step compresses
-    # depends on when the policy buys a program; at TC's patience that is priced by measured
-    # compile seconds, so it moved with the machine's load (CI once missed step 8). Patience 0
-    # buys whenever a better program exists, whatever a compile takes: programs at steps 2, 3
-    # and 5, and step 8 compresses with no overflow.
-    tc = TrainConfig(**{**TC.__dict__, "cache": "exponent", "program_patience": 0.0,
-                        "max_programs": 4})
+    # exponent caches: tiny's exponents churn far above the first program's rungs; at the
+    # drill's patience programs come at steps 2, 3 and 5, and step 8 compresses with no
+    # overflow
+    tc = _drill_config(cache="exponent")
     res = train(tc, steps=STEPS, seed=0, mesh=make_mesh(8), log=lines.append,
                 inject_cache_fault="8:2")
     first, redo = _fault_rows(res, 8)
@@ -318,12 +324,9 @@ def test_injected_cache_fault_is_caught_healed_and_lost_nothing(runs):
 def test_injected_word_cache_fault_is_caught_and_healed(runs):
     """Word caches (TC's defaults on CPU: test_plan_compresses_expert_...), rank 0's cache
     flipped before step 4: caught, redone, and the run ends bitwise where plain ends."""
-    # The step must compress the faulted tensor: a plain gather (priming, overflow) overwrites
-    # the fault unseen. At TC's patience the step a program is bought at is priced by measured
-    # compile seconds, so it moves with the machine's load (CI once ran step 7 plainly).
-    # Patience 0 buys whenever a better program exists: programs at steps 2, 3 and 4, and
-    # step 4 sends every tensor-layer as words, whatever a compile takes.
-    tc = TrainConfig(**{**TC.__dict__, "program_patience": 0.0, "max_programs": 4})
+    # at the drill's patience programs come at steps 2, 3 and 4, and step 4 sends every
+    # tensor-layer as words
+    tc = _drill_config()
     assert set(build_trainer(tc, make_mesh(8)).cache_modes.values()) == {"word"}
     res = train(tc, steps=STEPS, seed=0, mesh=make_mesh(8), log=None, inject_cache_fault="4:0")
     first, redo = _fault_rows(res, 4)
