@@ -216,8 +216,8 @@ def _one_step(tr, state: TrainState, dataset, run: RunConfig,
     dt, cpu_s = time.perf_counter() - t0, time.process_time() - c0
     step = state.step + 1
     traced = run.trace_every > 0 and (step % run.trace_every == 0 or step == 1)
-    return metrics.step_record(step, m, dt, tr.kinds, traced, priming, retried,
-                               cpu_s), new_state
+    return metrics.step_record(step, m, dt, cpu_s, tr.kinds, traced, priming,
+                               retried), new_state
 
 
 MAX_RETRIES = 3  # a fault that survives re-priming this often is not a transient one

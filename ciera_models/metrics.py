@@ -20,12 +20,13 @@ TIER_LEGEND = ("tiers T:n = n tensor-layers whose gather took option T: -1 not c
                "sent / plain bf16 bytes")
 
 
-def step_record(step: int, m: dict, dt: float, kinds: dict, with_tensors: bool,
-                priming: bool = False, retried: bool = False, cpu_s: float = 0.0) -> dict:
-    """One JSONL row from the step's host metrics ``m``. ``verify_failed``: shards whose
-    self-check failed (summed over ranks; the step was not applied and runs again);
-    ``retried``: this row is such a redo; ``cpu_s``: the process's CPU seconds over the step
-    (every thread: compiles, XLA:CPU's devices), steadier than ``dt`` on a shared machine."""
+def step_record(step: int, m: dict, dt: float, cpu_s: float, kinds: dict, with_tensors: bool,
+                priming: bool = False, retried: bool = False) -> dict:
+    """One JSONL row from the step's host metrics ``m``. ``dt``: the step's wall seconds;
+    ``cpu_s``: the process's CPU seconds over it (every thread: compiles, XLA:CPU's devices),
+    steadier than ``dt`` on a shared machine. ``verify_failed``: shards whose self-check
+    failed (summed over ranks; the step was not applied and runs again); ``retried``: this row
+    is such a redo."""
     g = m["gather"]
     sent = sum(float(s["sent_bytes"]) for s in g.values())
     plain = sum(float(s["plain_bytes"]) for s in g.values())
