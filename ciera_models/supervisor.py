@@ -12,10 +12,11 @@ service, which is the part that died.
 So ``ciera train`` with ``--num-processes`` > 1 runs the real job as a child (this module) and
 stays small: it streams the child's stdout and stderr to the terminal, holding back the C++
 log lines until it knows whether they are an abort; keeps the child's whole output in a log
-file; passes SIGTERM / SIGINT on (the child saves and exits 75); and returns the child's exit
-code unchanged -- except for the coordination-service abort, which becomes the lost-peer line
-(:func:`~models.peers.lost_line`, naming the log) and exit 69. The child dies with its parent
-(``PR_SET_PDEATHSIG``): killing the ``ciera train`` process kills the process it runs.
+file; passes SIGTERM / SIGINT on (the child saves and exits 75) and SIGUSR1 (the child prints
+its stacks); and returns the child's exit code unchanged -- except for the coordination-service
+abort, which becomes the lost-peer line (:func:`~models.peers.lost_line`, naming the log) and
+exit 69. The child dies with its parent (``PR_SET_PDEATHSIG``): killing the ``ciera train``
+process kills the process it runs.
 """
 
 from __future__ import annotations
@@ -212,11 +213,12 @@ def _steps(fd: int, step: list[int]) -> None:
 
 def _forward_signals(child) -> dict:
     """SIGTERM and SIGINT go on to the child (in its own process group, so a terminal's Ctrl-C
-    reaches it once, from here); one that this process ignores stays ignored."""
+    reaches it once, from here), and SIGUSR1 (the child prints its threads' stacks); one that
+    this process ignores stays ignored."""
     previous = {}
     if threading.current_thread() is not threading.main_thread():
         return previous
-    for s in (signal.SIGTERM, signal.SIGINT):
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         if signal.getsignal(s) is signal.SIG_IGN:
             continue
         previous[s] = signal.signal(s, lambda signum, frame: _send(child, signum))

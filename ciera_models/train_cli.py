@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import os
+import signal
 import sys
 
 from ciera_models.train_config import (RunConfig, TrainConfig, add_fields, from_args, option,
@@ -128,6 +130,7 @@ def run(args) -> int:
             launch.process_id, launch.num_processes, run_cfg.checkpoint_dir,
             run_cfg.metrics_out)
     setup_devices(run_cfg.devices)  # before JAX creates its backends
+    _stacks_on_sigusr1()
     peers.progress["checkpoint_dir"] = run_cfg.checkpoint_dir
     peers.progress["log"] = os.environ.get(supervisor.LOG_ENV) if supervisor.is_child() else None
     try:
@@ -170,6 +173,12 @@ def run(args) -> int:
         print(res.summary)
         print(f"params_sha256={res.sha256}", flush=True)
     return EXIT_PREEMPTED if res.preempted else 0
+
+
+def _stacks_on_sigusr1() -> None:
+    """``kill -USR1`` prints every Python thread's stack to stderr (into the log under a
+    supervisor, which passes the signal on): how a run that seems stuck shows where it is."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
 
 
 def _without_persistent_cache(jax) -> None:

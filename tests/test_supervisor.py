@@ -35,18 +35,22 @@ def _child(code: str) -> list[str]:
     return [sys.executable, "-c", textwrap.dedent(code)]
 
 
-def _supervise(tmp_path, code: str, process_id: int = 1, timeout: float = 60, signal_at=None):
-    """Run the supervisor in a fresh Python over a stand-in child; (rc, stdout, stderr)."""
+def _supervise(tmp_path, code: str, process_id: int = 1, timeout: float = 60, signal_at=None,
+               signum=signal.SIGTERM):
+    """Run the supervisor in a fresh Python over a stand-in child, sending it ``signum``
+    ``signal_at`` seconds after the child's first line; (rc, stdout, stderr)."""
     driver = (f"import sys; from ciera_models import supervisor as s; "
               f"sys.exit(s.supervise({_child(code)!r}, {process_id}, 2, {str(tmp_path)!r}, "
               f"None))")
     p = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
+    first = ""
     if signal_at:
+        first = p.stdout.readline()  # the child is ready for the signal
         time.sleep(signal_at)
-        p.send_signal(signal.SIGTERM)
+        p.send_signal(signum)
     out, err = p.communicate(timeout=timeout)
-    return p.returncode, out, err
+    return p.returncode, first + out, err
 
 
 def test_the_coordination_abort_is_the_lost_peer_line_and_69(tmp_path):
@@ -106,9 +110,26 @@ def test_sigterm_reaches_the_child_once_and_its_code_passes(tmp_path):
         time.sleep(0.5)  # a second signal would arrive now
         print(f"signals {len(got)}", flush=True)
         sys.exit(75)
-        """, signal_at=3)
+        """, signal_at=1)
     assert rc == 75, err
     assert out == "ready\nsignals 1\n"
+
+
+def test_sigusr1_reaches_the_child_whose_stacks_go_to_the_log(tmp_path):
+    """How a run that seems stuck shows where it is: ``kill -USR1`` on ``ciera train``."""
+    rc, _, err = _supervise(tmp_path, """
+        import faulthandler, signal, sys, time
+        from ciera_models import train_cli
+        train_cli._stacks_on_sigusr1()
+        print("ready", flush=True)
+        def waiting_here():
+            time.sleep(4)
+        waiting_here()
+        sys.exit(3)
+        """, signal_at=1, signum=signal.SIGUSR1)
+    assert rc == 3, err  # the signal did not end the child (nor the supervisor)
+    assert "most recent call first" in err and "in waiting_here" in err
+    assert "in waiting_here" in (tmp_path / "ciera-train-process-1.log").read_text()
 
 
 def test_death_by_a_signal_is_128_plus_it(tmp_path):
