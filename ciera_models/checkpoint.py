@@ -43,7 +43,8 @@ import orbax.checkpoint as ocp
 from ciera_models import shard_digest
 from ciera_models.checkpoint_meta import (FORMAT, check_meta, checkpoint_format, meta_sha256,
                                          tree_sha256)
-from ciera_models.failures import NoGoodCheckpoint, WriteFailed, describe_os_error
+from ciera_models.failures import (NoGoodCheckpoint, RunFailure, WriteFailed,
+                                   describe_os_error)
 from ciera_models.params_hash import params_sha256
 from ciera_models.preemption import agree, agree_steps
 from ciera_models.shard_digest import Damaged
@@ -318,16 +319,27 @@ class Checkpointer:
     def _walk_phases(self, step: int, phases):
         """``(what the last phase returned, the damage as this process saw it, the phase at
         which any process failed)``; ``(got, None, None)`` when every phase passed everywhere.
-        Every process stops at the same phase."""
+        Every process stops at the same phase. An error that is not damage (a bug, an
+        unexpected exception) ends every process there too: the one that raised it re-raises
+        it, the others a :class:`RunFailure`; none is left waiting in the next agreement."""
         got, why, here = None, None, step in self.all_steps()
         for k, phase in enumerate(phases):
+            error = None
             try:
                 if not here:
                     raise Damaged("it is not in the folder as this process sees it")
                 got = phase(step) if k == 0 else phase(step, got)
             except Damaged as e:
                 got, why = None, str(e)
-            if self._agree_bad(why):
+            except Exception as e:  # noqa: BLE001 - raised below, once every process knows
+                error = e
+            bad, broken = agree(why is not None, error is not None)
+            if broken:
+                if error is not None:
+                    raise error
+                raise RunFailure(f"--resume: another process failed while checking checkpoint "
+                                 f"step {step} in {self.directory} (its log says why)")
+            if bad:
                 return None, why or "on another process", k
         return got, None, None
 
@@ -366,11 +378,6 @@ class Checkpointer:
                     "shards are split across processes on this layout and were not verified")
         return params, opt_state, meta
 
-    @staticmethod
-    def _agree_bad(why: str | None) -> bool:
-        """Every process skips a checkpoint that any process found damaged."""
-        return agree(why is not None)[0]
-
     def _set_aside(self, step: int, why: str, older: list[int], log) -> None:
         """Move step ``step`` to ``<dir>/damaged/`` (process 0 moves; all report)."""
         src = self.directory / str(step)
@@ -379,10 +386,20 @@ class Checkpointer:
         while dest.exists():
             n += 1
             dest = self.directory / DAMAGED / f"{step}-{n}"
+        error = None
         if jax.process_index() == 0 and src.exists():
-            dest.parent.mkdir(exist_ok=True)
-            os.replace(src, dest)
-        agree(False)  # a barrier: nobody looks at the folder while it changes
+            try:
+                dest.parent.mkdir(exist_ok=True)
+                os.replace(src, dest)
+            except OSError as e:
+                error = e
+        # a barrier (nobody looks at the folder while it changes) that also ends every process
+        # when the move failed, not only process 0
+        if agree(error is not None)[0]:
+            raise RunFailure(f"--resume: checkpoint step {step} in {self.directory} is damaged "
+                             f"({why}) and could not be set aside as {dest}: "
+                             + (describe_os_error(error, dest.parent) if error is not None
+                                else "see process 0's log"))
         self._mgr.reload()
         nxt = f"trying step {older[-1]}" if older else "no older checkpoint"
         log(f"checkpoint step {step} in {self.directory} is damaged ({why}): set aside as "

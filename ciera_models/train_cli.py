@@ -177,8 +177,14 @@ def run(args) -> int:
 
 def _stacks_on_sigusr1() -> None:
     """``kill -USR1`` prints every Python thread's stack to stderr (into the log under a
-    supervisor, which passes the signal on): how a run that seems stuck shows where it is."""
-    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    supervisor, which passes the signal on): how a run that seems stuck shows where it is.
+    A stderr without a file descriptor (a caller capturing it) gets the process's own."""
+    for stream in (sys.stderr, sys.__stderr__):
+        try:
+            faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
+            return
+        except (AttributeError, ValueError, OSError):  # no fileno(): io.UnsupportedOperation
+            continue
 
 
 def _without_persistent_cache(jax) -> None:

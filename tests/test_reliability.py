@@ -173,7 +173,7 @@ def test_all_checkpoints_damaged_is_one_line_and_exit_66(saved, tmp_path, capsys
     code = cli.main(["train", "--steps", str(STEPS), "--schedule-steps", str(STEPS),
                      "--checkpoint-dir", str(ck), "--resume"])
     err = capsys.readouterr().err
-    assert code == EXIT_NO_GOOD_CHECKPOINT == 66
+    assert code == EXIT_NO_GOOD_CHECKPOINT == 66, err
     assert err.strip().count("\n") == 0 and "Traceback" not in err, err
     assert err.startswith("ciera train: --resume: none of the checkpoints in ")
 
@@ -189,6 +189,41 @@ def test_a_checkpoint_without_digests_still_restores(saved, tmp_path, resumed_sh
     assert _resume(ck, logs).sha256 == resumed_sha
     assert any("predates digests: its arrays are not verified" in line for line in logs)
     assert f"resumed from {ck} at step 15 (caches re-prime)" in logs
+
+
+def _phases_with(fault):
+    """``read_meta``, then a phase that calls ``fault`` (the arrays' place in restore)."""
+    return lambda c: [c.read_meta, lambda step, meta: fault()]
+
+
+def test_an_unexpected_error_in_a_check_ends_every_process_not_only_its_own(saved, tmp_path,
+                                                                            monkeypatch):
+    """A check that raises something other than damage (a bug) re-raises it here; where
+    another process raised it, this one ends too (RunFailure), instead of waiting for that
+    process in the next agreement; either way no checkpoint is set aside for it."""
+    ck = _copy(saved, tmp_path)
+    with ckpt.Checkpointer(str(ck), create=False) as c:
+        with pytest.raises(ZeroDivisionError):
+            c._newest_intact(_phases_with(lambda: 1 / 0)(c), print)
+        # another process broke at the same phase (its flag in this process's agreement)
+        real = ckpt.agree
+        monkeypatch.setattr(ckpt, "agree", lambda *f: real(*f[:1], True) if len(f) == 2
+                            else real(*f))
+        with pytest.raises(ckpt.RunFailure, match=r"another process failed while checking "
+                                                  rf"checkpoint step 15 in {ck} \(its log"):
+            c._newest_intact(_phases_with(lambda: None)(c), print)
+    assert not (ck / "damaged").exists() and (ck / "15").is_dir()
+
+
+def test_a_checkpoint_that_cannot_be_set_aside_is_one_line(saved, tmp_path):
+    ck = _copy(saved, tmp_path)
+    f = _biggest(ck / "15" / "state/ocdbt.process_0/d")
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    (ck / "damaged").write_text("a file where the folder for damaged checkpoints goes")
+    with pytest.raises(ckpt.RunFailure, match=r"checkpoint step 15 in .* is damaged \(its .*\) "
+                                              r"and could not be set aside as .*damaged/15: "):
+        _resume(ck, [])
+    assert (ck / "15").is_dir()  # left where it was
 
 
 # ---- one run per checkpoint folder ------------------------------------------------------
