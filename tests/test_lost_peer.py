@@ -15,6 +15,7 @@ import pytest
 from ciera_jax.runtime.launch import free_port
 from ciera_models import peers
 from ciera_models.failures import EXIT_PEER_LOST
+from processes import finish  # tests/processes.py
 
 TRAIN = [sys.executable, "-m", "ciera_jax.cli.main", "train", "--schedule-steps", "40",
          "--log-every", "1", "--devices", "4", "--num-processes", "2"]
@@ -94,40 +95,15 @@ STEPS = 12  # every run below trains towards the same 12-step schedule
 
 
 def _start(ck, port: int, *extra: str, steps: int = STEPS):
-    procs = [subprocess.Popen(
+    return [subprocess.Popen(
         [*TRAIN, "--steps", str(steps), "--checkpoint-dir", str(ck), "--coordinator",
          f"127.0.0.1:{port}", "--process-id", str(i), *extra], env={**ENV, "JAX_PLATFORMS": "cpu"},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-    for i, p in enumerate(procs):
-        p.log = ck / f"ciera-train-process-{i}.log"  # the supervisor's copy of all it printed
-    return procs
 
 
-def _finish(procs, timeout: float = 400) -> list[tuple[int, str, str]]:
-    """Each process's ``(exit code, stdout, stderr)``. A run still going after ``timeout``
-    seconds fails the test with both processes' stacks (SIGUSR1) and the ends of their logs."""
-    deadline = time.monotonic() + timeout
-    try:
-        outs = [p.communicate(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGUSR1)
-        time.sleep(5)
-        pytest.fail(f"the 2-process run did not end within {timeout:.0f} s; its logs end:\n"
-                    + "\n".join(f"--- {p.log}\n{_tail(p.log)}" for p in procs))
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
-
-
-def _tail(path, chars: int = 6000) -> str:
-    try:
-        return path.read_text(errors="replace")[-chars:]
-    except OSError as e:
-        return f"(unreadable: {e})"
+def _finish(procs) -> list[tuple[int, str, str]]:
+    """Every 2-process run here ends within 400 s (about 45 s on an idle 2-core machine)."""
+    return finish(procs, 400)
 
 
 def _sha(out: str) -> str:

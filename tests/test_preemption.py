@@ -21,6 +21,7 @@ from ciera_models import train_cli
 from ciera_models.preemption import EXIT_PREEMPTED, PreemptionGuard
 from ciera_models.train import TrainConfig
 from conftest import TINY_PROGRAMS
+from processes import finish  # tests/processes.py
 
 STEPS = 20
 # test_train's: the trainer is shared
@@ -45,7 +46,7 @@ def _signal_after(procs, step: int, sig, target=0, timeout_s=600) -> list[str]:
             procs[target].send_signal(sig)
             break
         assert time.monotonic() < deadline, "".join(out)
-    outs = [p.communicate(timeout=timeout_s)[0] for p in procs]
+    outs = [text for _, text, _ in finish(procs, timeout_s)]
     outs[target] = "".join(out) + outs[target]
     return outs
 
@@ -134,12 +135,12 @@ def test_multiprocess_sigterm_to_one_process_stops_both_and_resumes_bitwise(tmp_
              str(i)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for i in range(2)]
 
-    def finish(procs, code=0) -> list[str]:
-        outs = [p.communicate(timeout=900)[0] for p in procs]
+    def finished(procs, code=0) -> list[str]:
+        outs = [text for _, text, _ in finish(procs, 900)]
         assert [p.returncode for p in procs] == [code] * 2, outs[0][-2000:] + outs[1][-2000:]
         return outs
 
-    straight = finish(start(tmp_path / "straight"))[0].strip().splitlines()[-1]
+    straight = finished(start(tmp_path / "straight"))[0].strip().splitlines()[-1]
     assert straight.startswith("params_sha256=")
     # Only process 1 is signalled (it logs nothing: signal it when process 0 reports step 3);
     # both must stop after the same step, and save it together.
@@ -151,10 +152,10 @@ def test_multiprocess_sigterm_to_one_process_stops_both_and_resumes_bitwise(tmp_
         if re.search(rf"step +3/{STEPS}\b", line):
             procs[1].send_signal(signal.SIGTERM)
             break
-    out = "".join(outs) + finish(procs, EXIT_PREEMPTED)[0]
+    out = "".join(outs) + finished(procs, EXIT_PREEMPTED)[0]
     stopped = re.search(r"preempted \((.+)\) after step (\d+)", out)
     assert stopped and stopped.group(1) == "a signal on another process", out[-2000:]
     assert 3 <= int(stopped.group(2)) < STEPS
-    out = finish(start(ck, "--resume"))[0]
+    out = finished(start(ck, "--resume"))[0]
     assert f"at step {stopped.group(2)}" in out
     assert out.strip().splitlines()[-1] == straight

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from ciera_jax.runtime.launch import free_port
+from processes import finish  # tests/processes.py
 
 pytestmark = pytest.mark.slow  # 2 processes x 2 trainings
 
@@ -24,7 +25,7 @@ def _train_two_processes(gather: str, tmp_path) -> str:
          "--num-processes", "2", "--process-id", str(i)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
         for i in range(2)]
-    outs = [p.communicate(timeout=400)[0] for p in procs]
+    outs = [text for _, text, _ in finish(procs, 400)]
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-4000:]
     assert "2 process(es)" in outs[0], outs[0][-2000:]

@@ -1,0 +1,47 @@
+"""Waiting for the processes of a multi-process ``ciera train`` drill: when a run does not end in
+time, the test fails with every process's stacks and the end of its output, not with one
+process's ``TimeoutExpired`` (a hang in CI is then readable from CI's log alone)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+
+import pytest
+
+STACKS_WAIT_S = 5  # for each process to print its stacks after SIGUSR1
+
+
+def finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
+    """Each process's ``(exit code, stdout, stderr)`` (stderr ``""`` where it goes to stdout),
+    all of them ended within ``timeout`` seconds together. Past it, each live one gets SIGUSR1
+    (``ciera train`` prints its threads' stacks), then all are killed and the test fails with
+    the end of each one's output."""
+    deadline = time.monotonic() + timeout
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic())))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGUSR1)
+        time.sleep(STACKS_WAIT_S)
+        for p in procs:
+            p.kill()
+        got = [p.communicate() for p in procs]  # all output so far, stacks included
+        pytest.fail(f"the {len(procs)}-process run did not end within {timeout:.0f} s:\n"
+                    + "\n".join(f"--- process {i} (exit {p.returncode}):\n{_tail(out)}\n"
+                                f"{_tail(err)}" for i, (p, (out, err))
+                                in enumerate(zip(procs, got))))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    return [(p.returncode, out, err or "") for p, (out, err) in zip(procs, outs)]
+
+
+def _tail(text: str | None, chars: int = 5000) -> str:
+    return (text or "")[-chars:]
