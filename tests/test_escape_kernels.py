@@ -53,6 +53,20 @@ def all_patterns(rows_each: int, n: int) -> np.ndarray:
     return np.concatenate([flags_of(p, rows_each, n, seed=i) for i, p in enumerate(PATTERNS)])
 
 
+def test_popcount32_is_population_count_on_every_kind_of_word():
+    """The kernels' popcount (Triton cannot lower ``lax.population_count``): every single bit,
+    every run of low and of high bits, alternating bits, and random words."""
+    one = np.uint32(1) << np.arange(32, dtype=np.uint32)
+    runs = np.cumsum(one, dtype=np.uint32)  # 0b1, 0b11, ... 0xFFFFFFFF
+    words = np.concatenate([[0, 0x55555555, 0xAAAAAAAA, 0x0F0F0F0F, 0xF0F0F0F0], one, runs,
+                            ~runs, np.random.default_rng(0).integers(0, 2**32, 4096)])
+    words = jnp.asarray(words.astype(np.uint32))
+    got = jax.jit(K.escape.popcount32)(words)
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got),
+                                  np.asarray(jax.lax.population_count(words)).astype(np.int32))
+
+
 def test_fill_exponents_matches_loop():
     flags = all_patterns(3, N)
     rows, k = flags.shape[0], 200

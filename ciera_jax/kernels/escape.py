@@ -53,6 +53,16 @@ def block_offsets(words_RxW: jax.Array, block: int) -> jax.Array:
     return jnp.cumsum(counts, axis=1, dtype=jnp.int32) - counts
 
 
+def popcount32(x):
+    """int32 set bits of each uint32, by shifts, masks and one multiply: Triton (3.6, JAX
+    0.11.2 on an H200) cannot lower ``lax.population_count`` in a kernel ("failed to legalize
+    operation 'math.ctpop'")."""
+    x = x - ((x >> 1) & jnp.uint32(0x55555555))
+    x = (x & jnp.uint32(0x33333333)) + ((x >> 2) & jnp.uint32(0x33333333))
+    x = (x + (x >> 4)) & jnp.uint32(0x0F0F0F0F)
+    return ((x * jnp.uint32(0x01010101)) >> 24).astype(jnp.int32)
+
+
 def _ranks_in_block(words, offset):
     """(flag, rank) of a block's elements laid out (block/32, 32): ``words`` uint32
     (block/32,), ``offset`` the block's first rank (int32 scalar)."""
@@ -61,8 +71,8 @@ def _ranks_in_block(words, offset):
     word = jnp.broadcast_to(words[:, None], (per, BITS))
     flag = ((word >> lane) & jnp.uint32(1)) != jnp.uint32(0)
     below = word & ((jnp.uint32(1) << lane) - jnp.uint32(1))
-    in_word = lax.population_count(below).astype(jnp.int32)
-    counts = lax.population_count(words).astype(jnp.int32)
+    in_word = popcount32(below)
+    counts = popcount32(words)
     before = jnp.cumsum(counts) - counts  # flags of the block's earlier words
     return flag, offset + before[:, None] + in_word
 
