@@ -120,13 +120,11 @@ def train(tc: TrainConfig, run: RunConfig | None = None, *, mesh=None,
             peers.progress["step"] = state.step
             supervisor.report_step(state.step)
             history.append(rec)
-            _report(rec, out, run, tc, log, saver)
+            stop, due = _report_agreed(rec, out, run, tc, log, saver, guard, last_save)
             if rec["verify_failed"]:
                 retries = _after_failed_check(rec, retries, log)
                 continue  # nothing was applied: the same step again, caches re-priming
             retries = 0
-            stop, due = agree(guard.signal_name is not None,
-                              _save_due(run, state.step, last_save))
             stop = stop and state.step < run.steps  # a signal in the last step: just finish
             if saver and (due or stop or state.step == run.steps):
                 # in the background, said when complete; the last one (or a stop's) waited for
@@ -184,6 +182,25 @@ def _start(tc: TrainConfig, run: RunConfig, mesh, saver, log):
     meta = {"train_config": dataclasses.asdict(tc), "seed": run.seed, "mesh": layout,
             "memory_per_device": memory, "start_step": state.step}
     return tr, state, dataset, meta
+
+
+def _report_agreed(rec: dict, out, run: RunConfig, tc: TrainConfig, log, saver, guard,
+                   last_save: float) -> tuple[bool, bool]:
+    """:func:`_report`, then one agreement of every process: ``(stop, a save is due)``. Only
+    process 0 writes the metrics, so a write that fails there ends every process here (the
+    others with the same exit code), not process 0 alone while the others wait for it in the
+    next step's collectives."""
+    failed = None
+    try:
+        _report(rec, out, run, tc, log, saver)
+    except WriteFailed as e:
+        failed = e
+    stop, due, any_failed = agree(guard.signal_name is not None,
+                                  _save_due(run, rec["step"], last_save), failed is not None)
+    if any_failed:
+        raise failed or WriteFailed(f"another process could not write the metrics after step "
+                                    f"{rec['step']} (its line says why); stopped there too")
+    return stop, due
 
 
 def _report(rec: dict, out, run: RunConfig, tc: TrainConfig, log, saver=None) -> None:

@@ -22,6 +22,7 @@ import pytest
 
 from ciera_jax.cli import main as cli
 from ciera_models import checkpoint as ckpt
+from ciera_models import loop
 from ciera_models import checkpoint_meta
 from ciera_models import run_lock
 from ciera_models.failures import EXIT_NO_GOOD_CHECKPOINT, EXIT_WRITE_FAILED, NoGoodCheckpoint, WriteFailed
@@ -224,6 +225,27 @@ def test_a_checkpoint_that_cannot_be_set_aside_is_one_line(saved, tmp_path):
                                               r"and could not be set aside as .*damaged/15: "):
         _resume(ck, [])
     assert (ck / "15").is_dir()  # left where it was
+
+
+def test_a_metrics_write_failed_on_another_process_stops_this_one(monkeypatch):
+    """Only process 0 writes the metrics: when its write fails, every process stops after the
+    same step (the step's agreement carries it), with the same exit code, instead of the
+    others waiting for process 0 in the next step's collectives. Here this process is told,
+    at step 3, that another one failed."""
+    real, calls = loop.agree, []
+
+    def agree(*flags):
+        got = real(*flags)
+        if len(flags) == 3:  # the step's: stop, save due, a metrics write failed
+            calls.append(flags)
+            return got[:2] + (len(calls) == 3,)
+        return got
+
+    monkeypatch.setattr(loop, "agree", agree)
+    with pytest.raises(WriteFailed, match=r"^another process could not write the metrics "
+                                          r"after step 3 \(its line says why\); stopped there"):
+        train(TC, steps=5, seed=0, mesh=make_mesh(8), log=None)
+    assert len(calls) == 3 and not any(f[2] for f in calls)  # this process wrote (nothing)
 
 
 # ---- one run per checkpoint folder ------------------------------------------------------
