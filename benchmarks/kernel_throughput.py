@@ -237,6 +237,7 @@ COLUMNS = [
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    FAILED.clear()  # this call's failures only
     on_gpu = jax.default_backend() == "gpu"
     impls, notes = list(args.impls), []
     skipped = [i for i in impls if i != "xla" and not on_gpu]

@@ -192,9 +192,9 @@ def test_a_checkpoint_without_digests_still_restores(saved, tmp_path, resumed_sh
     assert f"resumed from {ck} at step 15 (caches re-prime)" in logs
 
 
-def _phases_with(fault):
-    """``read_meta``, then a phase that calls ``fault`` (the arrays' place in restore)."""
-    return lambda c: [c.read_meta, lambda step, meta: fault()]
+def _phases_with(c, fault):
+    """``c.read_meta``, then a phase that calls ``fault`` (the arrays' place in restore)."""
+    return [c.read_meta, lambda step, meta: fault()]
 
 
 def test_an_unexpected_error_in_a_check_ends_every_process_not_only_its_own(saved, tmp_path,
@@ -205,14 +205,14 @@ def test_an_unexpected_error_in_a_check_ends_every_process_not_only_its_own(save
     ck = _copy(saved, tmp_path)
     with ckpt.Checkpointer(str(ck), create=False) as c:
         with pytest.raises(ZeroDivisionError):
-            c._newest_intact(_phases_with(lambda: 1 / 0)(c), print)
+            c._newest_intact(_phases_with(c, lambda: 1 / 0), print)
         # another process broke at the same phase (its flag in this process's agreement)
         real = ckpt.agree
         monkeypatch.setattr(ckpt, "agree", lambda *f: real(*f[:1], True) if len(f) == 2
                             else real(*f))
         with pytest.raises(ckpt.RunFailure, match=r"another process failed while checking "
                                                   rf"checkpoint step 15 in {ck} \(its log"):
-            c._newest_intact(_phases_with(lambda: None)(c), print)
+            c._newest_intact(_phases_with(c, lambda: None), print)
     assert not (ck / "damaged").exists() and (ck / "15").is_dir()
 
 

@@ -118,7 +118,7 @@ def test_sigterm_reaches_the_child_once_and_its_code_passes(tmp_path):
 def test_sigusr1_reaches_the_child_whose_stacks_go_to_the_log(tmp_path):
     """How a run that seems stuck shows where it is: ``kill -USR1`` on ``ciera train``."""
     rc, _, err = _supervise(tmp_path, """
-        import faulthandler, signal, sys, time
+        import sys, time
         from ciera_models import train_cli
         train_cli._stacks_on_sigusr1()
         print("ready", flush=True)
