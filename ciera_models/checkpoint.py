@@ -44,7 +44,7 @@ from ciera_models import shard_digest
 from ciera_models.checkpoint_meta import (FORMAT, check_meta, checkpoint_format, meta_sha256,
                                          tree_sha256)
 from ciera_models.failures import (NoGoodCheckpoint, RunFailure, WriteFailed,
-                                   describe_os_error)
+                                   describe_os_error, everywhere)
 from ciera_models.params_hash import params_sha256
 from ciera_models.preemption import agree, agree_steps
 from ciera_models.shard_digest import Damaged
@@ -313,7 +313,7 @@ class Checkpointer:
             reasons[step] = why
             self._set_aside(step, reasons[step], steps[: len(steps) - i - 1], log)
         if steps:
-            raise self._none_good(steps, reasons)
+            raise everywhere(self._none_good(steps, reasons))  # every step was set aside by all
         return None
 
     def _walk_phases(self, step: int, phases):
@@ -336,9 +336,10 @@ class Checkpointer:
             bad, broken = agree(why is not None, error is not None)
             if broken:
                 if error is not None:
-                    raise error
-                raise RunFailure(f"--resume: another process failed while checking checkpoint "
-                                 f"step {step} in {self.directory} (its log says why)")
+                    raise everywhere(error)
+                raise everywhere(RunFailure(
+                    f"--resume: another process failed while checking checkpoint step {step} "
+                    f"in {self.directory} (its log says why)"))
             if bad:
                 return None, why or "on another process", k
         return got, None, None
@@ -396,10 +397,11 @@ class Checkpointer:
         # a barrier (nobody looks at the folder while it changes) that also ends every process
         # when the move failed, not only process 0
         if agree(error is not None)[0]:
-            raise RunFailure(f"--resume: checkpoint step {step} in {self.directory} is damaged "
-                             f"({why}) and could not be set aside as {dest}: "
-                             + (describe_os_error(error, dest.parent) if error is not None
-                                else "see process 0's log"))
+            raise everywhere(RunFailure(
+                f"--resume: checkpoint step {step} in {self.directory} is damaged ({why}) and "
+                f"could not be set aside as {dest}: "
+                + (describe_os_error(error, dest.parent) if error is not None
+                   else "see process 0's log")))
         self._mgr.reload()
         nxt = f"trying step {older[-1]}" if older else "no older checkpoint"
         log(f"checkpoint step {step} in {self.directory} is damaged ({why}): set aside as "

@@ -47,6 +47,20 @@ class PeerLost(RunFailure):
     exit_code = EXIT_PEER_LOST
 
 
+def everywhere(e: BaseException) -> BaseException:
+    """``e``, marked as raised by every process at the same point (after an agreement, or
+    from values every process holds alike). Such a run ends through JAX's exit-time shutdown,
+    which every process reaches; any other failure of a multi-process run ends its process at
+    once (:func:`ciera_models.peers.end_alone`)."""
+    e.ciera_everywhere = True
+    return e
+
+
+def raised_everywhere(e: BaseException) -> bool:
+    """Whether :func:`everywhere` marked ``e``."""
+    return getattr(e, "ciera_everywhere", False)
+
+
 def os_error_in(e: BaseException) -> OSError | None:
     """The OSError behind ``e`` (itself, or one in its cause/context chain), if any."""
     seen = set()

@@ -23,8 +23,8 @@ from ciera_jax.runtime.devices import make_mesh
 from ciera_jax.runtime.outputs import check_output_file
 from ciera_models import checkpoint as ckpt
 from ciera_models import checkpoint_meta
-from ciera_models import faults, metrics, peers, run_lock, supervisor
-from ciera_models.failures import WriteFailed, describe_os_error
+from ciera_models import crash_drill, faults, metrics, peers, run_lock, supervisor
+from ciera_models.failures import WriteFailed, describe_os_error, everywhere
 from ciera_models.data import load_dataset
 from ciera_models.params_hash import params_sha256
 from ciera_models.preemption import PreemptionGuard, agree
@@ -87,6 +87,7 @@ def check_inputs(tc: TrainConfig, run: RunConfig) -> None:
     if run.metrics_out:
         check_output_file(run.metrics_out, "--metrics-out")
     faults.parse_fault(run.inject_cache_fault)  # the format; step, rank, tensor: in train()
+    crash_drill.parse_crash(run.inject_crash)  # the format; step, process: in train()
 
 
 def train(tc: TrainConfig, run: RunConfig | None = None, *, mesh=None,
@@ -108,6 +109,9 @@ def train(tc: TrainConfig, run: RunConfig | None = None, *, mesh=None,
         if fault:  # still before the step compiles
             faults.check_fault(fault, tr)
             faults.check_fault_step(fault, run.steps, state.step)
+        crash = crash_drill.parse_crash(run.inject_crash)
+        if crash:
+            crash_drill.check_crash(crash, run.steps, state.step, _process_count())
         out = stack.enter_context(_metrics_file(run, meta, log))
         history, last_save, stopped = [], time.monotonic(), None
         retries = 0
@@ -116,6 +120,7 @@ def train(tc: TrainConfig, run: RunConfig | None = None, *, mesh=None,
                 log(_first_step_note(tr, state.step + 1))
             if fault and state.step + 1 == fault.step and not retries:
                 state = faults.inject(tr, state, fault, log)
+            crash_drill.crash_if_due(crash, state.step + 1, _process_index())
             rec, state = _one_step(tr, state, dataset, run, retried=retries > 0)
             peers.progress["step"] = state.step
             supervisor.report_step(state.step)
@@ -198,8 +203,9 @@ def _report_agreed(rec: dict, out, run: RunConfig, tc: TrainConfig, log, saver, 
     stop, due, any_failed = agree(guard.signal_name is not None,
                                   _save_due(run, rec["step"], last_save), failed is not None)
     if any_failed:
-        raise failed or WriteFailed(f"another process could not write the metrics after step "
-                                    f"{rec['step']} (its line says why); stopped there too")
+        raise everywhere(failed or WriteFailed(
+            f"another process could not write the metrics after step {rec['step']} (its line "
+            "says why); stopped there too"))
     return stop, due
 
 
@@ -220,7 +226,8 @@ def _report(rec: dict, out, run: RunConfig, tc: TrainConfig, log, saver=None) ->
     if run.log_every and (rec["step"] % run.log_every == 0 or rec["step"] in (1, run.steps)):
         log(metrics.progress_line(rec, run.steps, tc.batch_size * tc.length))
     if not math.isfinite(rec["loss"]):
-        raise FloatingPointError(f"loss is {rec['loss']} at step {rec['step']}")
+        # the loss is the global batch's: every process stops here
+        raise everywhere(FloatingPointError(f"loss is {rec['loss']} at step {rec['step']}"))
 
 
 def _one_step(tr, state: TrainState, dataset, run: RunConfig,
@@ -244,10 +251,10 @@ def _after_failed_check(rec: dict, retries: int, log) -> int:
     """Log a failed self-check; stop when the same step keeps failing."""
     retries += 1
     if retries > MAX_RETRIES:
-        raise RuntimeError(
+        raise everywhere(RuntimeError(  # verify_failed is the step's, on every process
             f"step {rec['step']}: the gathers' self-check failed {retries} times in a row "
             f"even after the failed caches re-primed; a rank's memory or links are likely "
-            f"faulty (see verify_failed in the metrics)")
+            f"faulty (see verify_failed in the metrics)"))
     log(f"step {rec['step']}: self-check failed on {rec['verify_failed']} gathered shard(s); "
         f"the step was not applied, the failed caches re-prime, and the same batch runs "
         f"again (retry {retries})")
@@ -284,6 +291,12 @@ def _process_count() -> int:
     import jax
 
     return jax.process_count()
+
+
+def _process_index() -> int:
+    import jax
+
+    return jax.process_index()
 
 
 @contextlib.contextmanager

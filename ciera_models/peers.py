@@ -106,6 +106,17 @@ def _say_and_exit(process_id: int, num_processes: int, text: str) -> None:
     os._exit(EXIT_PEER_LOST)
 
 
+def end_alone(code: int) -> None:
+    """End this process now, without JAX's exit-time shutdown: for a failure the other
+    processes did not share (a bug here, a write that failed on this host). That shutdown
+    waits for every process at a barrier, while the others wait for this one in their next
+    collective, and the watcher's beats keep flowing until then: a hang. Gone, this process is
+    a lost peer to the others, each ending in one line (exit 69)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def initialize(coordinator: str, num_processes: int, process_id: int,
                timeout_s: int = DEFAULT_TIMEOUT_S) -> None:
     """``jax.distributed.initialize`` with every wait bounded by ``timeout_s``: joining (a peer

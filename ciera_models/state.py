@@ -120,6 +120,7 @@ class Trainer:
     encode_program: object = None  # prepare_fn compiled, or a Future while it compiles
     _encode_seconds: tuple = (0.0, 0.0)  # (waited for, compiling) not yet in a step's metrics
     ahead_shapes: dict | None = None  # the shapes of ``ahead`` (_ahead_shapes)
+    encode_trace: object = None  # prepare_fn traced by _ahead_shapes, until it is lowered
     attention: str = "xla"  # the attention's implementation (tc.attention resolved)
     experts: str = "ragged"  # the experts' grouped matmul (tc.experts_matmul resolved)
 
@@ -180,21 +181,27 @@ class Trainer:
         return dataclasses.replace(state, ahead=fsdp.put(host, AHEAD_SPECS, self.mesh))
 
     def _ahead_shapes(self, state: TrainState):
-        """The shapes of ``ahead`` (a trace of the encode: once per trainer, the state's
-        shapes are the trainer's)."""
+        """The shapes of ``ahead``, from the encode's trace (once per trainer: the state's
+        shapes and placements are the trainer's; the words placed as a step's), which
+        :meth:`start_encode_compile` then lowers instead of tracing the encode again."""
         if self.ahead_shapes is None:
-            self.ahead_shapes = jax.eval_shape(self.prepare_fn, state.params, state.caches,
-                                               all_words(self.tensors))
+            words = fsdp.put(all_words(self.tensors), AHEAD_SPECS["word_changed"], self.mesh)
+            self.encode_trace = self.prepare_fn.trace(state.params, state.caches, words)
+            self.ahead_shapes = self.encode_trace.out_info
         return self.ahead_shapes
 
     def start_encode_compile(self, params, caches, word_changed) -> None:
         """Compile the encode program (one for the whole run) in a thread of its own, for
-        arguments shaped and placed like these: XLA lets go of Python while it compiles, so
-        the first step program compiles meanwhile (on a GPU host, in the wall time of that
-        compile alone; XLA:CPU already compiles one program on every core)."""
+        arguments shaped and placed like these (:meth:`_ahead_shapes` traced it for such
+        arguments already, where it ran): XLA lets go of Python while it compiles, so the first
+        step program compiles meanwhile (on a GPU host, in the wall time of that compile alone;
+        XLA:CPU already compiles one program on every core)."""
         if self.encode_program is not None:
             return
-        lowered = self.prepare_fn.lower(params, caches, word_changed)
+        traced, self.encode_trace = self.encode_trace, None  # lowered once: let go of it
+        if traced is None:
+            traced = self.prepare_fn.trace(params, caches, word_changed)
+        lowered = traced.lower()
         options = self.compiler_options or None
 
         def compile_timed():

@@ -16,6 +16,7 @@ import faulthandler
 import os
 import signal
 import sys
+import traceback
 
 from ciera_models.train_config import (RunConfig, TrainConfig, add_fields, from_args, option,
                                        to_argv)
@@ -121,7 +122,8 @@ def run(args) -> int:
     vars(args).update(coordinator=launch.coordinator, num_processes=launch.num_processes,
                       process_id=launch.process_id)  # for the child's flags
     from ciera_models import peers, supervisor
-    from ciera_models.failures import PeerLost, RunFailure
+    from ciera_jax.cli.main import BAD_INPUT
+    from ciera_models.failures import PeerLost, RunFailure, raised_everywhere
 
     if (launch.num_processes or 1) > 1 and launch.coordinator and not supervisor.is_child():
         # the job runs in a child, so that a lost coordinator's C++ abort is one line here
@@ -163,10 +165,17 @@ def run(args) -> int:
     except RunFailure as e:
         who = f" (process {jax.process_index()})" if multi else ""
         print(f"ciera train{who}: {e}", file=sys.stderr, flush=True)
+        if multi and not raised_everywhere(e):
+            peers.end_alone(e.exit_code)
         return e.exit_code
+    except BAD_INPUT:
+        raise  # the arguments' fault, the same on every process: one line (ciera_jax.cli)
     except Exception as e:
         if multi and peers.is_peer_failure(e):  # one line, naming the lost process; exits
             peers.lost_peer(e, jax.process_index(), jax.process_count(), launch.peer_timeout)
+        if multi and not raised_everywhere(e):  # a crash here alone: the others see it as a
+            traceback.print_exc()  # lost peer, instead of waiting for this one
+            peers.end_alone(1)
         raise
     peers.stop_watching()
     if is_main:

@@ -194,6 +194,10 @@ class RunConfig:
         None, "flip random bits of one rank's cache before step STEP: STEP[:RANK[:TENSOR]] "
         "(default rank 0, the largest compressed tensor); a drill of the self-check",
         metavar="STEP[:RANK[:TENSOR]]")
+    inject_crash: str | None = option(
+        None, "raise an error on one process before step STEP: STEP[:PROCESS] (default "
+        "process 0); a drill of a crash on one host: every process ends, the others as for a "
+        "lost peer", metavar="STEP[:PROCESS]")
 
 
 def _flag(name: str) -> str:

@@ -16,6 +16,8 @@ import sys
 from types import ModuleType
 
 GROUP = "ciera.commands"
+# Bad input from the user: a subcommand raising one of these ends in one line, exit 2.
+BAD_INPUT = (ValueError, KeyError, FileNotFoundError, TypeError)
 
 
 def commands() -> dict[str, ModuleType]:
@@ -41,8 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(mods).parse_args(argv)
     try:
         return int(mods[args.command].run(args) or 0)
-    except (ValueError, KeyError, FileNotFoundError, TypeError) as e:
-        # Bad input from the user: one clear line, no traceback wall.
+    except BAD_INPUT as e:  # one clear line, no traceback wall
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"ciera {args.command}: error: {msg}", file=sys.stderr)
         return 2
