@@ -45,6 +45,14 @@ ROWS = [
     (["train", "--trace-every", "-3"], "--trace-every must be >= 0 (0: never), got -3"),
     (["train", "--data", "{tmp}"], "--data {tmp} is a directory; pass a token file"),
     (["train", "--inject-cache-fault", "x"], "e.g. 5 or 5:2 or 5:0:layers/mlp/w_up_ExDxF"),
+    (["train", "--inject-crash", "x"], "--inject-crash 'x': expected STEP[:PROCESS], e.g. 5 "
+                                       "or 5:1"),
+    (["train", "--inject-crash", "0:1"], "--inject-crash '0:1': STEP must be >= 1 and PROCESS "
+                                         ">= 0"),
+    (["train", "--steps", "20", "--inject-crash", "21"],
+     "--inject-crash step 21 is not trained by this run; pick a step from 1 to 20"),
+    (["train", "--steps", "20", "--inject-crash", "5:1"],
+     "--inject-crash: process 1 is not among the 1 process(es)"),
     (["train", "--steps", "20", "--inject-cache-fault", "50"],
      "--inject-cache-fault step 50 is past the end (--steps 20); pick a step from 2 to 20"),
     (["train", "--steps", "20", "--inject-cache-fault", "1"],

@@ -191,3 +191,31 @@ def test_a_checkpoint_damaged_on_one_process_falls_back_on_both(damage, tmp_path
     assert f"resumed from {ck} at step 4" in out0
     assert (ck / "damaged" / "8").is_dir() and not (ck / "8").exists()
     assert _sha(out0) == straight_sha
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("crashed", [0, 1])
+def test_a_crash_on_one_process_ends_it_and_the_other_sees_a_lost_peer(crashed, tmp_path):
+    """``--inject-crash 3:<crashed>``: that process raises before step 3, as a bug there alone
+    would, while the other goes into the step. The crashed one prints its traceback and ends
+    (exit 1) at once, not in JAX's exit-time shutdown, where it used to wait for the other while
+    the other waited for it in the step: a hang until killed. The other ends in the lost-peer
+    line (exit 69). The gather does not matter here: plain compiles fastest."""
+    ck, timeout_s = tmp_path / "ck", 10
+    t0 = time.monotonic()
+    results = finish(_start(ck, free_port(), "--gather", "plain", "--peer-timeout",
+                            str(timeout_s), "--inject-crash", f"3:{crashed}", steps=6), 300)
+    (rc_c, _, err_c), (rc_s, out_s, err_s) = results[crashed], results[1 - crashed]
+    assert rc_c == 1, err_c[-3000:]
+    assert err_c.strip().splitlines()[-1] == (
+        "ciera_models.crash_drill.InjectedCrash: injected crash (--inject-crash) before step 3 "
+        f"on process {crashed}"), err_c[-3000:]
+    assert "Traceback (most recent call last)" in err_c
+    s = 1 - crashed
+    who = "lost process 0 (the coordinator)" if crashed == 0 else "lost process 1"
+    assert rc_s == EXIT_PEER_LOST, err_s[-3000:]
+    assert err_s.strip() == (
+        f"ciera train (process {s}): {who} of 2 after step 2; no checkpoint was saved: restart "
+        f"all processes; full log: {ck / f'ciera-train-process-{s}.log'}"), err_s[-3000:]
+    assert "Check failure" not in out_s + err_s
+    assert time.monotonic() - t0 < 240  # about 45 s on an idle 2-core machine

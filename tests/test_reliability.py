@@ -26,6 +26,7 @@ from ciera_models import loop
 from ciera_models import checkpoint_meta
 from ciera_models import run_lock
 from ciera_models.failures import EXIT_NO_GOOD_CHECKPOINT, EXIT_WRITE_FAILED, NoGoodCheckpoint, WriteFailed
+from ciera_models.failures import raised_everywhere
 from ciera_models.train import TrainConfig, make_mesh, train
 from conftest import TINY_PROGRAMS
 
@@ -201,19 +202,22 @@ def test_an_unexpected_error_in_a_check_ends_every_process_not_only_its_own(save
                                                                             monkeypatch):
     """A check that raises something other than damage (a bug) re-raises it here; where
     another process raised it, this one ends too (RunFailure), instead of waiting for that
-    process in the next agreement; either way no checkpoint is set aside for it."""
+    process in the next agreement; either way no checkpoint is set aside for it. Both are
+    marked as raised everywhere: the run then ends through JAX's shutdown on every process."""
     ck = _copy(saved, tmp_path)
     with ckpt.Checkpointer(str(ck), create=False) as c:
-        with pytest.raises(ZeroDivisionError):
+        with pytest.raises(ZeroDivisionError) as here:
             c._newest_intact(_phases_with(c, lambda: 1 / 0), print)
         # another process broke at the same phase (its flag in this process's agreement)
         real = ckpt.agree
         monkeypatch.setattr(ckpt, "agree", lambda *f: real(*f[:1], True) if len(f) == 2
                             else real(*f))
         with pytest.raises(ckpt.RunFailure, match=r"another process failed while checking "
-                                                  rf"checkpoint step 15 in {ck} \(its log"):
+                                                  rf"checkpoint step 15 in {ck} \(its log"
+                           ) as there:
             c._newest_intact(_phases_with(c, lambda: None), print)
     assert not (ck / "damaged").exists() and (ck / "15").is_dir()
+    assert raised_everywhere(here.value) and raised_everywhere(there.value)
 
 
 def test_a_checkpoint_that_cannot_be_set_aside_is_one_line(saved, tmp_path):
@@ -222,9 +226,11 @@ def test_a_checkpoint_that_cannot_be_set_aside_is_one_line(saved, tmp_path):
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     (ck / "damaged").write_text("a file where the folder for damaged checkpoints goes")
     with pytest.raises(ckpt.RunFailure, match=r"checkpoint step 15 in .* is damaged \(its .*\) "
-                                              r"and could not be set aside as .*damaged/15: "):
+                                              r"and could not be set aside as .*damaged/15: "
+                       ) as e:
         _resume(ck, [])
     assert (ck / "15").is_dir()  # left where it was
+    assert raised_everywhere(e.value)  # agreed: every process ends together
 
 
 def test_a_metrics_write_failed_on_another_process_stops_this_one(monkeypatch):
@@ -243,9 +249,11 @@ def test_a_metrics_write_failed_on_another_process_stops_this_one(monkeypatch):
 
     monkeypatch.setattr(loop, "agree", agree)
     with pytest.raises(WriteFailed, match=r"^another process could not write the metrics "
-                                          r"after step 3 \(its line says why\); stopped there"):
+                                          r"after step 3 \(its line says why\); stopped there"
+                       ) as e:
         train(TC, steps=5, seed=0, mesh=make_mesh(8), log=None)
     assert len(calls) == 3 and not any(f[2] for f in calls)  # this process wrote (nothing)
+    assert raised_everywhere(e.value)
 
 
 # ---- one run per checkpoint folder ------------------------------------------------------
