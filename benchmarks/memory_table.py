@@ -29,32 +29,26 @@ CLUSTERS = {"H100-80GB": "h100", "H200-141GB": "h200"}
 def one(cfg, N: int, cluster, tokens: int, trace, word, remat: str = "full") -> dict:
     """Memory and the best plan that fits for one config, GPU count and cluster."""
     from ciera_jax.planning import memory
-    from ciera_jax.planning.planner import (HEADROOM_GB, cache_budget, modes_summary,
-                                            plan_model_modes)
+    from ciera_jax.planning.planner import modes_summary
     from ciera_jax.sim import simulate_step
+    from ciera_jax.sim.step import plan_within_memory
 
-    topo = cluster.topology
-    base = memory.memory_per_gpu(cfg, N, tokens_per_gpu=tokens, remat=remat)
+    fit = plan_within_memory(cfg, N, cluster, tokens, trace, word, remat=remat)
     full = {m: memory.memory_per_gpu(cfg, N, m, tokens_per_gpu=tokens).cache
             for m in ("exponent", "word")}
-    row = {"config": cfg.name, "gpus": N, "gpu": cluster.name, "memory_gb": topo.memory_gb,
-           "memory": base.to_json(), "full_cache_bytes": full}
-    try:
-        budget = cache_budget(topo.memory_gb, base, headroom_gb=HEADROOM_GB)
-    except ValueError as e:
-        return {**row, "fits": False, "reason": str(e)}
-    if base.total > (topo.memory_gb - HEADROOM_GB) * memory.GB:  # no plan runs at all
-        return {**row, "fits": False,
-                "reason": f"{memory.fmt_gb(base.total)} GB per GPU without caches"}
-    plan = plan_model_modes(cfg, N, topo, budget, trace, word)
-    modes = {(c.layer, c.name): c.mode for c in plan if c.mode != "plain"}
+    row = {"config": cfg.name, "gpus": N, "gpu": cluster.name,
+           "memory_gb": cluster.topology.memory_gb, "memory": fit.base.to_json(),
+           "full_cache_bytes": full}
+    if fit.plan is None:
+        return {**row, "fits": False, "reason": fit.reason}
+    budget, modes = fit.budget, fit.modes
     sim = {m: simulate_step(cfg, N, cluster, m, tokens, trace, word_trace=word)
            for m in ("plain", "plain-noreshard")}
     best = simulate_step(cfg, N, cluster, tokens_per_gpu=tokens, trace=trace, word_trace=word,
                          plan=modes)
     held = sim["plain-noreshard"].extra_memory_bytes
     return {**row, "fits": True, "cache_budget_bytes": budget,
-            "plan": modes_summary(plan)["tensors_by_mode"],
+            "plan": modes_summary(fit.plan)["tensors_by_mode"],
             "plan_cache_bytes": best.extra_memory_bytes,
             "step_s": {"plain": sim["plain"].step_s,
                        "plain-noreshard": sim["plain-noreshard"].step_s, "plan": best.step_s},

@@ -17,6 +17,7 @@ code   meaning
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import shutil
 from pathlib import Path
@@ -54,6 +55,16 @@ def everywhere(e: BaseException) -> BaseException:
     once (:func:`ciera_models.peers.end_alone`)."""
     e.ciera_everywhere = True
     return e
+
+
+@contextlib.contextmanager
+def raised_by_all():
+    """What the ``with`` raises is :func:`everywhere`: checks of what every process holds
+    alike (the arguments, agreed values)."""
+    try:
+        yield
+    except Exception as e:
+        raise everywhere(e)
 
 
 def raised_everywhere(e: BaseException) -> bool:

@@ -24,7 +24,7 @@ from ciera_jax.runtime.outputs import check_output_file
 from ciera_models import checkpoint as ckpt
 from ciera_models import checkpoint_meta
 from ciera_models import crash_drill, faults, metrics, peers, run_lock, supervisor
-from ciera_models.failures import WriteFailed, describe_os_error, everywhere
+from ciera_models.failures import WriteFailed, describe_os_error, everywhere, raised_by_all
 from ciera_models.data import load_dataset
 from ciera_models.params_hash import params_sha256
 from ciera_models.preemption import PreemptionGuard, agree
@@ -105,13 +105,14 @@ def train(tc: TrainConfig, run: RunConfig | None = None, *, mesh=None,
         # a signal from here on: finish the step, save, stop
         guard = stack.enter_context(PreemptionGuard(log, saves=saver is not None))
         tr, state, dataset, meta = _start(tc, run, mesh, saver, log)
-        fault = faults.parse_fault(run.inject_cache_fault)
-        if fault:  # still before the step compiles
-            faults.check_fault(fault, tr)
-            faults.check_fault_step(fault, run.steps, state.step)
-        crash = crash_drill.parse_crash(run.inject_crash)
-        if crash:
-            crash_drill.check_crash(crash, run.steps, state.step, _process_count())
+        with raised_by_all():  # the drills' arguments, checked still before the step compiles
+            fault = faults.parse_fault(run.inject_cache_fault)
+            if fault:
+                faults.check_fault(fault, tr)
+                faults.check_fault_step(fault, run.steps, state.step)
+            crash = crash_drill.parse_crash(run.inject_crash)
+            if crash:
+                crash_drill.check_crash(crash, run.steps, state.step, _process_count())
         out = stack.enter_context(_metrics_file(run, meta, log))
         history, last_save, stopped = [], time.monotonic(), None
         retries = 0
@@ -160,8 +161,9 @@ def _start(tc: TrainConfig, run: RunConfig, mesh, saver, log):
     identity = {**dataclasses.asdict(tc), "seed": run.seed}
     layout = {"devices": int(mesh.devices.size), "processes": _process_count()}
     if saver and run.resume and (saved := saver.newest_meta(log)) is not None:
-        for note in checkpoint_meta.check_resumable(saved, identity, run.checkpoint_dir):
-            log(f"note: {note}")
+        with raised_by_all():  # the checkpoint every process agreed on, against the arguments
+            for note in checkpoint_meta.check_resumable(saved, identity, run.checkpoint_dir):
+                log(f"note: {note}")
         if (note := checkpoint_meta.layout_note(saved, layout)) is not None:
             log(f"note: {note}")
     tr = build_trainer(tc, mesh)
@@ -313,8 +315,9 @@ def _lock(directory: str, log):
             except ValueError as e:
                 refused = e
         if agree(refused is not None)[0]:
-            raise refused or ValueError(f"--checkpoint-dir {directory} is in use by another "
-                                        "run (process 0 could not take its lock)")
+            raise everywhere(refused or ValueError(
+                f"--checkpoint-dir {directory} is in use by another run (process 0 could not "
+                "take its lock)"))
         yield
 
 

@@ -122,7 +122,7 @@ def run(args) -> int:
     vars(args).update(coordinator=launch.coordinator, num_processes=launch.num_processes,
                       process_id=launch.process_id)  # for the child's flags
     from ciera_models import peers, supervisor
-    from ciera_jax.cli.main import BAD_INPUT
+    from ciera_jax.cli.main import BAD_INPUT, EXIT_BAD_INPUT, bad_input_line
     from ciera_models.failures import PeerLost, RunFailure, raised_everywhere
 
     if (launch.num_processes or 1) > 1 and launch.coordinator and not supervisor.is_child():
@@ -168,14 +168,18 @@ def run(args) -> int:
         if multi and not raised_everywhere(e):
             peers.end_alone(e.exit_code)
         return e.exit_code
-    except BAD_INPUT:
-        raise  # the arguments' fault, the same on every process: one line (ciera_jax.cli)
     except Exception as e:
         if multi and peers.is_peer_failure(e):  # one line, naming the lost process; exits
             peers.lost_peer(e, jax.process_index(), jax.process_count(), launch.peer_timeout)
-        if multi and not raised_everywhere(e):  # a crash here alone: the others see it as a
-            traceback.print_exc()  # lost peer, instead of waiting for this one
-            peers.end_alone(1)
+        if multi and not raised_everywhere(e):
+            # this process alone (a bug here, a file missing on this host): the others see a
+            # lost peer, instead of waiting for this one
+            if isinstance(e, BAD_INPUT):
+                print(bad_input_line("train", e, f" (process {jax.process_index()})"),
+                      file=sys.stderr)
+            else:
+                traceback.print_exc()
+            peers.end_alone(EXIT_BAD_INPUT if isinstance(e, BAD_INPUT) else 1)
         raise
     peers.stop_watching()
     if is_main:

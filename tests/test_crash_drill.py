@@ -5,7 +5,7 @@ import pytest
 
 from ciera_models import crash_drill
 from ciera_models.crash_drill import CrashDrill, InjectedCrash
-from ciera_models.failures import raised_everywhere
+from ciera_models.failures import raised_by_all, raised_everywhere
 from ciera_models.train import TrainConfig, make_mesh, train
 from conftest import TINY_PROGRAMS
 
@@ -50,3 +50,13 @@ def test_a_run_raises_before_the_step_and_not_as_everywhere():
     assert not raised_everywhere(e.value)
     steps = [line for line in lines if "] step " in line]
     assert len(steps) == 2 and "step    2/5" in steps[-1], lines
+
+
+def test_what_every_process_raises_alike_is_marked():
+    """Checks of what every process holds alike (``raised_by_all``) end a multi-process run
+    through JAX's shutdown on every process; anything else ends one process at once."""
+    with pytest.raises(ValueError) as e:
+        with raised_by_all():
+            raise ValueError("the arguments")
+    assert raised_everywhere(e.value)
+    assert not raised_everywhere(ValueError("a file on one host"))

@@ -219,3 +219,24 @@ def test_a_crash_on_one_process_ends_it_and_the_other_sees_a_lost_peer(crashed, 
         f"all processes; full log: {ck / f'ciera-train-process-{s}.log'}"), err_s[-3000:]
     assert "Check failure" not in out_s + err_s
     assert time.monotonic() - t0 < 240  # about 45 s on an idle 2-core machine
+
+
+@pytest.mark.slow
+def test_a_file_missing_on_one_host_ends_that_process_and_the_other_sees_a_lost_peer(tmp_path):
+    """Process 1's ``--data`` does not exist (a file on one host only), which it finds after
+    the process group formed: it ends in its bad-input line (exit 2) at once, not in JAX's
+    exit-time shutdown waiting for process 0, and process 0 ends in the lost-peer line."""
+    ck, missing, port = tmp_path / "ck", tmp_path / "tokens-here-only.bin", free_port()
+    procs = [subprocess.Popen(
+        [*TRAIN, "--steps", "6", "--gather", "plain", "--checkpoint-dir", str(ck),
+         "--coordinator", f"127.0.0.1:{port}", "--process-id", str(i), "--peer-timeout", "10",
+         *(["--data", str(missing)] if i == 1 else [])], env={**ENV, "JAX_PLATFORMS": "cpu"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    (rc0, out0, err0), (rc1, _, err1) = finish(procs, 300)
+    assert rc1 == 2, err1[-3000:]
+    assert err1.strip() == (f"ciera train (process 1): error: data file not found: "
+                            f"{missing}"), err1[-3000:]
+    assert rc0 == EXIT_PEER_LOST, err0[-3000:]
+    assert re.fullmatch(r"ciera train \(process 0\): lost process 1 of 2 (before training "
+                        r"started|after step \d+); .*", err0.strip()), err0[-3000:]
+    assert "Check failure" not in out0 + err0

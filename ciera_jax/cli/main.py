@@ -18,6 +18,13 @@ from types import ModuleType
 GROUP = "ciera.commands"
 # Bad input from the user: a subcommand raising one of these ends in one line, exit 2.
 BAD_INPUT = (ValueError, KeyError, FileNotFoundError, TypeError)
+EXIT_BAD_INPUT = 2
+
+
+def bad_input_line(command: str, e: BaseException, who: str = "") -> str:
+    """The one line for bad input ``e`` to ``ciera <command>`` (``who``: " (process N)")."""
+    msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+    return f"ciera {command}{who}: error: {msg}"
 
 
 def commands() -> dict[str, ModuleType]:
@@ -44,9 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(mods[args.command].run(args) or 0)
     except BAD_INPUT as e:  # one clear line, no traceback wall
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"ciera {args.command}: error: {msg}", file=sys.stderr)
-        return 2
+        print(bad_input_line(args.command, e), file=sys.stderr)
+        return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

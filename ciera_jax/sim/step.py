@@ -129,23 +129,50 @@ def method_modes(method: str, N: int, topo: cm.Link, trace: Trace, word_trace: W
     raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """The budgeted planner within one GPU's memory: what the step needs without caches
+    (``base``), what is left for caches (``budget``, bytes) and the plan within it
+    (``plan``: the planner's choices); ``plan`` None, with ``reason``, when the step does not
+    fit even without caches."""
+
+    base: memory.Memory
+    budget: float | None = None
+    plan: list | None = None
+    reason: str | None = None
+
+    @property
+    def modes(self) -> dict | None:
+        """``{(layer, name): mode}`` of the tensors the plan does not gather plainly."""
+        if self.plan is None:
+            return None
+        return {(c.layer, c.name): c.mode for c in self.plan if c.mode != "plain"}
+
+
+def plan_within_memory(cfg: Any, gpus: int, cluster: Cluster, tokens_per_gpu: int,
+                       trace: Trace, word_trace: WordTrace, phase: str = "steady",
+                       remat: str = "full") -> Fit:
+    """The plan a run gets (as ``ciera plan`` and ``--cache auto`` choose): the budgeted
+    planner's modes within the GPU's memory less ``planner.HEADROOM_GB`` and what the step
+    needs under ``remat``."""
+    topo = cluster.topology
+    base = memory.memory_per_gpu(cfg, gpus, tokens_per_gpu=tokens_per_gpu, remat=remat)
+    try:
+        budget = cache_budget(topo.memory_gb, base, headroom_gb=HEADROOM_GB)
+    except ValueError as e:  # not even the training state fits
+        return Fit(base, reason=str(e))
+    if topo.memory_gb is not None and base.total > (topo.memory_gb - HEADROOM_GB) * memory.GB:
+        return Fit(base, reason=f"{memory.fmt_gb(base.total)} GB per GPU without caches")
+    return Fit(base, budget, plan_model_modes(cfg, gpus, topo, budget, trace, word_trace, phase))
+
+
 def fitting_plan(cfg: Any, gpus: int, cluster: Cluster, tokens_per_gpu: int, trace: Trace,
                  word_trace: WordTrace, phase: str = "steady",
                  remat: str = "full") -> dict | None:
-    """The plan a run gets: the budgeted planner's modes within the GPU's memory less
-    ``planner.HEADROOM_GB`` and what the step needs under ``remat`` (as ``ciera plan`` and
-    ``--cache auto`` choose), ``{(layer, name): mode}`` of the tensors not plain; None when
-    the step does not fit even without caches."""
-    topo = cluster.topology
-    base = memory.memory_per_gpu(cfg, gpus, tokens_per_gpu=tokens_per_gpu, remat=remat)
-    if topo.memory_gb is not None and base.total > (topo.memory_gb - HEADROOM_GB) * memory.GB:
-        return None
-    try:
-        budget = cache_budget(topo.memory_gb, base, headroom_gb=HEADROOM_GB)
-    except ValueError:  # not even the training state fits
-        return None
-    plan = plan_model_modes(cfg, gpus, topo, budget, trace, word_trace, phase)
-    return {(c.layer, c.name): c.mode for c in plan if c.mode != "plain"}
+    """:func:`plan_within_memory`'s modes, ``{(layer, name): mode}`` of the tensors not plain;
+    None when the step does not fit even without caches."""
+    return plan_within_memory(cfg, gpus, cluster, tokens_per_gpu, trace, word_trace, phase,
+                              remat).modes
 
 
 def _plan_modes(plan: Mapping) -> Callable:
