@@ -5,7 +5,7 @@ host would; every other process goes on into the step. The crashed process print
 traceback and ends at once (exit 1), and the others then see a lost peer: one line each, exit
 69, within ``--peer-timeout`` (at once where the crashed one is process 0, the coordinator).
 Without this, the crashed process would wait in JAX's exit-time shutdown for the others while
-they wait for it in the step's collectives (docs/training.md, "Lost processes").
+they wait for it in the step's collectives (docs/training.md, "Multi-process: a lost peer").
 """
 
 from __future__ import annotations

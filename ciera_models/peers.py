@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from ciera_models.failures import EXIT_PEER_LOST, PeerLost
 
@@ -106,7 +107,7 @@ def _say_and_exit(process_id: int, num_processes: int, text: str) -> None:
     os._exit(EXIT_PEER_LOST)
 
 
-def end_alone(code: int) -> None:
+def end_alone(code: int) -> NoReturn:
     """End this process now, without JAX's exit-time shutdown: for a failure the other
     processes did not share (a bug here, a write that failed on this host). That shutdown
     waits for every process at a barrier, while the others wait for this one in their next

@@ -202,7 +202,6 @@ def test_a_crash_on_one_process_ends_it_and_the_other_sees_a_lost_peer(crashed, 
     the other waited for it in the step: a hang until killed. The other ends in the lost-peer
     line (exit 69). The gather does not matter here: plain compiles fastest."""
     ck, timeout_s = tmp_path / "ck", 10
-    t0 = time.monotonic()
     results = finish(_start(ck, free_port(), "--gather", "plain", "--peer-timeout",
                             str(timeout_s), "--inject-crash", f"3:{crashed}", steps=6), 300)
     (rc_c, _, err_c), (rc_s, out_s, err_s) = results[crashed], results[1 - crashed]
@@ -218,7 +217,6 @@ def test_a_crash_on_one_process_ends_it_and_the_other_sees_a_lost_peer(crashed, 
         f"ciera train (process {s}): {who} of 2 after step 2; no checkpoint was saved: restart "
         f"all processes; full log: {ck / f'ciera-train-process-{s}.log'}"), err_s[-3000:]
     assert "Check failure" not in out_s + err_s
-    assert time.monotonic() - t0 < 240  # about 45 s on an idle 2-core machine
 
 
 @pytest.mark.slow
