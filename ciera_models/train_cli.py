@@ -174,12 +174,13 @@ def run(args) -> int:
         if multi and not raised_everywhere(e):
             # this process alone (a bug here, a file missing on this host): the others see a
             # lost peer, instead of waiting for this one
-            if isinstance(e, BAD_INPUT):
+            bad_input = isinstance(e, BAD_INPUT)
+            if bad_input:
                 print(bad_input_line("train", e, f" (process {jax.process_index()})"),
                       file=sys.stderr)
             else:
                 traceback.print_exc()
-            peers.end_alone(EXIT_BAD_INPUT if isinstance(e, BAD_INPUT) else 1)
+            peers.end_alone(EXIT_BAD_INPUT if bad_input else 1)
         raise
     peers.stop_watching()
     if is_main:
