@@ -28,8 +28,8 @@ from ciera_jax.fsdp import AXIS
 from ciera_jax.kernels.backend import lowering_for
 from ciera_jax.runtime import gpu_targets, schedule
 from ciera_models import memory_limit
-from ciera_models.state import build_trainer, fresh_caches, is_spec
-from ciera_models.step import AHEAD_SPECS, all_words
+from ciera_models.state import build_trainer, placed_abstract
+from ciera_models.step import AHEAD_SPECS
 
 
 def batch_for(tc, gpus: int, tokens_per_gpu: int):
@@ -41,32 +41,17 @@ def batch_for(tc, gpus: int, tokens_per_gpu: int):
     return dataclasses.replace(tc, batch_size=per_gpu * gpus)
 
 
-def _placed(tree, specs, mesh):
-    """Abstract arrays with the shardings ``specs`` (a prefix tree of PartitionSpecs)."""
-    def one(spec, sub):
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(
-            a.shape, a.dtype, sharding=NamedSharding(mesh, spec)), sub)
-    return jax.tree.map(one, specs, tree, is_leaf=is_spec)
-
-
 def abstract_step_args(tr):
     """``(params, caches, opt_state, ahead, tokens)`` as the step takes them, all abstract."""
     mesh = tr.mesh
-    params = _placed(tr.param_shapes, tr.param_specs, mesh)
-    caches = _placed(jax.eval_shape(lambda: fresh_caches(tr.cache_shapes, tr.tensors,
-                                                         tr.cache_modes)), P(), mesh)
-    opt = _placed(jax.eval_shape(tr.tx.init, params), tr.opt_specs, mesh)
-    ahead = _placed(jax.eval_shape(tr.prepare_fn, params, caches, _word_counts(tr)),
-                    AHEAD_SPECS, mesh)
+    params, caches, words = tr.encode_arguments()
+    opt = placed_abstract(jax.eval_shape(tr.tx.init, params), tr.opt_specs, mesh)
+    ahead = placed_abstract(jax.eval_shape(tr.prepare_fn, params, caches, words), AHEAD_SPECS,
+                            mesh)
     # a batch holds seq_len + 1 tokens per sequence: inputs and their next tokens
     tokens = jax.ShapeDtypeStruct((tr.tc.batch_size, tr.tc.length + 1), jnp.int32,
                                   sharding=NamedSharding(mesh, P(AXIS)))
     return params, caches, opt, ahead, tokens
-
-
-def _word_counts(tr):
-    """The encode program's ``word_changed`` argument, abstract (replicated counts)."""
-    return _placed(jax.eval_shape(lambda: all_words(tr.tensors)), P(), tr.mesh)
 
 
 def encode_report(lowered, options: dict, modules: bool = False) -> dict:
@@ -194,7 +179,7 @@ def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: i
         tr = build_trainer(tc, mesh)
         args = tr.at_rungs(abstract_step_args(tr), program)
         lowered = tr.step_fn.lower(*args)
-        lowered_encode = tr.prepare_fn.lower(args[0], args[1], _word_counts(tr))
+        lowered_encode = tr.prepare_fn.lower(*tr.encode_arguments())
     t_lower = time.perf_counter() - t0
     model = memory_limit.model_memory(tr, tokens_per_gpu)
     plan = memory_limit.LimitPlan(target, memory_limit.per_gpu_bytes(args), model.total)

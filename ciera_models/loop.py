@@ -169,6 +169,7 @@ def _start(tc: TrainConfig, run: RunConfig, mesh, saver, log):
     tr = build_trainer(tc, mesh)
     if tr.policy is not None:  # an earlier run in this process: its programs stay compiled
         tr.policy.start_run()
+    tr.start_encode_compile()  # it compiles while the state is made or restored
     state = tr.init_state(run.seed)
     if run.resume:
         state = _restore(saver, state, log)

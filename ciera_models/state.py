@@ -97,6 +97,15 @@ def is_spec(x) -> bool:
     return isinstance(x, P)
 
 
+def placed_abstract(tree, specs, mesh):
+    """Abstract arrays with the shardings ``specs`` (a prefix tree of PartitionSpecs): what
+    arrays placed with :func:`ciera_jax.fsdp.put` look like to ``jit``."""
+    def one(spec, sub):
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+            a.shape, a.dtype, sharding=NamedSharding(mesh, spec)), sub)
+    return jax.tree.map(one, specs, tree, is_leaf=is_spec)
+
+
 @dataclasses.dataclass
 class Trainer:
     tc: object  # TrainConfig
@@ -137,12 +146,13 @@ class Trainer:
             return {}
         return gpu_targets.compiler_options(self.tc.xla_flags)
 
-    def compile(self, args: tuple, log=None):
-        """The step compiled for ``args`` (one rung vector's program). On GPUs: with
-        :attr:`compiler_options`, and XLA's scheduler memory limit as ``--memory-limit`` says
-        (:func:`ciera_models.memory_limit.compile_within`, the policy ``ciera aot`` reports
-        with; a GPU model not in ``gpu_targets.TARGETS`` keeps XLA's own limit)."""
-        lowered = self.step_fn.lower(*args)
+    def compile(self, args: tuple, log=None, lowered=None):
+        """The step compiled for ``args`` (one rung vector's program; ``lowered``: the step
+        lowered for them already). On GPUs: with :attr:`compiler_options`, and XLA's scheduler
+        memory limit as ``--memory-limit`` says (:func:`ciera_models.memory_limit.compile_within`,
+        the policy ``ciera aot`` reports with; a GPU model not in ``gpu_targets.TARGETS`` keeps
+        XLA's own limit)."""
+        lowered = self.step_fn.lower(*args) if lowered is None else lowered
         device = self.mesh.devices.flat[0]
         target = gpu_targets.target_of(device) if gpu_targets.is_gpu(device.platform) else None
         if target is None:
@@ -169,7 +179,7 @@ class Trainer:
         # Fresh caches (init, restore): every Encoded only has to say "prime me" (demand =
         # int32 max), and the priming gather sends the shard's own bits, not the payload. So
         # build it on the host instead of compiling the encoder a second time.
-        shapes = self._ahead_shapes(state)
+        shapes = self._ahead_shapes()
         wires = self.rung_policy(state).wires
         host = {"encoded": fsdp.priming_inputs(self.tensors, shapes["encoded"], self.n),
                 "word_changed": jax.tree.map(np.asarray, jax.device_get(
@@ -180,27 +190,35 @@ class Trainer:
                            for k, a in shapes["needed"].items()}}
         return dataclasses.replace(state, ahead=fsdp.put(host, AHEAD_SPECS, self.mesh))
 
-    def _ahead_shapes(self, state: TrainState):
-        """The shapes of ``ahead``, from the encode's trace (once per trainer: the state's
-        shapes and placements are the trainer's; the words placed as a step's), which
+    def encode_arguments(self) -> tuple:
+        """``(params, caches, word_changed)`` as the encode program takes them, abstract: the
+        trainer's shapes and placements (fresh caches: a restored state's have the same
+        structure), the words placed as a step's."""
+        params = placed_abstract(self.param_shapes, self.param_specs, self.mesh)
+        caches = placed_abstract(jax.eval_shape(lambda: fresh_caches(
+            self.cache_shapes, self.tensors, self.cache_modes)), P(), self.mesh)
+        words = placed_abstract(jax.eval_shape(lambda: all_words(self.tensors)),
+                                AHEAD_SPECS["word_changed"], self.mesh)
+        return params, caches, words
+
+    def _ahead_shapes(self):
+        """The shapes of ``ahead``, from the encode's trace (once per trainer), which
         :meth:`start_encode_compile` then lowers instead of tracing the encode again."""
         if self.ahead_shapes is None:
-            words = fsdp.put(all_words(self.tensors), AHEAD_SPECS["word_changed"], self.mesh)
-            self.encode_trace = self.prepare_fn.trace(state.params, state.caches, words)
+            self.encode_trace = self.prepare_fn.trace(*self.encode_arguments())
             self.ahead_shapes = self.encode_trace.out_info
         return self.ahead_shapes
 
-    def start_encode_compile(self, params, caches, word_changed) -> None:
-        """Compile the encode program (one for the whole run) in a thread of its own, for
-        arguments shaped and placed like these (:meth:`_ahead_shapes` traced it for such
-        arguments already, where it ran): XLA lets go of Python while it compiles, so the first
-        step program compiles meanwhile (on a GPU host, in the wall time of that compile alone;
-        XLA:CPU already compiles one program on every core)."""
+    def start_encode_compile(self) -> None:
+        """Compile the encode program (one for the whole run) in a thread of its own, for the
+        trainer's arguments (:meth:`encode_arguments`). XLA lets go of Python while it
+        compiles, so what the process does meanwhile runs beside it: ``ciera train`` starts it
+        before it makes or restores the state (Python, mostly one core), and the first step
+        program compiles after (on a GPU host, in the wall time of that compile alone)."""
         if self.encode_program is not None:
             return
+        self._ahead_shapes()
         traced, self.encode_trace = self.encode_trace, None  # lowered once: let go of it
-        if traced is None:
-            traced = self.prepare_fn.trace(params, caches, word_changed)
         lowered = traced.lower()
         options = self.compiler_options or None
 
@@ -218,7 +236,7 @@ class Trainer:
         compiled first if it is not (:meth:`start_encode_compile`). The seconds this waited for
         the compile and the compile's own are reported with the next step's metrics."""
         t0 = time.perf_counter()
-        self.start_encode_compile(params, caches, word_changed)
+        self.start_encode_compile()
         if isinstance(self.encode_program, concurrent.futures.Future):
             self.encode_program, compiling_s = self.encode_program.result()
             waited, compiled = self._encode_seconds
@@ -230,7 +248,7 @@ class Trainer:
         every compressed tensor, whose shapes the encode knows, on the link the plan priced:
         ``--profile``)."""
         if self.policy is None:
-            shapes = self._ahead_shapes(state)["encoded"]
+            shapes = self._ahead_shapes()["encoded"]
             platform = self.mesh.devices.flat[0].platform
             link = costmodel.get_link(self.tc.profile or default_profile(platform))
             self.policy = RungPolicy(fsdp.wires(self.tensors, shapes, self.n),
@@ -288,9 +306,13 @@ class Trainer:
         compile_s = 0.0
         if key not in self.programs:
             t0 = time.perf_counter()
-            # the encode program compiles beside the run's first step program
-            self.start_encode_compile(state.params, state.caches, state.ahead["word_changed"])
-            self.programs[key] = self.compile(args)
+            lowered = self.step_fn.lower(*args)
+            # The encode program compiles beside the run's first step program (unless it
+            # started earlier, as ``ciera train`` starts it), once that is traced: started
+            # before, its compile threads slowed the trace (Python) down more than they
+            # overlapped (tiny, word, 2 cores: first step 10.5-11.1 -> 9.3-10.2 s).
+            self.start_encode_compile()
+            self.programs[key] = self.compile(args, lowered=lowered)
             compile_s = time.perf_counter() - t0
             policy.compiled(agreed_seconds(compile_s))
         params, caches, opt_state, word_changed, m = self.programs[key](*args)
