@@ -4,15 +4,17 @@ Runs ``ciera train`` (a fresh process each, so nothing compiled is shared) for `
 plain``, the defaults and ``--cache exponent`` (``--runs``; ``defaults+slow`` and
 ``exponent+slow`` add ``--program-patience 2e-5``, a compile priced like about one plain step
 of tiny's bytes; ``no-exits`` adds ``--overflow-rungs 0``: every overflow a plain gather), one
-after another per round, and reads each run's JSONL: the first step (compile + priming, what a
-user waits for; in wall seconds and in the process's CPU seconds, every thread: the steadier
-figure on a shared machine), every program the run compiled (count, seconds, recompiles), the
+after another per round, and reads each run's JSONL: the first step (compile + priming; in
+wall seconds and in the process's CPU seconds, every thread: the steadier figure on a shared
+machine), alone and from the run's start (the header's start-up: data, trainer, state, and the
+encode program's compile, which starts beside the state's making: what a user waits for),
+every program the run compiled (count, seconds, recompiles), the
 median step after ``--settle`` steps (the steady step, compile-free steps only), the wire over
 the run and its last quarter (padding up to the programs' rungs and overflows counted), and
 the params hash (all equal).
 
-    python benchmarks/programs.py [--config tiny] [--steps 200] [--rounds 1] [--runs ...]
-                                  [--out PATH]
+    python benchmarks/programs.py [--config tiny] [--steps 200] [--plan P] [--rounds 1]
+                                  [--runs ...] [--out PATH]
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def parse_args(argv=None):
     p = parser(__doc__, "programs")
     p.add_argument("--config", default="tiny")
     p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--plan", help="which tensors compress (ciera train --plan; default: its)")
     p.add_argument("--settle", type=int, default=20,
                    help="steps left out of the steady step's median (warm-up)")
     p.add_argument("--rounds", type=int, default=1)
@@ -48,12 +51,14 @@ def parse_args(argv=None):
 def one_run(name: str, args, tmp: str) -> dict:
     out = os.path.join(tmp, f"{name}.jsonl")
     cmd = [sys.executable, "-m", "ciera_jax.cli.main", "train", "--config", args.config,
-           "--steps", str(args.steps), "--log-every", "0", "--metrics-out", out, *RUNS[name]]
+           "--steps", str(args.steps), "--log-every", "0", "--metrics-out", out, *RUNS[name],
+           *(["--plan", args.plan] if args.plan else [])]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode:
         sys.stderr.write(res.stderr[-3000:])
         raise SystemExit(f"programs: the {name} run failed")
-    rows = [json.loads(line) for line in open(out)][1:]
+    lines = [json.loads(line) for line in open(out)]
+    header, rows = lines[0]["header"], lines[1:]
     sha = next(line.split("=", 1)[1] for line in res.stdout.splitlines()
                if line.startswith("params_sha256="))
     compiles = [r["compile_s"] for r in rows if r["compile_s"]]
@@ -61,7 +66,11 @@ def one_run(name: str, args, tmp: str) -> dict:
     q = rows[len(rows) - len(rows) // 4:]
     return dict(
         run=name, sha256=sha, first_step_s=rows[0]["step_time_s"],
-        first_step_cpu_s=rows[0]["step_cpu_s"], programs=len(compiles),
+        first_step_cpu_s=rows[0]["step_cpu_s"],
+        # from the run's start: the encode program's compile starts before the first step
+        to_first_step_s=header["startup_s"] + rows[0]["step_time_s"],
+        to_first_step_cpu_s=header["startup_cpu_s"] + rows[0]["step_cpu_s"],
+        programs=len(compiles),
         compile_s=sum(compiles), compiles=compiles, steady_step_s=statistics.median(steady),
         wire=sum(r["sent_bytes"] for r in rows) / sum(r["plain_bytes"] for r in rows),
         wire_last_quarter=sum(r["sent_bytes"] for r in q) / sum(r["plain_bytes"] for r in q),
@@ -78,17 +87,20 @@ def main(argv=None) -> int:
                 results[name].append(one_run(name, args, tmp))
                 x = results[name][-1]
                 print(f"round {r + 1}: {name:<14} first step {x['first_step_s']:6.1f} s "
-                      f"({x['first_step_cpu_s']:.1f} CPU s), "
+                      f"({x['first_step_cpu_s']:.1f} CPU s; from the start "
+                      f"{x['to_first_step_s']:.1f} s, {x['to_first_step_cpu_s']:.1f} CPU s), "
                       f"{x['programs']} programs {x['compile_s']:6.1f} s, steady "
                       f"{x['steady_step_s']:.3f} s, wire {x['wire']:.3f} / last quarter "
                       f"{x['wire_last_quarter']:.3f}", flush=True)
-    keys = ("first_step_s", "first_step_cpu_s", "compile_s", "steady_step_s")
+    keys = ("first_step_s", "first_step_cpu_s", "to_first_step_s", "to_first_step_cpu_s",
+            "compile_s", "steady_step_s")
     med = {n: {k: statistics.median(x[k] for x in rs) for k in keys}
            for n, rs in results.items()}
     base = med.get("plain")
     print(f"\n{args.config}, {args.steps} steps, median of {args.rounds} round(s), load average "
           f"{os.getloadavg()[0]:.1f}; x plain: the plain run's (compile: its one program)")
-    print(f"{'run':<15}{'first s':>9}{'x':>6}{'CPU s':>7}{'x':>6}{'programs':>9}"
+    print(f"{'run':<15}{'first s':>9}{'x':>6}{'CPU s':>7}{'x':>6}{'from start':>11}{'x':>6}"
+          f"{'CPU s':>7}{'x':>6}{'programs':>9}"
           f"{'compile s':>10}{'x':>6}{'steady s':>9}{'x':>6}{'wire':>7}{'last 1/4':>9}"
           f"{'overflows':>10}  compiled at steps")
     rows = []
@@ -99,6 +111,8 @@ def main(argv=None) -> int:
                          rounds=rs))
         print(f"{name:<15}{m['first_step_s']:>9.1f}{ratio['first_step_s']:>6.2f}"
               f"{m['first_step_cpu_s']:>7.1f}{ratio['first_step_cpu_s']:>6.2f}"
+              f"{m['to_first_step_s']:>11.1f}{ratio['to_first_step_s']:>6.2f}"
+              f"{m['to_first_step_cpu_s']:>7.1f}{ratio['to_first_step_cpu_s']:>6.2f}"
               f"{last['programs']:>9}{m['compile_s']:>10.1f}{ratio['compile_s']:>6.2f}"
               f"{m['steady_step_s']:>9.3f}{ratio['steady_step_s']:>6.2f}{last['wire']:>7.3f}"
               f"{last['wire_last_quarter']:>9.3f}{last['overflows']:>10}  "
@@ -106,8 +120,8 @@ def main(argv=None) -> int:
     hashes = {x["sha256"] for rs in results.values() for x in rs}
     print(f"params_sha256: {'all equal' if len(hashes) == 1 else 'DIFFER'} "
           f"({sorted(hashes)[0][:16]}...)")
-    write_results(args.out, {"config": args.config, "steps": args.steps, "rows": rows,
-                         "load_average": os.getloadavg()})
+    write_results(args.out, {"config": args.config, "plan": args.plan, "steps": args.steps,
+                             "rows": rows, "load_average": os.getloadavg()})
     return 0 if len(hashes) == 1 else 1
 
 

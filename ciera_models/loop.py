@@ -104,7 +104,12 @@ def train(tc: TrainConfig, run: RunConfig | None = None, *, mesh=None,
                  if run.checkpoint_dir else None)
         # a signal from here on: finish the step, save, stop
         guard = stack.enter_context(PreemptionGuard(log, saves=saver is not None))
+        t0, c0 = time.perf_counter(), time.process_time()
         tr, state, dataset, meta = _start(tc, run, mesh, saver, log)
+        # what the first step's seconds leave out: data, trainer, state (and the encode
+        # program's compile, which starts beside the state's making)
+        startup = {"startup_s": time.perf_counter() - t0,
+                   "startup_cpu_s": time.process_time() - c0}
         with raised_by_all():  # the drills' arguments, checked still before the step compiles
             fault = faults.parse_fault(run.inject_cache_fault)
             if fault:
@@ -113,7 +118,7 @@ def train(tc: TrainConfig, run: RunConfig | None = None, *, mesh=None,
             crash = crash_drill.parse_crash(run.inject_crash)
             if crash:
                 crash_drill.check_crash(crash, run.steps, state.step, _process_count())
-        out = stack.enter_context(_metrics_file(run, meta, log))
+        out = stack.enter_context(_metrics_file(run, {**meta, **startup}, log))
         history, last_save, stopped = [], time.monotonic(), None
         retries = 0
         while state.step < run.steps and not stopped:

@@ -219,6 +219,8 @@ class Trainer:
             return
         self._ahead_shapes()
         traced, self.encode_trace = self.encode_trace, None  # lowered once: let go of it
+        if traced is None:  # let go of already (a copy of a trainer that compiled it)
+            traced = self.prepare_fn.trace(*self.encode_arguments())
         lowered = traced.lower()
         options = self.compiler_options or None
 

@@ -61,3 +61,29 @@ def test_an_encode_at_the_start_from_primed_caches_runs_the_same_program():
     state = tr.prepare(dataclasses.replace(state, ahead=None))  # encoded from primed caches
     state, m = tr.step(state, tr.batch(ds, 0, 1))
     assert tr.encode_program is program and int(m["verify_failed"]) == 0
+
+
+def test_ciera_train_starts_the_encode_compile_before_it_makes_the_state(tmp_path, monkeypatch):
+    """``ciera train`` starts the encode program's compile before the state is made (so it
+    compiles beside that), from the trainer's abstract arguments, whose program then runs on
+    the real state; the JSONL header says how long the start-up took."""
+    import json
+
+    from ciera_models import loop, state as state_lib
+
+    started = []
+    init_state = state_lib.Trainer.init_state
+
+    def spy(self, seed):
+        started.append(self.encode_program is not None)
+        return init_state(self, seed)
+
+    monkeypatch.setattr(state_lib.Trainer, "init_state", spy)
+    tc = dataclasses.replace(TC, lr=TC.lr * 0.5)  # a trainer of its own (build_trainer memoizes)
+    out = tmp_path / "m.jsonl"
+    loop.train(tc, steps=2, mesh=make_mesh(8), metrics_out=str(out))
+    assert started == [True]
+    header, *rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert header["header"]["startup_s"] > 0 and header["header"]["startup_cpu_s"] > 0
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["encode_compile_s"] > 0 and all(r["verify_failed"] == 0 for r in rows)
