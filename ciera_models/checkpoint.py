@@ -40,7 +40,7 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
-from ciera_models import shard_digest
+from ciera_models import peers, shard_digest
 from ciera_models.checkpoint_meta import (FORMAT, check_meta, checkpoint_format, meta_sha256,
                                          tree_sha256)
 from ciera_models.failures import (NoGoodCheckpoint, RunFailure, WriteFailed,
@@ -205,9 +205,15 @@ class Checkpointer:
             logging.getLogger("absl").setLevel(self._absl_level)
             self._absl_level = None
 
-    def _failed(self, e: BaseException) -> WriteFailed:
+    def _failed(self, e: BaseException) -> BaseException:
+        """What to raise for a save that failed with ``e``: :class:`WriteFailed`, or ``e``
+        itself where it is a peer's failure (another process died while this one saved beside
+        it, and orbax's collective broke here): the lost-peer line names that process, where
+        this one would blame the disk."""
         step, before, _ = self._pending
         self._pending = None
+        if peers.is_peer_failure(e):
+            return e
         return WriteFailed(
             f"checkpoint: saving step {step} to {self.directory} failed "
             f"({describe_os_error(e, self.directory)}); the newest checkpoint is "

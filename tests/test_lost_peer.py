@@ -238,3 +238,37 @@ def test_a_file_missing_on_one_host_ends_that_process_and_the_other_sees_a_lost_
     assert re.fullmatch(r"ciera train \(process 0\): lost process 1 of 2 (before training "
                         r"started|after step \d+); .*", err0.strip()), err0[-3000:]
     assert "Check failure" not in out0 + err0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("full", [1, 0])
+def test_a_save_failing_on_one_host_ends_that_process_and_the_other_sees_a_lost_peer(
+        full, tmp_path):
+    """Process ``full``'s disk is full (every checkpoint write there fails as orbax's does,
+    ``tests/full_disk/sitecustomize.py``), the other's is not: the first save fails on that
+    process alone. It ends in its write-failed line (exit 74) at once, not in JAX's exit-time
+    shutdown waiting for the other, which was saving beside it; the other ends in the
+    lost-peer line (exit 69), and no step is in place that one host did not write."""
+    ck, port = tmp_path / "ck", free_port()
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "full_disk")
+    env = {**ENV, "JAX_PLATFORMS": "cpu", "CIERA_TEST_FULL_DISK": str(full),
+           "PYTHONPATH": os.pathsep.join(filter(None, [here, ENV.get("PYTHONPATH")]))}
+    procs = [subprocess.Popen(
+        [*TRAIN, "--steps", "6", "--gather", "plain", "--checkpoint-dir", str(ck),
+         "--checkpoint-every", "2", "--coordinator", f"127.0.0.1:{port}", "--process-id",
+         str(i), "--peer-timeout", "10"], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True) for i in range(2)]
+    results = finish(procs, 300)
+    (rc_f, _, err_f), (rc_s, out_s, err_s) = results[full], results[1 - full]
+    assert rc_f == 74, err_f[-3000:]
+    assert re.fullmatch(
+        rf"ciera train \(process {full}\): checkpoint: saving step 2 to \S+ failed \(.*No space "
+        r"left on device.*\); the newest checkpoint is none: free space \(or fix the folder\), "
+        r"then rerun with --resume", err_f.strip()), err_f[-3000:]
+    s = 1 - full
+    who = "lost process 0 (the coordinator)" if full == 0 else "lost process 1"
+    assert rc_s == EXIT_PEER_LOST, err_s[-3000:]
+    assert re.fullmatch(rf"ciera train \(process {s}\): {re.escape(who)} of 2 after step 2; "
+                        r"no checkpoint was saved: .*", err_s.strip()), err_s[-3000:]
+    assert "Check failure" not in out_s + err_s
+    assert not (ck / "2").exists()

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import orbax.checkpoint as ocp
 import pytest
 
@@ -24,6 +25,7 @@ from ciera_jax.cli import main as cli
 from ciera_models import checkpoint as ckpt
 from ciera_models import loop
 from ciera_models import checkpoint_meta
+from ciera_models import peers
 from ciera_models import run_lock
 from ciera_models.failures import EXIT_NO_GOOD_CHECKPOINT, EXIT_WRITE_FAILED, NoGoodCheckpoint, WriteFailed
 from ciera_models.failures import raised_everywhere
@@ -366,6 +368,22 @@ def test_a_failed_checkpoint_write_is_one_line_and_keeps_the_previous(saved, tmp
     assert _resume(ck, logs).sha256 == resumed_sha  # space again: nothing was lost
     assert f"resumed from {ck} at step 15 (caches re-prime)" in logs
 
+
+def test_a_save_broken_by_a_lost_peer_is_not_blamed_on_the_disk(saved, tmp_path, monkeypatch):
+    """Another process died while this one saved beside it, and orbax's collective broke here:
+    the save raises that failure as it is (the CLI then prints the lost-peer line naming the
+    process, exit 69), not a WriteFailed telling the user to free space."""
+    ck = _copy(saved, tmp_path)
+    broken = jax.errors.JaxRuntimeError(
+        "UNKNOWN: Gloo AllGather failed: [pair.cc:538] Read error: Connection reset by peer")
+
+    def lost_peer(*a, **k):
+        raise broken
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", lost_peer)
+    with pytest.raises(jax.errors.JaxRuntimeError) as e:
+        _resume(ck, [])
+    assert e.value is broken and peers.is_peer_failure(e.value)
 
 def _tmpfs(path: Path, size: str) -> bool:
     path.mkdir()
