@@ -180,7 +180,7 @@ class Trainer:
         # int32 max), and the priming gather sends the shard's own bits, not the payload. So
         # build it on the host instead of compiling the encoder a second time.
         shapes = self._ahead_shapes()
-        wires = self.rung_policy(state).wires
+        wires = self.rung_policy().wires
         host = {"encoded": fsdp.priming_inputs(self.tensors, shapes["encoded"], self.n),
                 "word_changed": jax.tree.map(np.asarray, jax.device_get(
                     all_words(self.tensors))),
@@ -245,7 +245,7 @@ class Trainer:
             self._encode_seconds = (waited + time.perf_counter() - t0, compiled + compiling_s)
         return self.encode_program(params, caches, word_changed)
 
-    def rung_policy(self, state: TrainState) -> RungPolicy:
+    def rung_policy(self) -> RungPolicy:
         """The policy that picks each step's rungs (made on first use: it prices the wire of
         every compressed tensor, whose shapes the encode knows, on the link the plan priced:
         ``--profile``)."""
@@ -299,7 +299,7 @@ class Trainer:
         ``--overflow-rungs`` above still sends words at the rung it needs
         (``m["overflow_words"]``), any other takes the plain fallback."""
         state = self.prepare(state)
-        policy = self.rung_policy(state)
+        policy = self.rung_policy()
         needed = jax.device_get(state.ahead["needed"])
         rungs, _ = policy.choose(needed, steps_left)
         args = self.at_rungs((state.params, state.caches, state.opt_state, state.ahead, tokens),
