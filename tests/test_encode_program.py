@@ -1,17 +1,20 @@
-"""The encode program: compiled once per run, in a thread of its own beside the run's first
-step program, and run after every step; its compile is reported apart from the step's.
+"""The encode program: compiled once per run, in a thread of its own (``ciera train`` starts
+it before it makes the state; else beside the run's first step program), and run after every
+step; its compile is reported apart from the step's.
 
 On test_train's trainer (memoized in-process): a copy of it with nothing compiled recompiles
 both programs (JAX's in-process cache makes that quick) through the trainer's own path.
 """
 
 import dataclasses
+import json
 import threading
 
 import jax
 import jax.stages
 
-from ciera_models import data
+from ciera_models import data, loop
+from ciera_models import state as state_lib
 from ciera_models.train import TrainConfig, build_trainer, make_mesh
 from conftest import TINY_PROGRAMS
 
@@ -67,10 +70,6 @@ def test_ciera_train_starts_the_encode_compile_before_it_makes_the_state(tmp_pat
     """``ciera train`` starts the encode program's compile before the state is made (so it
     compiles beside that), from the trainer's abstract arguments, whose program then runs on
     the real state; the JSONL header says how long the start-up took."""
-    import json
-
-    from ciera_models import loop, state as state_lib
-
     started = []
     init_state = state_lib.Trainer.init_state
 

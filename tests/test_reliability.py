@@ -385,6 +385,7 @@ def test_a_save_broken_by_a_lost_peer_is_not_blamed_on_the_disk(saved, tmp_path,
         _resume(ck, [])
     assert e.value is broken and peers.is_peer_failure(e.value)
 
+
 def _tmpfs(path: Path, size: str) -> bool:
     path.mkdir()
     if os.geteuid() != 0 or not shutil.which("mount"):
