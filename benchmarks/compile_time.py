@@ -14,12 +14,14 @@ plain, ...: every mode sees the same machine load):
   (the encode program compiles from the start, beside the state's making): what a user waits
   for before the first progress line, data loading aside.
 
-It prints both with their ratio to plain (median over rounds), the optimized HLO's size, and
-how many all-gathers sit inside conditional branches against all of them (CIERA's main
-transfers must not: only escape prefixes and the plain fallback may). Then, per compressed
-mode, the ``--sources`` library functions its compiled step has the most fusions from beyond
-plain's (``ciera_jax.runtime.hlo.fusion_sources``: a fusion counts at the innermost frame of its
-stack inside ``ciera_jax``): where the step's size, and so its compile time, goes.
+It prints both with their ratio to plain (median over rounds), the optimized HLO's size, its
+fusions (XLA:CPU's kernels, which its code generation follows; exact, where the seconds drift
+with the machine) against plain's, and how many all-gathers sit inside conditional branches
+against all of them (CIERA's main transfers must not: only escape prefixes and the plain
+fallback may). Then, per compressed mode, the ``--sources`` library functions its compiled
+step has the most fusions from beyond plain's (``ciera_jax.runtime.hlo.fusion_sources``: a
+fusion counts at the innermost frame of its stack inside ``ciera_jax``): where the step's
+size, and so its compile time, goes.
 
     python benchmarks/compile_time.py [--config tiny] [--plan all] [--rounds 2] [--sources 8]
                                       [--out PATH]
@@ -128,7 +130,8 @@ def main(argv=None) -> int:
     print(f"\n{args.config}, --plan {args.plan}, {args.devices} emulated devices, median of "
           f"{args.rounds} interleaved rounds (load average {os.getloadavg()[0]:.1f})")
     print(f"{'mode':<10}{'compile s':>10}{'x plain':>9}{'CPU s':>8}{'x plain':>9}"
-          f"{'first step s':>14}{'x plain':>9}{'HLO MB':>8}{'gathers in branches':>21}")
+          f"{'first step s':>14}{'x plain':>9}{'HLO MB':>8}{'fusions':>9}{'x plain':>9}"
+          f"{'gathers in branches':>21}")
     rows = []
     for m in MODES:
         last = runs[m][-1]
@@ -137,12 +140,14 @@ def main(argv=None) -> int:
                    first_step_vs_plain=med[m]["first_step_s"] / med["plain"]["first_step_s"],
                    hlo_bytes=last["hlo_bytes"], gathers_in_branches=last["gathers_in_branches"],
                    gathers=last["gathers"], fusions=last["fusions"],
+                   fusions_vs_plain=last["fusions"] / runs["plain"][-1]["fusions"],
                    fusion_sources=last["fusion_sources"], rounds=runs[m])
         rows.append(row)
         print(f"{m:<10}{row['compile_s']:>10.1f}{row['compile_vs_plain']:>9.2f}"
               f"{row['compile_cpu_s']:>8.1f}{row['compile_cpu_vs_plain']:>9.2f}"
               f"{row['first_step_s']:>14.1f}{row['first_step_vs_plain']:>9.2f}"
-              f"{row['hlo_bytes'] / 1e6:>8.2f}{row['gathers_in_branches']:>12} of {row['gathers']}")
+              f"{row['hlo_bytes'] / 1e6:>8.2f}{row['fusions']:>9}{row['fusions_vs_plain']:>9.2f}"
+              f"{row['gathers_in_branches']:>12} of {row['gathers']}")
     plain = rows[0]["fusion_sources"]
     for row in rows[1:]:
         extra = {k: n - plain.get(k, 0) for k, n in row["fusion_sources"].items()}
