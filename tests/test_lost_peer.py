@@ -94,10 +94,12 @@ def test_a_killed_peer_ends_the_survivor_in_one_line(tmp_path):
 STEPS = 12  # every run below trains towards the same 12-step schedule
 
 
-def _start(ck, port: int, *extra: str, steps: int = STEPS):
+def _start(ck, port: int, *extra: str, steps: int = STEPS, env: dict | None = None):
+    """Both processes of a run; ``env``: more of the environment, for both."""
     return [subprocess.Popen(
         [*TRAIN, "--steps", str(steps), "--checkpoint-dir", str(ck), "--coordinator",
-         f"127.0.0.1:{port}", "--process-id", str(i), *extra], env={**ENV, "JAX_PLATFORMS": "cpu"},
+         f"127.0.0.1:{port}", "--process-id", str(i), *extra],
+        env={**ENV, "JAX_PLATFORMS": "cpu", **(env or {})},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
 
 
@@ -249,16 +251,12 @@ def test_a_save_failing_on_one_host_ends_that_process_and_the_other_sees_a_lost_
     process alone. It ends in its write-failed line (exit 74) at once, not in JAX's exit-time
     shutdown waiting for the other, which was saving beside it; the other ends in the
     lost-peer line (exit 69), and no step is in place that one host did not write."""
-    ck, port = tmp_path / "ck", free_port()
+    ck = tmp_path / "ck"
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "full_disk")
-    env = {**ENV, "JAX_PLATFORMS": "cpu", "CIERA_TEST_FULL_DISK": str(full),
+    env = {"CIERA_TEST_FULL_DISK": str(full),
            "PYTHONPATH": os.pathsep.join(filter(None, [here, ENV.get("PYTHONPATH")]))}
-    procs = [subprocess.Popen(
-        [*TRAIN, "--steps", "6", "--gather", "plain", "--checkpoint-dir", str(ck),
-         "--checkpoint-every", "2", "--coordinator", f"127.0.0.1:{port}", "--process-id",
-         str(i), "--peer-timeout", "10"], env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True) for i in range(2)]
-    results = finish(procs, 300)
+    results = finish(_start(ck, free_port(), "--gather", "plain", "--checkpoint-every", "2",
+                            "--peer-timeout", "10", steps=6, env=env), 300)
     (rc_f, _, err_f), (rc_s, out_s, err_s) = results[full], results[1 - full]
     assert rc_f == 74, err_f[-3000:]
     assert re.fullmatch(
