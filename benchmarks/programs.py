@@ -3,13 +3,16 @@
 Runs ``ciera train`` (a fresh process each, so nothing compiled is shared) for ``--gather
 plain``, the defaults and ``--cache exponent`` (``--runs``; ``defaults+slow`` and
 ``exponent+slow`` add ``--program-patience 2e-5``, a compile priced like about one plain step
-of tiny's bytes; ``no-exits`` adds ``--overflow-rungs 0``: every overflow a plain gather), one
-after another per round, and reads each run's JSONL: the first step (compile + priming; in
+of tiny's bytes; ``no-exits`` adds ``--overflow-rungs 0``: every overflow a plain gather;
+``beside`` and ``exponent+beside`` add ``--compile-beside on``: the first steps run the
+priming program while the policy's compiles in a thread), one after another per round, and reads each run's JSONL: the first step (compile + priming; in
 wall seconds and in the process's CPU seconds, every thread: the steadier figure on a shared
 machine), alone and from the run's start (the header's start-up: data, trainer, state, and the
 encode program's compile, which starts beside the state's making: what a user waits for),
-every program the run compiled (count, seconds, recompiles), the
-median step after ``--settle`` steps (the steady step, compile-free steps only), the wire over
+every program the run compiled (count, seconds, recompiles; a program compiled beside the
+steps counts its own seconds, waited for by none), the steps that ran a stand-in, the
+median step after ``--settle`` steps (the steady step: steps that neither compiled nor ran
+beside a compile), the wire over
 the run and its last quarter (padding up to the programs' rungs and overflows counted), and
 the params hash (all equal).
 
@@ -33,7 +36,8 @@ from common import parser, write_results  # benchmarks/common.py, beside this sc
 SLOW = ["--program-patience", "2e-5"]
 RUNS = {"plain": ["--gather", "plain"], "defaults": [], "exponent": ["--cache", "exponent"],
         "defaults+slow": SLOW, "exponent+slow": ["--cache", "exponent", *SLOW],
-        "no-exits": ["--overflow-rungs", "0"]}
+        "no-exits": ["--overflow-rungs", "0"], "beside": ["--compile-beside", "on"],
+        "exponent+beside": ["--cache", "exponent", "--compile-beside", "on"]}
 
 
 def parse_args(argv=None):
@@ -61,8 +65,10 @@ def one_run(name: str, args, tmp: str) -> dict:
     header, rows = lines[0]["header"], lines[1:]
     sha = next(line.split("=", 1)[1] for line in res.stdout.splitlines()
                if line.startswith("params_sha256="))
-    compiles = [r["compile_s"] for r in rows if r["compile_s"]]
-    steady = [r["step_time_s"] for r in rows[args.settle:] if not r["compile_s"]]
+    compiles = [c for r in rows for c in (r["compile_s"], r.get("beside_compile_s", 0.0)) if c]
+    stand_ins = [r["step"] for r in rows if r.get("stand_in")]
+    steady = [r["step_time_s"] for r in rows[args.settle:]
+              if not r["compile_s"] and r["step"] > max(stand_ins, default=0)]
     q = rows[len(rows) - len(rows) // 4:]
     return dict(
         run=name, sha256=sha, first_step_s=rows[0]["step_time_s"],
@@ -75,7 +81,8 @@ def one_run(name: str, args, tmp: str) -> dict:
         wire=sum(r["sent_bytes"] for r in rows) / sum(r["plain_bytes"] for r in rows),
         wire_last_quarter=sum(r["sent_bytes"] for r in q) / sum(r["plain_bytes"] for r in q),
         overflows=sum(r["overflows"] for r in rows),
-        program_steps=[r["step"] for r in rows if r["compile_s"]])
+        program_steps=[r["step"] for r in rows if r["compile_s"] or r.get("beside_compile_s")],
+        stand_in_steps=len(stand_ins))
 
 
 def main(argv=None) -> int:
@@ -89,7 +96,8 @@ def main(argv=None) -> int:
                 print(f"round {r + 1}: {name:<14} first step {x['first_step_s']:6.1f} s "
                       f"({x['first_step_cpu_s']:.1f} CPU s; from the start "
                       f"{x['to_first_step_s']:.1f} s, {x['to_first_step_cpu_s']:.1f} CPU s), "
-                      f"{x['programs']} programs {x['compile_s']:6.1f} s, steady "
+                      f"{x['programs']} programs {x['compile_s']:6.1f} s ("
+                      f"{x['stand_in_steps']} steps ran a stand-in), steady "
                       f"{x['steady_step_s']:.3f} s, wire {x['wire']:.3f} / last quarter "
                       f"{x['wire_last_quarter']:.3f}", flush=True)
     keys = ("first_step_s", "first_step_cpu_s", "to_first_step_s", "to_first_step_cpu_s",
@@ -102,7 +110,7 @@ def main(argv=None) -> int:
     print(f"{'run':<15}{'first s':>9}{'x':>6}{'CPU s':>7}{'x':>6}{'from start':>11}{'x':>6}"
           f"{'CPU s':>7}{'x':>6}{'programs':>9}"
           f"{'compile s':>10}{'x':>6}{'steady s':>9}{'x':>6}{'wire':>7}{'last 1/4':>9}"
-          f"{'overflows':>10}  compiled at steps")
+          f"{'overflows':>10}{'stand-ins':>10}  compiled (or taken) at steps")
     rows = []
     for name, rs in results.items():
         m, last = med[name], rs[-1]
@@ -115,7 +123,8 @@ def main(argv=None) -> int:
               f"{m['to_first_step_cpu_s']:>7.1f}{ratio['to_first_step_cpu_s']:>6.2f}"
               f"{last['programs']:>9}{m['compile_s']:>10.1f}{ratio['compile_s']:>6.2f}"
               f"{m['steady_step_s']:>9.3f}{ratio['steady_step_s']:>6.2f}{last['wire']:>7.3f}"
-              f"{last['wire_last_quarter']:>9.3f}{last['overflows']:>10}  "
+              f"{last['wire_last_quarter']:>9.3f}{last['overflows']:>10}"
+              f"{last['stand_in_steps']:>10}  "
               f"{last['program_steps']}")
     hashes = {x["sha256"] for rs in results.values() for x in rs}
     print(f"params_sha256: {'all equal' if len(hashes) == 1 else 'DIFFER'} "

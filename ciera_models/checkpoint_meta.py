@@ -22,7 +22,7 @@ MUST_MATCH = ("config", "gather", "batch_size", "seq_len", "seed")
 # These change what is sent over the wire, which programs compile or how XLA schedules the
 # step, never what is computed: free to change.
 FREE_ON_RESUME = ("plan", "profile", "cache", "xla_flags", "memory_limit", "max_programs",
-                  "program_patience", "overflow_rungs")
+                  "program_patience", "overflow_rungs", "compile_beside")
 FORMAT = 2  # per-shard digests in digests/; 1: whole-state digests in the metadata
 # What a save records about itself (format 2; the shard digests are in digests/).
 FORMAT_KEYS = ("checkpoint_format", "digest_processes", "meta_sha256")

@@ -52,6 +52,11 @@ def step_record(step: int, m: dict, dt: float, cpu_s: float, kinds: dict, with_t
            # thread beside the first step program's: compile_s holds only what it added)
            "step_compile_s": float(m.get("step_compile_s", m.get("compile_s", 0.0))),
            "encode_compile_s": float(m.get("encode_compile_s", 0.0)),
+           # --compile-beside: a program taken at this step, compiled in a thread beside the
+           # steps before (its seconds; no step waited for them), and whether this step ran a
+           # compiled stand-in while the policy's program compiled
+           "beside_compile_s": float(m.get("beside_compile_s", 0.0)),
+           "stand_in": bool(m.get("stand_in", 0)),
            "overflows": int(m.get("overflows", 0)),
            "overflow_words": int(m.get("overflow_words", 0)),
            # what the program's fixed rungs sent beyond this step's ideal ones (one rank)
@@ -120,8 +125,9 @@ def summarize(history: list[dict], tc, gather: str) -> str:
         chg = f"{100 * np.mean(changes):>11.4f}" if changes else f"{'-':>11}"
         lines.append(f"{name:<18}{len(rs):>6}{rs[-1]['loss']:>9.4f}{sent / max(plain, 1):>12.4f}"
                      f"{chg}{sum(r['fallbacks'] for r in rs):>10}{times[len(times) // 2]:>9.3f}")
-    compiles = [r.get("step_compile_s", r["compile_s"]) for r in history
-                if r.get("step_compile_s", r["compile_s"])]
+    compiles = [c for r in history for c in (r.get("step_compile_s", r["compile_s"]),
+                                             r.get("beside_compile_s", 0.0)) if c]
+    stand_ins = sum(r.get("stand_in", False) for r in history)
     encode_s = sum(r.get("encode_compile_s", 0.0) for r in history)
     waited = sum(r["compile_s"] for r in history)
     overflows = sum(r.get("overflows", 0) for r in history)
@@ -130,7 +136,10 @@ def summarize(history: list[dict], tc, gather: str) -> str:
                  f"recompiles {max(len(compiles) - 1, 0)}) and the encode program "
                  + (f"({encode_s:.1f} s)" if encode_s
                     else "(compiled before this run)")
-                 + f": {waited:.1f} s waited for compiles; overflows {overflows} "
+                 + f": {waited:.1f} s waited for compiles"
+                 + (f" ({stand_ins} steps ran a compiled stand-in while a program compiled "
+                    "beside them)" if stand_ins else "")
+                 + f"; overflows {overflows} "
                  f"tensor-layers above their program's rung ({as_words} of them sent as words "
                  "at the rung they needed, the rest plainly), overflow redos 0 (the demand is "
                  "known before the step)")

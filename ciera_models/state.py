@@ -32,6 +32,7 @@ from ciera_jax.runtime import gpu_targets
 from ciera_jax.planning.capacities import (RungPolicy, exits_for, program_key, rungs_holding,
                                            seconds_per_byte)
 from ciera_models import configs, memory_limit
+from ciera_models.beside import CompilesBeside, abstract_like
 from ciera_models.data import Dataset
 from ciera_models.model import Transformer
 from ciera_models.optimizer import make_optimizer
@@ -126,6 +127,8 @@ class Trainer:
     compiled: bool = False  # a step has run (so the next one does not compile)
     policy: RungPolicy | None = None  # picks each step's rungs (rung_policy)
     programs: dict = dataclasses.field(default_factory=dict)  # rung vector -> compiled step
+    # the policy's programs compiling while the steps run others (--compile-beside)
+    beside_compiles: CompilesBeside = dataclasses.field(default_factory=CompilesBeside)
     encode_program: object = None  # prepare_fn compiled, or a Future while it compiles
     _encode_seconds: tuple = (0.0, 0.0)  # (waited for, compiling) not yet in a step's metrics
     ahead_shapes: dict | None = None  # the shapes of ``ahead`` (_ahead_shapes)
@@ -136,6 +139,32 @@ class Trainer:
     @property
     def n(self) -> int:
         return self.mesh.shape[AXIS]
+
+    @property
+    def beside(self) -> bool:
+        """Whether a step whose program is not compiled runs one that is (the priming program
+        at first) while it compiles in a thread (``--compile-beside``; auto: on accelerators,
+        where a compile takes minutes and a step seconds, not on a CPU's few cores)."""
+        if self.tc.compile_beside != "auto":
+            return self.tc.compile_beside == "on"
+        return self.mesh.devices.flat[0].platform != "cpu"
+
+    def _take_compiled_beside(self, policy: RungPolicy) -> float:
+        """Move the programs compiled beside (on every process) into :attr:`programs`; each
+        compile's seconds price the policy's next program. Returns their seconds."""
+        taken = self.beside_compiles.take_ready()
+        for key, (compiled, seconds) in taken.items():
+            self.programs[key] = compiled
+            policy.compiled(agreed_seconds(seconds))
+        return sum(seconds for _, seconds in taken.values())
+
+    def _stand_in(self, policy: RungPolicy, needed: dict) -> dict:
+        """The rungs of the compiled program that sends the fewest bytes for ``needed``; the
+        priming program's (every gather plain, the caches filled from it) when none is."""
+        if not self.programs:
+            return {k: PLAIN_RUNG for k in policy.wires}
+        needed = {k: np.atleast_1d(np.asarray(needed[k])) for k in policy.wires}
+        return min((dict(k) for k in self.programs), key=lambda r: policy.cost(r, needed))
 
     @property
     def compiler_options(self) -> dict:
@@ -297,13 +326,21 @@ class Trainer:
         run before compiles a program (``m["compile_s"]``); a tensor whose demand is above the
         program's rung overflows (``m["overflows"]``: tensor-layers): a word tensor up to
         ``--overflow-rungs`` above still sends words at the rung it needs
-        (``m["overflow_words"]``), any other takes the plain fallback."""
+        (``m["overflow_words"]``), any other takes the plain fallback. With programs compiled
+        beside (:attr:`beside`), a rung vector not compiled yet starts compiling in a thread
+        and the step runs a compiled stand-in (``m["stand_in"]``; the first step, the priming
+        program); the new program runs from the first step it has compiled on every process
+        (``m["beside_compile_s"]``: its compile's seconds, waited for by no step)."""
         state = self.prepare(state)
         policy = self.rung_policy()
         needed = jax.device_get(state.ahead["needed"])
         rungs, _ = policy.choose(needed, steps_left)
-        args = self.at_rungs((state.params, state.caches, state.opt_state, state.ahead, tokens),
-                             rungs)
+        base = (state.params, state.caches, state.opt_state, state.ahead, tokens)
+        wanted = program_key(rungs)
+        beside_s = self._take_compiled_beside(policy)
+        if self.beside and wanted not in self.programs:
+            rungs = self._stand_in(policy, needed)  # runs while ``wanted`` compiles beside
+        args = self.at_rungs(base, rungs)
         key = program_key(rungs)
         compile_s = 0.0
         if key not in self.programs:
@@ -316,7 +353,11 @@ class Trainer:
             self.start_encode_compile()
             self.programs[key] = self.compile(args, lowered=lowered)
             compile_s = time.perf_counter() - t0
-            policy.compiled(agreed_seconds(compile_s))
+            if key == wanted:  # the policy's own (a stand-in does not price its programs)
+                policy.compiled(agreed_seconds(compile_s))
+        if self.beside and wanted not in self.programs and wanted not in self.beside_compiles:
+            wanted_args = abstract_like(self.at_rungs(base, dict(wanted)))
+            self.beside_compiles.start(wanted, lambda: self.compile(wanted_args))
         params, caches, opt_state, word_changed, m = self.programs[key](*args)
         ahead = self.encode(params, caches, word_changed)
         self.compiled = True
@@ -327,6 +368,8 @@ class Trainer:
         m["compile_s"] = compile_s + encode_waited_s  # all the step waited for compiles
         m["encode_compile_s"] = encode_compile_s  # the encode program's own, beside the step's
         m["program"] = list(self.programs).index(key)
+        m["beside_compile_s"] = beside_s  # programs taken now, compiled beside earlier steps
+        m["stand_in"] = int(key != wanted)  # this step ran a stand-in while ``wanted`` compiled
         m["overflows"] = sum(int(np.sum(np.asarray(needed[k]) > r)) for k, r in rungs.items()
                              if r != PLAIN_RUNG)
         # of those, the ones still sent as words, at an overflow rung (the rest went plainly)

@@ -123,6 +123,15 @@ class TrainConfig:
         "tensors; tiny, small: the layer's bucket), so one program follows the demand from "
         "warm-up to decay (small's steady state 0.28 of plain, against 0.55 at 0); 0: every "
         "overflow a plain gather, a smaller compile", metavar="N")
+    compile_beside: str = option(
+        "auto", "a step whose program is not compiled yet (the run's first, a new rung vector "
+        "the policy bought) runs one that is while it compiles in a thread: the first step "
+        "the priming program (every gather plain; about plain's compile), later ones the "
+        "cheapest compiled for their demand; the new program runs from the first step it has "
+        "compiled on every process (ciera only; the same params bit for bit, more bytes "
+        "while it compiles): on, off (each step waits for its program), auto (on where the "
+        "mesh's devices are not CPUs: a compile takes minutes, a step seconds)",
+        choices=("auto", "on", "off"))
     attention: str = option(
         "auto", "jax.nn.dot_product_attention's implementation: auto (cudnn when the mesh's "
         "devices are GPUs, xla otherwise), xla (materializes the L x L scores), cudnn "

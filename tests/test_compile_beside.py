@@ -1,0 +1,84 @@
+"""``--compile-beside``: the first steps run the priming program while the policy's program
+compiles in a thread; the run stays bitwise plain, and every process takes a new program at
+the same step."""
+
+import pytest
+
+from ciera_models import beside
+from ciera_models.beside import CompilesBeside
+from ciera_models.data import load_dataset
+from ciera_models.params_hash import params_sha256
+from ciera_models.train import TrainConfig, build_trainer, make_mesh
+from ciera_jax.codec.wire import PLAIN_RUNG
+from ciera_jax.planning.capacities import program_key
+
+
+def _done(compiles: CompilesBeside) -> None:
+    for f in compiles.pending.values():
+        f.result()
+
+
+def test_a_program_is_taken_only_once_every_process_has_compiled_it(monkeypatch):
+    compiles = CompilesBeside()
+    compiles.start("a", lambda: "program a")
+    compiles.start("b", lambda: "program b")
+    _done(compiles)
+    # another process is still compiling "a" (the first flag agreed on: "still waiting")
+    monkeypatch.setattr(beside, "agree", lambda *waiting: (True, *waiting[1:]))
+    taken = compiles.take_ready()
+    assert list(taken) == ["b"] and taken["b"][0] == "program b" and taken["b"][1] >= 0
+    assert "a" in compiles and "b" not in compiles
+    monkeypatch.undo()
+    assert compiles.take_ready()["a"][0] == "program a"
+    assert not compiles.pending and compiles.take_ready() == {}
+
+
+def test_a_failed_compile_raises_where_it_is_taken():
+    compiles = CompilesBeside()
+
+    def broken():
+        raise RuntimeError("XLA said no")
+
+    compiles.start("a", broken)
+    assert isinstance(compiles.pending["a"].exception(), RuntimeError)
+    with pytest.raises(RuntimeError, match="XLA said no"):
+        compiles.take_ready()
+
+
+def test_programs_compile_beside_only_where_asked_or_off_a_cpu():
+    mesh = make_mesh(8)
+    assert not build_trainer(TrainConfig(config="tiny"), mesh).beside  # auto, on CPUs: off
+    assert build_trainer(TrainConfig(config="tiny", compile_beside="on"), mesh).beside
+
+
+@pytest.mark.slow  # three tiny programs compile: plain's, the priming one, the steady one
+def test_the_priming_program_stands_in_until_the_policys_has_compiled_and_all_is_plain():
+    steps, mesh = 5, make_mesh(8)
+    plain = build_trainer(TrainConfig(config="tiny", gather="plain", schedule_steps=steps), mesh)
+    tr = build_trainer(TrainConfig(config="tiny", plan="all", schedule_steps=steps,
+                                   compile_beside="on"), mesh)
+    data = load_dataset(None, tr.tc.model.vocab_size, tr.tc.length)
+    state, reference = tr.init_state(0), plain.init_state(0)
+    metrics = []
+    for i in range(steps):
+        reference, _ = plain.step(reference, plain.batch(data, 0, i))
+        state, m = tr.step(state, tr.batch(data, 0, i))
+        metrics.append(m)
+        if i == 0:  # the policy's program compiles beside; waited for here, not by a step
+            _done(tr.beside_compiles)
+    first, second = metrics[:2]
+    wanted = program_key(tr.policy.first)
+    # step 1: the priming program (every gather plain), compiled then; the policy's beside
+    assert first["stand_in"] and first["step_compile_s"] > 0 and first["program"] == 0
+    assert list(tr.programs)[0] == program_key({k: PLAIN_RUNG for k in tr.policy.wires})
+    assert all(int(s["fallback"]) for s in first["gather"].values())
+    # step 2 takes it (no step waited for its compile); it prices the policy's next
+    # program, the stand-in's compile does not
+    assert second["beside_compile_s"] > 0 and not second["stand_in"] and second["program"] == 1
+    assert second["step_compile_s"] == second["compile_s"] == 0
+    assert list(tr.programs)[1] == wanted and not tr.beside_compiles.pending
+    assert tr.policy.compile_s == [pytest.approx(second["beside_compile_s"])]
+    assert all(int(m["verify_failed"]) == 0 for m in metrics)
+    assert sum(int(s["sent_bytes"]) for s in metrics[-1]["gather"].values()) < sum(
+        int(s["plain_bytes"]) for s in metrics[-1]["gather"].values())  # compressed now
+    assert params_sha256(state.params) == params_sha256(reference.params)
