@@ -122,7 +122,7 @@ def train(tc: TrainConfig, run: RunConfig | None = None, *, mesh=None,
         history, last_save, stopped = [], time.monotonic(), None
         retries = 0
         while state.step < run.steps and not stopped:
-            if state.priming:
+            if state.priming and not (history and history[-1]["priming"]):
                 log(_first_step_note(tr, state.step + 1))
             if fault and state.step + 1 == fault.step and not retries:
                 state = faults.inject(tr, state, fault, log)
@@ -174,7 +174,8 @@ def _start(tc: TrainConfig, run: RunConfig, mesh, saver, log):
     tr = build_trainer(tc, mesh)
     if tr.policy is not None:  # an earlier run in this process: its programs stay compiled
         tr.policy.start_run()
-    tr.start_encode_compile()  # it compiles while the state is made or restored
+    if not tr.beside:  # beside the steps (--compile-beside), it starts after the first's
+        tr.start_encode_compile()  # it compiles while the state is made or restored
     state = tr.init_state(run.seed)
     if run.resume:
         state = _restore(saver, state, log)

@@ -41,6 +41,7 @@ from ciera_models.step import AHEAD_SPECS, all_words, make_step, per_layer_stats
 
 INT32_MAX = np.iinfo(np.int32).max
 PROGRAMS = ("steady", "priming")  # the programs Trainer.at_rungs names
+ENCODE = "encode"  # the encode program's key among the programs compiled beside the steps
 
 
 @dataclasses.dataclass
@@ -150,9 +151,13 @@ class Trainer:
         return self.mesh.devices.flat[0].platform != "cpu"
 
     def _take_compiled_beside(self, policy: RungPolicy) -> float:
-        """Move the programs compiled beside (on every process) into :attr:`programs`; each
-        compile's seconds price the policy's next program. Returns their seconds."""
+        """Move the programs compiled beside (on every process) into :attr:`programs` (the
+        encode program into :attr:`encode_program`); each step program's compile seconds price
+        the policy's next program. Returns those seconds."""
         taken = self.beside_compiles.take_ready()
+        if ENCODE in taken:
+            self.encode_program, seconds = taken.pop(ENCODE)
+            self._encode_seconds = (0.0, seconds)  # reported with this step's metrics
         for key, (compiled, seconds) in taken.items():
             self.programs[key] = compiled
             policy.compiled(agreed_seconds(seconds))
@@ -202,7 +207,8 @@ class Trainer:
         if state.ahead is not None:
             return state
         caches = fsdp.cache_dict(state.caches)
-        if any(np.any(np.asarray(c.primed)) for c in caches.values()):
+        encodes = not self.beside or self.encode_program is not None  # not still compiling
+        if encodes and any(np.any(np.asarray(c.primed)) for c in caches.values()):
             words = fsdp.put(all_words(self.tensors), P(), self.mesh)  # placed as a step's
             return dataclasses.replace(state, ahead=self.encode(state.params, state.caches, words))
         # Fresh caches (init, restore): every Encoded only has to say "prime me" (demand =
@@ -244,7 +250,7 @@ class Trainer:
         compiles, so what the process does meanwhile runs beside it: ``ciera train`` starts it
         before it makes or restores the state (Python, mostly one core), and the first step
         program compiles after (on a GPU host, in the wall time of that compile alone)."""
-        if self.encode_program is not None:
+        if self.encode_program is not None or ENCODE in self.beside_compiles:
             return
         self._ahead_shapes()
         traced, self.encode_trace = self.encode_trace, None  # lowered once: let go of it
@@ -252,6 +258,10 @@ class Trainer:
             traced = self.prepare_fn.trace(*self.encode_arguments())
         lowered = traced.lower()
         options = self.compiler_options or None
+
+        if self.beside:  # taken by a step once compiled on every process (until then, steps prime)
+            self.beside_compiles.start(ENCODE, lambda: lowered.compile(compiler_options=options))
+            return
 
         def compile_timed():
             t0 = time.perf_counter()
@@ -265,9 +275,13 @@ class Trainer:
         """``ahead`` for the next step: the encode program (``prepare_fn``: every compressed
         tensor encoded against ``caches``, one agreement, the rungs needed) on ``params``,
         compiled first if it is not (:meth:`start_encode_compile`). The seconds this waited for
-        the compile and the compile's own are reported with the next step's metrics."""
+        the compile and the compile's own are reported with the next step's metrics. With
+        programs compiled beside (:attr:`beside`), None while it compiles: the next step primes
+        the caches again (its gathers plain) instead of waiting."""
         t0 = time.perf_counter()
         self.start_encode_compile()
+        if self.beside and self.encode_program is None:
+            return None
         if isinstance(self.encode_program, concurrent.futures.Future):
             self.encode_program, compiling_s = self.encode_program.result()
             waited, compiled = self._encode_seconds
@@ -331,15 +345,17 @@ class Trainer:
         and the step runs a compiled stand-in (``m["stand_in"]``; the first step, the priming
         program); the new program runs from the first step it has compiled on every process
         (``m["beside_compile_s"]``: its compile's seconds, waited for by no step)."""
+        beside_s = self._take_compiled_beside(self.rung_policy()) if self.beside else 0.0
+        priming = state.priming
         state = self.prepare(state)
         policy = self.rung_policy()
         needed = jax.device_get(state.ahead["needed"])
         rungs, _ = policy.choose(needed, steps_left)
         base = (state.params, state.caches, state.opt_state, state.ahead, tokens)
         wanted = program_key(rungs)
-        beside_s = self._take_compiled_beside(policy)
-        if self.beside and wanted not in self.programs:
-            rungs = self._stand_in(policy, needed)  # runs while ``wanted`` compiles beside
+        if self.beside and (wanted not in self.programs or priming):
+            # while ``wanted`` compiles beside, or to prime: the cheapest program compiled
+            rungs = self._stand_in(policy, needed)
         args = self.at_rungs(base, rungs)
         key = program_key(rungs)
         compile_s = 0.0
@@ -349,12 +365,16 @@ class Trainer:
             # The encode program compiles beside the run's first step program (unless it
             # started earlier, as ``ciera train`` starts it), once that is traced: started
             # before, its compile threads slowed the trace (Python) down more than they
-            # overlapped (tiny, word, 2 cores: first step 10.5-11.1 -> 9.3-10.2 s).
-            self.start_encode_compile()
+            # overlapped (tiny, word, 2 cores: first step 10.5-11.1 -> 9.3-10.2 s). With
+            # programs compiled beside, the first steps prime instead: it starts after.
+            if not self.beside:
+                self.start_encode_compile()
             self.programs[key] = self.compile(args, lowered=lowered)
             compile_s = time.perf_counter() - t0
             if key == wanted:  # the policy's own (a stand-in does not price its programs)
                 policy.compiled(agreed_seconds(compile_s))
+        if self.beside:
+            self.start_encode_compile()
         if self.beside and wanted not in self.programs and wanted not in self.beside_compiles:
             wanted_args = abstract_like(self.at_rungs(base, dict(wanted)))
             self.beside_compiles.start(wanted, lambda: self.compile(wanted_args))

@@ -52,32 +52,43 @@ def test_programs_compile_beside_only_where_asked_or_off_a_cpu():
 
 
 @pytest.mark.slow  # three tiny programs compile: plain's, the priming one, the steady one
-def test_the_priming_program_stands_in_until_the_policys_has_compiled_and_all_is_plain():
+def test_the_priming_program_stands_in_until_the_policys_has_compiled_and_all_is_plain(
+        monkeypatch):
     steps, mesh = 5, make_mesh(8)
     plain = build_trainer(TrainConfig(config="tiny", gather="plain", schedule_steps=steps), mesh)
     tr = build_trainer(TrainConfig(config="tiny", plan="all", schedule_steps=steps,
                                    compile_beside="on"), mesh)
     data = load_dataset(None, tr.tc.model.vocab_size, tr.tc.length)
     state, reference = tr.init_state(0), plain.init_state(0)
+    take_ready = tr.beside_compiles.take_ready
     metrics = []
     for i in range(steps):
         reference, _ = plain.step(reference, plain.batch(data, 0, i))
-        state, m = tr.step(state, tr.batch(data, 0, i))
-        metrics.append(m)
-        if i == 0:  # the policy's program compiles beside; waited for here, not by a step
+        if i == 1:  # both compiled here, but not yet on another process (as it agrees)
             _done(tr.beside_compiles)
-    first, second = metrics[:2]
+            monkeypatch.setattr(tr.beside_compiles, "take_ready", dict)
+        state, m = tr.step(state, tr.batch(data, 0, i))
+        monkeypatch.setattr(tr.beside_compiles, "take_ready", take_ready)
+        metrics.append(m)
+    first, second, third = metrics[:3]
     wanted = program_key(tr.policy.first)
-    # step 1: the priming program (every gather plain), compiled then; the policy's beside
+    # step 1: the priming program (every gather plain), compiled then; the policy's program
+    # and the encode program compile beside
     assert first["stand_in"] and first["step_compile_s"] > 0 and first["program"] == 0
     assert list(tr.programs)[0] == program_key({k: PLAIN_RUNG for k in tr.policy.wires})
     assert all(int(s["fallback"]) for s in first["gather"].values())
-    # step 2 takes it (no step waited for its compile); it prices the policy's next
-    # program, the stand-in's compile does not
-    assert second["beside_compile_s"] > 0 and not second["stand_in"] and second["program"] == 1
-    assert second["step_compile_s"] == second["compile_s"] == 0
+    assert first["encode_compile_s"] == 0  # no step waited for the encode program either
+    # step 2: nothing taken (another process still compiles), so no encode ran after step 1:
+    # the priming program again, waiting for nothing
+    assert second["stand_in"] and second["program"] == 0 and second["compile_s"] == 0
+    assert all(int(s["fallback"]) for s in second["gather"].values())
+    # step 3 takes both (waited for by no step), encodes, and runs the policy's program; its
+    # compile prices the policy's next one (the stand-in's does not)
+    assert third["beside_compile_s"] > 0 and third["encode_compile_s"] > 0
+    assert not third["stand_in"] and third["program"] == 1
+    assert third["step_compile_s"] == third["compile_s"] == 0
     assert list(tr.programs)[1] == wanted and not tr.beside_compiles.pending
-    assert tr.policy.compile_s == [pytest.approx(second["beside_compile_s"])]
+    assert tr.policy.compile_s == [pytest.approx(third["beside_compile_s"])]
     assert all(int(m["verify_failed"]) == 0 for m in metrics)
     assert sum(int(s["sent_bytes"]) for s in metrics[-1]["gather"].values()) < sum(
         int(s["plain_bytes"]) for s in metrics[-1]["gather"].values())  # compressed now
