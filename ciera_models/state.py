@@ -130,7 +130,8 @@ class Trainer:
     programs: dict = dataclasses.field(default_factory=dict)  # rung vector -> compiled step
     # the policy's programs compiling while the steps run others (--compile-beside)
     beside_compiles: CompilesBeside = dataclasses.field(default_factory=CompilesBeside)
-    encode_program: object = None  # prepare_fn compiled, or a Future while it compiles
+    # prepare_fn compiled, or a Future while it compiles (None then with --compile-beside)
+    encode_program: object = None
     _encode_seconds: tuple = (0.0, 0.0)  # (waited for, compiling) not yet in a step's metrics
     ahead_shapes: dict | None = None  # the shapes of ``ahead`` (_ahead_shapes)
     encode_trace: object = None  # prepare_fn traced by _ahead_shapes, until it is lowered
@@ -146,6 +147,8 @@ class Trainer:
         """Whether a step whose program is not compiled runs one that is (the priming program
         at first) while it compiles in a thread (``--compile-beside``; auto: on accelerators,
         where a compile takes minutes and a step seconds, not on a CPU's few cores)."""
+        if self.tc.gather != "ciera":
+            return False  # one program: plain's
         if self.tc.compile_beside != "auto":
             return self.tc.compile_beside == "on"
         return self.mesh.devices.flat[0].platform != "cpu"

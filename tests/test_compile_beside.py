@@ -93,3 +93,19 @@ def test_the_priming_program_stands_in_until_the_policys_has_compiled_and_all_is
     assert sum(int(s["sent_bytes"]) for s in metrics[-1]["gather"].values()) < sum(
         int(s["plain_bytes"]) for s in metrics[-1]["gather"].values())  # compressed now
     assert params_sha256(state.params) == params_sha256(reference.params)
+
+
+def test_the_summary_counts_the_stand_in_steps_and_the_programs_compiled_beside():
+    from ciera_models import metrics
+
+    def row(step, **kw):
+        return {"step": step, "loss": 1.0, "sent_bytes": 10, "plain_bytes": 10,
+                "step_time_s": 0.1, "exp_changed_frac": 0.0, "fallbacks": 0, "priming": False,
+                "compile_s": 0.0, "step_compile_s": 0.0, "beside_compile_s": 0.0,
+                "stand_in": False, **kw}
+
+    history = [row(1, compile_s=2.0, step_compile_s=2.0, stand_in=True, priming=True),
+               row(2, stand_in=True), row(3, beside_compile_s=5.0)]
+    text = metrics.summarize(history, TrainConfig(config="tiny"), "ciera")
+    assert "programs: 2 compiled in this run (7.0 s; recompiles 1)" in text
+    assert ": 2.0 s waited for compiles (2 steps ran a compiled stand-in" in text

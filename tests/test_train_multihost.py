@@ -1,7 +1,9 @@
-"""`ciera train` across 2 real processes (gloo sockets, 4 CPU devices each): ciera == plain."""
+"""`ciera train` across 2 real processes (gloo sockets, 4 CPU devices each): ciera == plain,
+also where a program compiled beside the steps is done on one process before the other."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -15,14 +17,15 @@ from processes import finish  # tests/processes.py
 pytestmark = pytest.mark.slow  # 2 processes x 2 trainings
 
 
-def _train_two_processes(gather: str, tmp_path) -> str:
+def _train_two_processes(gather: str, tmp_path, *extra: str, steps: int = 3,
+                         env: dict | None = None) -> str:
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, **(env or {})}
     env["JAX_PLATFORMS"] = "cpu"
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "ciera_jax.cli.main", "train", "--steps", "3", "--devices", "4",
-         "--gather", gather, "--log-every", "1", "--coordinator", f"127.0.0.1:{port}",
-         "--num-processes", "2", "--process-id", str(i)],
+        [sys.executable, "-m", "ciera_jax.cli.main", "train", "--steps", str(steps),
+         "--devices", "4", "--gather", gather, "--log-every", "1", "--coordinator",
+         f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i), *extra],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
         for i in range(2)]
     outs = [text for _, text, _ in finish(procs, 400)]
@@ -35,3 +38,26 @@ def _train_two_processes(gather: str, tmp_path) -> str:
 @pytest.mark.slow
 def test_multihost_ciera_training_is_bitwise_plain(tmp_path):
     assert _train_two_processes("ciera", tmp_path) == _train_two_processes("plain", tmp_path)
+
+
+@pytest.mark.slow
+def test_a_program_compiled_beside_is_taken_at_one_step_on_every_process(tmp_path):
+    """``--compile-beside on``, where process 1's compiles say they are done 2 s after process
+    0's (``tests/compile_done_late``): process 0 keeps priming until process 1 has them too,
+    then both run the compressed program, and the run is bitwise plain's."""
+    steps, late_s = 30, 2.0
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compile_done_late")
+    env = {"PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]),
+           "CIERA_TEST_COMPILE_DONE_LATE": f"1:{late_s}"}
+    metrics = tmp_path / "beside.jsonl"
+    sha = _train_two_processes("ciera", tmp_path, "--compile-beside", "on", "--metrics-out",
+                               str(metrics), steps=steps, env=env)
+    rows = [json.loads(line) for line in open(metrics)][1:]
+    taken = [r for r in rows if r["beside_compile_s"]]
+    assert len(taken) == 1, [(r["step"], r["program"], r["stand_in"]) for r in rows]
+    # done on process 0 at step 1, taken only once process 1 said so, seconds later
+    assert taken[0]["step"] > 2
+    assert sum(r["step_time_s"] for r in rows[1:taken[0]["step"] - 1]) >= late_s / 2
+    assert all(r["stand_in"] for r in rows[:taken[0]["step"] - 1])
+    assert not rows[-1]["stand_in"] and rows[-1]["sent_bytes"] < rows[-1]["plain_bytes"]
+    assert sha == _train_two_processes("plain", tmp_path, steps=steps)
