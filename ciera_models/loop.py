@@ -165,7 +165,8 @@ def _start(tc: TrainConfig, run: RunConfig, mesh, saver, log):
     dataset = load_dataset(run.data, tc.model.vocab_size, tc.length, run.data_dtype)
     identity = {**dataclasses.asdict(tc), "seed": run.seed}
     layout = {"devices": int(mesh.devices.size), "processes": _process_count()}
-    if saver and run.resume and (saved := saver.newest_meta(log)) is not None:
+    saved = saver.newest_meta(log) if saver and run.resume else None
+    if saved is not None:
         with raised_by_all():  # the checkpoint every process agreed on, against the arguments
             for note in checkpoint_meta.check_resumable(saved, identity, run.checkpoint_dir):
                 log(f"note: {note}")
@@ -174,8 +175,11 @@ def _start(tc: TrainConfig, run: RunConfig, mesh, saver, log):
     tr = build_trainer(tc, mesh)
     if tr.policy is not None:  # an earlier run in this process: its programs stay compiled
         tr.policy.start_run()
-    if not tr.beside:  # beside the steps (--compile-beside), it starts after the first's
-        tr.start_encode_compile()  # it compiles while the state is made or restored
+    # The encode program compiles while the state is made or restored; not for a run with
+    # nothing to do (Python would wait for the compile at exit), nor beside the steps
+    # (--compile-beside: it starts after the first step's program)
+    if not tr.beside and not (saved is not None and saved.get("step", 0) >= run.steps):
+        tr.start_encode_compile()
     state = tr.init_state(run.seed)
     if run.resume:
         state = _restore(saver, state, log)

@@ -316,6 +316,18 @@ def test_resume_at_or_past_steps_says_nothing_to_do(saved, tmp_path, capsys):
     assert "nothing to do: the checkpoint" in capsys.readouterr().out
 
 
+def test_resume_with_nothing_to_do_compiles_nothing(saved, tmp_path, monkeypatch):
+    """Nor does it start the encode program's compile, which Python would wait for at exit."""
+    from ciera_models.state import Trainer
+
+    started = []
+    monkeypatch.setattr(Trainer, "start_encode_compile", lambda self: started.append(self))
+    assert _resume(_copy(saved, tmp_path), [], steps=15).history == []
+    assert started == []
+    _resume(_copy(saved, tmp_path / "more"), [], steps=16)  # one step to do: it does
+    assert started
+
+
 def test_resume_on_another_device_count_says_results_differ(saved, tmp_path):
     ck = _copy(saved, tmp_path)
     logs: list[str] = []
