@@ -64,6 +64,12 @@ def check_fault(fault: CacheFault, tr) -> str:
     if tr.tc.gather != "ciera":
         raise ValueError("--inject-cache-fault drills the CIERA gather's self-check: it needs "
                          f"--gather ciera (got {tr.tc.gather})")
+    if tr.beside:
+        raise ValueError("--inject-cache-fault drills the self-check of a compressed step; "
+                         "with programs compiled beside the steps (--compile-beside, on by "
+                         "default off CPUs) the steps before the compressed program is there "
+                         "gather plainly and overwrite the fault unseen: pass --compile-beside "
+                         "off")
     if fault.rank >= tr.n:
         raise ValueError(f"--inject-cache-fault: rank {fault.rank} is not among the {tr.n} "
                          "ranks")

@@ -109,3 +109,12 @@ def test_the_summary_counts_the_stand_in_steps_and_the_programs_compiled_beside(
     text = metrics.summarize(history, TrainConfig(config="tiny"), "ciera")
     assert "programs: 2 compiled in this run (7.0 s; recompiles 1)" in text
     assert ": 2.0 s waited for compiles (2 steps ran a compiled stand-in" in text
+
+
+def test_a_cache_fault_drill_asks_for_steps_that_wait_for_their_program():
+    """A fault drilled at a step that gathers plainly (a stand-in) would be overwritten unseen."""
+    from ciera_models.train import train
+
+    with pytest.raises(ValueError, match="pass --compile-beside off"):
+        train(TrainConfig(config="tiny", compile_beside="on"), steps=3, seed=0,
+              mesh=make_mesh(8), log=None, inject_cache_fault="2")
