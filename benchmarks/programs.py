@@ -5,16 +5,16 @@ plain``, the defaults and ``--cache exponent`` (``--runs``; ``defaults+slow`` an
 ``exponent+slow`` add ``--program-patience 2e-5``, a compile priced like about one plain step
 of tiny's bytes; ``no-exits`` adds ``--overflow-rungs 0``: every overflow a plain gather;
 ``beside`` and ``exponent+beside`` add ``--compile-beside on``: the first steps run the
-priming program while the policy's compiles in a thread), one after another per round, and reads each run's JSONL: the first step (compile + priming; in
-wall seconds and in the process's CPU seconds, every thread: the steadier figure on a shared
-machine), alone and from the run's start (the header's start-up: data, trainer, state, and the
-encode program's compile, which starts beside the state's making: what a user waits for),
-every program the run compiled (count, seconds, recompiles; a program compiled beside the
-steps counts its own seconds, waited for by none), the steps that ran a stand-in, the
-median step after ``--settle`` steps (the steady step: steps that neither compiled nor ran
-beside a compile), the wire over
-the run and its last quarter (padding up to the programs' rungs and overflows counted), and
-the params hash (all equal).
+priming program while the policy's compiles in a thread), one after another per round, and
+reads each run's JSONL: the first step (compile + priming; in wall seconds and in the
+process's CPU seconds, every thread: the steadier figure on a shared machine), alone and from
+the run's start (the header's start-up: data, trainer, state, and the encode program's
+compile, which starts beside the state's making: what a user waits for), every program the
+run compiled (count, seconds, recompiles; a program compiled beside the steps counts its own
+seconds, waited for by none), the steps that ran a stand-in, the median step after
+``--settle`` steps (the steady step: steps that neither compiled nor ran beside a compile),
+the wire over the run and its last quarter (padding up to the programs' rungs and overflows
+counted), and the params hash (all equal).
 
     python benchmarks/programs.py [--config tiny] [--steps 200] [--plan P] [--rounds 1]
                                   [--runs ...] [--out PATH]
