@@ -133,6 +133,7 @@ class Trainer:
     # prepare_fn compiled, or a Future while it compiles (None then with --compile-beside)
     encode_program: object = None
     _encode_seconds: tuple = (0.0, 0.0)  # (waited for, compiling) not yet in a step's metrics
+    priming_ahead: dict | None = None  # placed, while steps prime beside the encode's compile
     ahead_shapes: dict | None = None  # the shapes of ``ahead`` (_ahead_shapes)
     encode_trace: object = None  # prepare_fn traced by _ahead_shapes, until it is lowered
     attention: str = "xla"  # the attention's implementation (tc.attention resolved)
@@ -211,12 +212,22 @@ class Trainer:
             return state
         caches = fsdp.cache_dict(state.caches)
         encodes = not self.beside or self.encode_program is not None  # not still compiling
+        if encodes:
+            self.priming_ahead = None  # no more steps that prime beside the encode's compile
         if encodes and any(np.any(np.asarray(c.primed)) for c in caches.values()):
             words = fsdp.put(all_words(self.tensors), P(), self.mesh)  # placed as a step's
             return dataclasses.replace(state, ahead=self.encode(state.params, state.caches, words))
-        # Fresh caches (init, restore): every Encoded only has to say "prime me" (demand =
-        # int32 max), and the priming gather sends the shard's own bits, not the payload. So
-        # build it on the host instead of compiling the encoder a second time.
+        # Fresh caches (init, restore), or the encode program still compiling beside the
+        # steps: every Encoded only has to say "prime me" (demand = int32 max), and the
+        # priming gather sends the shard's own bits, not the payload. So build it on the host
+        # instead of compiling the encoder a second time; placed once for the steps that prime
+        # while the encode program compiles (the step does not donate it), then let go of.
+        ahead = self.priming_ahead or self._placed_priming_ahead()
+        self.priming_ahead = None if encodes else ahead
+        return dataclasses.replace(state, ahead=ahead)
+
+    def _placed_priming_ahead(self) -> dict:
+        """``ahead`` asking every compressed gather to prime, placed as a step takes it."""
         shapes = self._ahead_shapes()
         wires = self.rung_policy().wires
         host = {"encoded": fsdp.priming_inputs(self.tensors, shapes["encoded"], self.n),
@@ -226,7 +237,7 @@ class Trainer:
                                        shapes["agreed"]),
                 "needed": {k: np.full(a.shape, wires[k].rungs, a.dtype)
                            for k, a in shapes["needed"].items()}}
-        return dataclasses.replace(state, ahead=fsdp.put(host, AHEAD_SPECS, self.mesh))
+        return fsdp.put(host, AHEAD_SPECS, self.mesh)
 
     def encode_arguments(self) -> tuple:
         """``(params, caches, word_changed)`` as the encode program takes them, abstract: the

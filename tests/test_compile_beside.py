@@ -70,6 +70,9 @@ def test_the_priming_program_stands_in_until_the_policys_has_compiled_and_all_is
         state, m = tr.step(state, tr.batch(data, 0, i))
         monkeypatch.setattr(tr.beside_compiles, "take_ready", take_ready)
         metrics.append(m)
+        # the priming ahead is placed once for the steps that prime beside the encode's
+        # compile, and let go of once the encode program is there
+        assert (tr.priming_ahead is not None) == (i <= 1), i
     first, second, third = metrics[:3]
     wanted = program_key(tr.policy.first)
     # step 1: the priming program (every gather plain), compiled then; the policy's program
