@@ -292,10 +292,10 @@ class Trainer:
         the compile and the compile's own are reported with the next step's metrics. With
         programs compiled beside (:attr:`beside`), None while it compiles: the next step primes
         the caches again (its gathers plain) instead of waiting."""
+        if self.beside and self.encode_program is None:
+            return None  # compiling beside the steps (started after this one)
         t0 = time.perf_counter()
         self.start_encode_compile()
-        if self.beside and self.encode_program is None:
-            return None
         if isinstance(self.encode_program, concurrent.futures.Future):
             self.encode_program, compiling_s = self.encode_program.result()
             waited, compiled = self._encode_seconds
@@ -387,15 +387,18 @@ class Trainer:
             compile_s = time.perf_counter() - t0
             if key == wanted:  # the policy's own (a stand-in does not price its programs)
                 policy.compiled(agreed_seconds(compile_s))
-        if self.beside:
-            self.start_encode_compile()
-        if self.beside and wanted not in self.programs and wanted not in self.beside_compiles:
-            wanted_args = abstract_like(self.at_rungs(base, dict(wanted)))
-            self.beside_compiles.start(wanted, lambda: self.compile(wanted_args))
+        compile_beside = (self.beside and wanted not in self.programs
+                          and wanted not in self.beside_compiles)
+        # its arguments' shapes, taken before the step donates them
+        wanted_args = abstract_like(self.at_rungs(base, dict(wanted))) if compile_beside else None
         params, caches, opt_state, word_changed, m = self.programs[key](*args)
         ahead = self.encode(params, caches, word_changed)
         self.compiled = True
         m = jax.device_get(m)
+        if self.beside:  # once the step has run: they compile beside the next steps
+            self.start_encode_compile()
+            if compile_beside:
+                self.beside_compiles.start(wanted, lambda: self.compile(wanted_args))
         m["gather"] = per_layer_stats(self.tensors, m["gather"])
         (encode_waited_s, encode_compile_s), self._encode_seconds = self._encode_seconds, (0, 0)
         m["step_compile_s"] = compile_s  # this step's program (0: compiled before)
