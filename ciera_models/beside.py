@@ -31,6 +31,20 @@ def abstract_like(tree):
         if isinstance(a, jax.Array) else a, tree)
 
 
+def in_thread(compile_fn: Callable[[], object], name: str) -> concurrent.futures.Future:
+    """``compile_fn()`` in a thread of its own: a Future of ``(its result, its seconds)``.
+    XLA lets go of Python while it compiles, so what the caller does meanwhile runs beside
+    it; a process that ends first waits for it at exit (Python joins the thread)."""
+    def timed():
+        t0 = time.perf_counter()
+        return compile_fn(), time.perf_counter() - t0
+
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
+    future = pool.submit(timed)
+    pool.shutdown(wait=False)
+    return future
+
+
 class CompilesBeside:
     """The programs compiling in threads: ``{key: Future[(compiled, seconds)]}``, in the order
     they were started (the same on every process: the rung policy is deterministic)."""
@@ -42,16 +56,9 @@ class CompilesBeside:
         return key in self.pending
 
     def start(self, key, compile_fn: Callable[[], object]) -> None:
-        """Compile ``key``'s program in a thread of its own (``compile_fn`` lowers and compiles:
-        XLA lets go of Python while it compiles, so the steps run beside it). A process whose
-        run ends first waits for it at exit (Python joins the thread)."""
-        def timed():
-            t0 = time.perf_counter()
-            return compile_fn(), time.perf_counter() - t0
-
-        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ciera-step-compile")
-        self.pending[key] = pool.submit(timed)
-        pool.shutdown(wait=False)
+        """Compile ``key``'s program (``compile_fn`` lowers and compiles) :func:`in_thread`,
+        beside the steps."""
+        self.pending[key] = in_thread(compile_fn, "ciera-step-compile")
 
     def take_ready(self) -> dict:
         """``{key: (compiled, seconds)}`` of the programs compiled on every process, no longer

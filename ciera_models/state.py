@@ -32,7 +32,7 @@ from ciera_jax.runtime import gpu_targets
 from ciera_jax.planning.capacities import (RungPolicy, exits_for, program_key, rungs_holding,
                                            seconds_per_byte)
 from ciera_models import configs, memory_limit
-from ciera_models.beside import CompilesBeside, abstract_like
+from ciera_models.beside import CompilesBeside, abstract_like, in_thread
 from ciera_models.data import Dataset
 from ciera_models.model import Transformer
 from ciera_models.optimizer import make_optimizer
@@ -172,8 +172,7 @@ class Trainer:
         priming program's (every gather plain, the caches filled from it) when none is."""
         if not self.programs:
             return {k: PLAIN_RUNG for k in policy.wires}
-        needed = {k: np.atleast_1d(np.asarray(needed[k])) for k in policy.wires}
-        return min((dict(k) for k in self.programs), key=lambda r: policy.cost(r, needed))
+        return policy.cheapest(self.programs, needed)
 
     @property
     def compiler_options(self) -> dict:
@@ -272,18 +271,11 @@ class Trainer:
             traced = self.prepare_fn.trace(*self.encode_arguments())
         lowered = traced.lower()
         options = self.compiler_options or None
-
+        compile_fn = lambda: lowered.compile(compiler_options=options)  # noqa: E731
         if self.beside:  # taken by a step once compiled on every process (until then, steps prime)
-            self.beside_compiles.start(ENCODE, lambda: lowered.compile(compiler_options=options))
-            return
-
-        def compile_timed():
-            t0 = time.perf_counter()
-            return lowered.compile(compiler_options=options), time.perf_counter() - t0
-
-        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ciera-encode")
-        self.encode_program = pool.submit(compile_timed)
-        pool.shutdown(wait=False)
+            self.beside_compiles.start(ENCODE, compile_fn)
+        else:
+            self.encode_program = in_thread(compile_fn, "ciera-encode")
 
     def encode(self, params, caches, word_changed) -> dict:
         """``ahead`` for the next step: the encode program (``prepare_fn``: every compressed

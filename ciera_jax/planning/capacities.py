@@ -120,13 +120,13 @@ class RungPolicy:
         ``wire.rungs``: above the top or unprimed); ``steps_left``: the steps the run has left,
         this one included, when known. Returns (``{key: rung}`` to run the step at, whether
         that is a program not compiled before)."""
-        needed = {k: np.atleast_1d(np.asarray(needed[k])) for k in sorted(self.wires)}
+        needed = self._per_layer(needed)
         ideal = self.best_for([needed])
         if any(r != PLAIN_RUNG for r in ideal.values()):  # a priming step tells nothing
             self._history.append(needed)
         if not self.programs:
             return self._compile(dict(self.first))
-        best = dict(min(self.programs, key=lambda v: self.cost(dict(v), needed)))
+        best = self.cheapest(self.programs, needed)
         self._regret_s += self.seconds(self.cost(best, needed) - self.cost(ideal, needed))
         price = self.compile_price_s
         if self._regret_s <= price or len(self.programs) >= self.max_programs:
@@ -143,8 +143,18 @@ class RungPolicy:
         """Bytes one rank sends at ``rungs`` beyond this step's ideal rungs for ``needed`` (as
         :meth:`choose` takes it): what running a compiled program instead of a step's own
         costs on the wire (escape sections sized for more, fallbacks on overflow)."""
-        needed = {k: np.atleast_1d(np.asarray(needed[k])) for k in sorted(self.wires)}
+        needed = self._per_layer(needed)
         return self.cost(rungs, needed) - self.cost(self.best_for([needed]), needed)
+
+    def cheapest(self, programs, needed: dict) -> dict:
+        """Of ``programs`` (rung vectors, as :func:`program_key` names them), the rungs that
+        send the fewest bytes for ``needed`` (as :meth:`choose` takes it)."""
+        needed = self._per_layer(needed)
+        return dict(min(programs, key=lambda v: self.cost(dict(v), needed)))
+
+    def _per_layer(self, needed: dict) -> dict:
+        """``needed`` as every method here reads it: per key, an array of one rung per layer."""
+        return {k: np.atleast_1d(np.asarray(needed[k])) for k in sorted(self.wires)}
 
     def _compile(self, rungs: dict) -> tuple[dict, bool]:
         self.programs.append(program_key(rungs))
