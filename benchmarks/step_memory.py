@@ -84,7 +84,7 @@ def abstract_args(trainer, batch: int, length: int):
 
 
 def measure(tc, n: int) -> dict:
-    from ciera_models.state import build_trainer
+    from ciera_models.build import build_trainer
     trainer = build_trainer(tc, gpu_mesh(n))
     args = abstract_args(trainer, tc.batch_size, tc.length)
     t0 = time.perf_counter()

@@ -28,7 +28,8 @@ from ciera_jax.fsdp import AXIS
 from ciera_jax.kernels.backend import lowering_for
 from ciera_jax.runtime import gpu_targets, schedule
 from ciera_models import memory_limit
-from ciera_models.state import build_trainer, placed_abstract
+from ciera_models.build import build_trainer
+from ciera_models.state import placed_abstract
 from ciera_models.step import AHEAD_SPECS
 
 

@@ -28,7 +28,8 @@ from ciera_models.failures import WriteFailed, describe_os_error, everywhere, ra
 from ciera_models.data import load_dataset
 from ciera_models.params_hash import params_sha256
 from ciera_models.preemption import PreemptionGuard, agree
-from ciera_models.state import TrainState, build_trainer, bytes_per_device
+from ciera_models.build import build_trainer
+from ciera_models.state import TrainState, bytes_per_device
 from ciera_models.train_config import CACHE_MODES, RunConfig, TrainConfig
 
 

@@ -13,7 +13,8 @@ from ciera_models.optimizer import make_optimizer, make_schedule
 from ciera_models.params_hash import flat_params, params_sha256
 from ciera_models.plan_policy import PLANS, make_plan
 from ciera_jax.runtime.devices import make_mesh
-from ciera_models.state import Trainer, TrainState, build_trainer
+from ciera_models.build import build_trainer
+from ciera_models.state import Trainer, TrainState
 from ciera_models.train_config import RunConfig, TrainConfig
 
 __all__ = ["TrainConfig", "RunConfig", "Trainer", "TrainState", "build_trainer", "make_mesh",
