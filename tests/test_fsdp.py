@@ -190,18 +190,19 @@ class Layer(nnx.Module):
 
 
 class Stacked(nnx.Module):
-    def __init__(self, rngs):
+    def __init__(self, rngs, layers=2):
         self.first = MLP(16, 32, rngs)
-        self.layers = fsdp.stack(Layer, 2, rngs)
+        self.layers = fsdp.stack(Layer, layers, rngs)
 
     def __call__(self, x):
         return fsdp.scan_layers(self.layers, self.first(x))[0]
 
 
-def test_prepared_step_leaves_caches_and_stats_in_module_state(mesh):
+@pytest.mark.parametrize("layers", [2, 4])  # 4: the prepared loop rolled (3 trips)
+def test_prepared_step_leaves_caches_and_stats_in_module_state(mesh, layers):
     # The trainer's way (prefetching scan, step-level agreement): what the gathers made is
     # the model's state after the forward, the same a per-call gather leaves.
-    model = fsdp.attach_caches(Stacked(nnx.Rngs(0)))
+    model = fsdp.attach_caches(Stacked(nnx.Rngs(0), layers))
     tensors = fsdp.gathered_tensors(model)
     assert sorted(tensors) == ["first/w_in", "first/w_out", "layers/mlp/w_in", "layers/mlp/w_out"]
     graphdef, params, caches = nnx.split(model, nnx.Param, fsdp.ExponentCacheVar)
@@ -232,7 +233,7 @@ def test_prepared_step_leaves_caches_and_stats_in_module_state(mesh):
     assert sorted(state) == sorted(tensors) and sorted(leaves) == sorted(tensors)
     assert all(bool(np.all(np.asarray(c.primed))) for c in state.values())  # the gathers primed
     assert all(bool(np.all(np.asarray(s["fallback"]) == 1)) for s in leaves.values())
-    assert np.asarray(leaves["layers/mlp/w_in"]["tier"]).shape == (2,)
+    assert np.asarray(leaves["layers/mlp/w_in"]["tier"]).shape == (layers,)
 
 
 def test_the_one_gather_is_values_in_values_out(mesh):

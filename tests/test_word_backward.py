@@ -56,10 +56,11 @@ def test_tiny_plan_all_word_caches_bitwise_plain():
     assert sum(r["sent_bytes"] for r in late) < sum(r["plain_bytes"] for r in late)
 
 
-@pytest.mark.slow
-def test_small_defaults_bitwise_plain():
+@pytest.mark.slow  # small's 4 layers: the prepared layer loop rolled (fsdp.prepared.rolled_scan)
+@pytest.mark.parametrize("cache", ["word", "exponent"])
+def test_small_defaults_bitwise_plain(cache):
     steps = 8
-    res = train(_tc(config="small", schedule_steps=steps), steps=steps, seed=0,
+    res = train(_tc(config="small", schedule_steps=steps, cache=cache), steps=steps, seed=0,
                 mesh=train_mesh(8), log=None)
     assert res.sha256 == _plain("small", steps).sha256
 

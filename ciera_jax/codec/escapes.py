@@ -226,8 +226,9 @@ def _window_words(words_RxW, running_RxW, first, chunk: int):
     def one(words_W, running_W):
         start = jnp.searchsorted(running_W, first, side="right", method="scan")
         start = jnp.minimum(start, n_words - size).astype(jnp.int32)
-        run = lax.dynamic_slice(running_W, (start,), (size,))
-        pop = _popcount(lax.dynamic_slice(words_W, (start,), (size,)))
+        run = lax.dynamic_slice(running_W, (start,), (size,), allow_negative_indices=False)
+        pop = _popcount(lax.dynamic_slice(words_W, (start,), (size,),
+                                          allow_negative_indices=False))
         rel = run - pop - first  # each word's first slot, relative to the chunk
         holds = (pop > 0) & (rel + pop > 0) & (rel < chunk)
         at = jnp.where(holds, jnp.maximum(rel, 0), chunk)
@@ -326,7 +327,8 @@ def pack(values: jax.Array | PerElement, words_W: jax.Array, capacity: int,
 
     def body(slot, element, live, out):
         v = jnp.where(live[0], values.at(jnp.minimum(element[0], n - 1)), 0)
-        return lax.dynamic_update_slice(out, v.astype(out.dtype), (slot[0, 0],))
+        return lax.dynamic_update_slice(out, v.astype(out.dtype), (slot[0, 0],),
+                                        allow_negative_indices=False)
 
     def by_loop():
         # Zeros typed like what the body writes, so the loop needs no first trip outside it.

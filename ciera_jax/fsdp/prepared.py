@@ -37,6 +37,8 @@ from ciera_jax.fsdp.state.plan import (DEFAULT_REMAT, DEFAULT_WORD_BACKWARD, Pla
                                        set_plan)
 from ciera_jax.fsdp.regather import regather
 from ciera_jax.fsdp.state.stacking import stack_size
+from ciera_jax.runtime.hlo import TRIPS_SCOPE
+from ciera_jax.runtime.varying import vma
 from ciera_jax.fsdp.state.stats import GatherStats, pack as pack_stats, record
 
 INPUTS_ATTR = "ciera_gather_inputs"
@@ -234,10 +236,13 @@ def _run(compute, tensors: dict, held: tuple, regathered: tuple, n: int, plan: P
     layout = remat_lib.Layout()
     if saving:
         layer_fn = remat_lib.under_policy(lambda w, inputs: compute_on(w, *inputs), plan.remat)
+    # ``i`` is a layer loop's counter, never negative: no index normalisation (a compare and
+    # a select every slice of the layer shares)
     def at(tree, i):
         if i is None:
             return tree
-        return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+        return jax.tree.map(lambda a: lax.dynamic_index_in_dim(
+            a, i, keepdims=False, allow_negative_indices=False), tree)
 
     first = lambda tree: jax.tree.map(lambda a: a[None], tree)  # noqa: E731
     cat = lambda a, b: jnp.concatenate([a, b], axis=0)  # noqa: E731
@@ -245,7 +250,8 @@ def _run(compute, tensors: dict, held: tuple, regathered: tuple, n: int, plan: P
     def put(stack, i, c):
         if i is None:
             return c
-        return jax.tree.map(lambda s, v: lax.dynamic_update_index_in_dim(s, v, i, 0), stack, c)
+        return jax.tree.map(lambda s, v: lax.dynamic_update_index_in_dim(
+            s, v, i, 0, allow_negative_indices=False), stack, c)
 
     def gather_layer(shards, inputs, keys=None):
         """:func:`~ciera_jax.fsdp.gather` of one layer's ``keys`` (all: None) and of the
@@ -310,7 +316,10 @@ def _run(compute, tensors: dict, held: tuple, regathered: tuple, n: int, plan: P
                 (x_next, y), sv = layer(i, fulls, x)
                 return (x_next, nxt, stacks), (y, c, s, x, sv)
 
-            (x_last, fulls, stacks), (ys, cs, ss, x_in, saved) = lax.scan(
+            # compressed gathers in the loop: rolled (its docstring says why); plain ones keep
+            # XLA's scan, double-buffered as plain FSDP compiles
+            scan = rolled_scan if any(g is not None for g in inputs.values()) else lax.scan
+            (x_last, fulls, stacks), (ys, cs, ss, x_in, saved) = scan(
                 body, (x, fulls, stacks), jnp.arange(n - 1))
             (x, y), sv = layer(n - 1, fulls, x_last)
             x_in = cat(x_in, x_last[None])
@@ -361,6 +370,50 @@ def _run(compute, tensors: dict, held: tuple, regathered: tuple, n: int, plan: P
     run = jax.custom_vjp(lambda *a: forward(*a, keep=False)[0])
     run.defvjp(forward, backward)
     return run
+
+
+def rolled_scan(body, init, xs_N: jax.Array):
+    """``lax.scan(body, init, xs_N)`` for a 1-D ``xs_N`` (the layer indices), as a while loop
+    whose trip count XLA cannot see: one copy of ``body`` in the compiled program.
+
+    XLA:GPU double-buffers every loop whose trip count it knows (the FSDP flags'
+    ``xla_gpu_enable_while_loop_double_buffering``): the body twice, and an odd count's extra
+    trip peeled off. A layer loop that gathers the next layer in its own body gains no
+    overlap from that, and with the codec's gathers in the body it compiled the codec four
+    times over (with the layer before the loop). XLA has no per-loop switch, so the bound
+    passes an optimization barrier; the count stays in the loop's name scope
+    (``runtime.hlo.TRIPS_SCOPE``) for the reports that count what runs per step. The price:
+    XLA:GPU reads an unknown-count loop's condition back to the host each trip (a copy and a
+    host sync per layer).
+
+    The per-trip outputs are written into buffers made up front, sized by tracing ``body``
+    under :func:`jax.jit`, whose trace the loop then reuses (traced once, not twice). A
+    while loop has no reverse-mode derivative: the layer loop runs it in its custom VJP's
+    forward, whose backward is its own."""
+    length = xs_N.shape[0]
+    if length < 2:  # XLA inlines a scan of one trip: no loop to roll, none to sync on
+        return lax.scan(body, init, xs_N)
+    body = jax.jit(body)
+    _, out_shapes = jax.eval_shape(body, init, xs_N[0])
+
+    def empty(s):
+        z = jnp.zeros((length,) + s.shape, s.dtype)
+        missing = tuple(sorted(vma(s) - vma(z)))  # typed as the trips' outputs are
+        return lax.pcast(z, missing, to="varying") if missing else z
+
+    def trip(state):
+        i, carry, outs = state
+        carry, out = body(carry, lax.dynamic_index_in_dim(xs_N, i, keepdims=False,
+                                                         allow_negative_indices=False))
+        outs = jax.tree.map(lambda o, v: lax.dynamic_update_index_in_dim(
+            o, v, i, 0, allow_negative_indices=False), outs, out)
+        return i + 1, carry, outs
+
+    with jax.named_scope(f"{TRIPS_SCOPE}{length}"):
+        bound = lax.optimization_barrier(jnp.int32(length))
+        _, carry, outs = lax.while_loop(lambda state: state[0] < bound, trip,
+                                        (jnp.int32(0), init, jax.tree.map(empty, out_shapes)))
+    return carry, outs
 
 
 def layer_stats(stats: dict) -> tuple:

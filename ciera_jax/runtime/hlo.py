@@ -13,6 +13,12 @@ import collections
 import re
 
 _CALLS = re.compile(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
+# A loop whose trip count XLA cannot see (``fsdp.prepared.rolled_scan``) keeps it in its name
+# scope: ``<TRIPS_SCOPE><n>``, read back by :func:`scoped_trip_count`.
+TRIPS_SCOPE = "ciera_rolled_trips_"
+# the loop itself, not one nested in its body, whose name scope holds the outer one's (under
+# a transform the scope reads "jvp(<scope>)")
+_TRIPS = re.compile(rf'op_name="[^"]*{TRIPS_SCOPE}(\d+)\)*/while"')
 
 
 def computations(hlo: str) -> dict[str, str]:
@@ -102,3 +108,10 @@ def fusion_sources(hlo: str, package: str = "ciera_jax") -> collections.Counter:
         chain = sources(line)
         counts[chain[0] if chain else f"(outside {package})"] += 1
     return counts
+
+
+def scoped_trip_count(instruction: str) -> int | None:
+    """The trip count a rolled loop keeps in a ``while`` instruction's name scope (its HLO
+    text's ``op_name``: :data:`TRIPS_SCOPE`), else None."""
+    m = _TRIPS.search(instruction)
+    return int(m.group(1)) if m else None

@@ -85,8 +85,12 @@ def _called(ins: Instr) -> list[str]:
 
 
 def _trip_count(ins: Instr) -> int:
+    """A loop's trips per run: XLA's known trip count, else the one a rolled loop keeps in
+    its name scope (:func:`~ciera_jax.runtime.hlo.scoped_trip_count`), else 1."""
     m = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.rest)
-    return int(m.group(1)) if m else 1
+    if m:
+        return int(m.group(1))
+    return hlo.scoped_trip_count(ins.rest) or 1
 
 
 def _collective_kind(ins: Instr, comps: dict[str, list[Instr]]) -> tuple[str, str] | None:
