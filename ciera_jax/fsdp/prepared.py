@@ -37,9 +37,9 @@ from ciera_jax.fsdp.state.plan import (DEFAULT_REMAT, DEFAULT_WORD_BACKWARD, Pla
                                        set_plan)
 from ciera_jax.fsdp.regather import regather
 from ciera_jax.fsdp.state.stacking import stack_size
+from ciera_jax.fsdp.state.stats import GatherStats, pack as pack_stats, record
 from ciera_jax.runtime.hlo import TRIPS_SCOPE
 from ciera_jax.runtime.varying import vma
-from ciera_jax.fsdp.state.stats import GatherStats, pack as pack_stats, record
 
 INPUTS_ATTR = "ciera_gather_inputs"
 
