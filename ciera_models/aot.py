@@ -10,8 +10,11 @@ what the trainer's plan and the memory model said.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import gzip
+import json
 import math
 import tempfile
 import time
@@ -133,21 +136,61 @@ def count_ptx_modules(lowered, options: dict) -> int:
         return len(list(Path(d).glob("*.ptx")))
 
 
+# XLA's own trace events for the phases of a GPU compile (JAX's profiler, XLA 0.10's names):
+# the HLO passes, priority fusion among them, the backend (LLVM and PTX), and one event per
+# kernel module compiled
+PHASE_EVENTS = {"hlo_passes_s": "OptimizeHloModule", "priority_fusion_s": "priority-fusion",
+                "backend_s": "CompileToBackendResult"}
+MODULE_EVENT = "CompileSingleModule"
+
+
+def compile_phases(lowered, options: dict) -> dict:
+    """Where XLA:GPU's compile of ``lowered`` with ``options`` goes, from XLA's own trace
+    events: one more compile under JAX's profiler (which slows it). Seconds per phase of
+    :data:`PHASE_EVENTS` and the kernel modules compiled; a phase the trace lacks (another
+    XLA's names) is left out, not reported as zero."""
+    # an option that changes nothing XLA does (no dump folder: nothing dumps), so JAX compiles
+    # again instead of handing back the executable these options already made
+    options = {**options, "xla_dump_hlo_pass_re": ""}
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            lowered.compile(compiler_options=options)
+        (trace,) = Path(d).rglob("perfetto_trace.json.gz")
+        return phases_of(json.loads(gzip.decompress(trace.read_bytes())))
+
+
+def phases_of(trace: dict) -> dict:
+    """:func:`compile_phases`' reading of one perfetto trace (``{"traceEvents": [...]}``)."""
+    seconds: collections.Counter = collections.Counter()
+    count: collections.Counter = collections.Counter()
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") == "X":
+            seconds[e.get("name")] += e.get("dur", 0) / 1e6
+            count[e.get("name")] += 1
+    out = {key: seconds[name] for key, name in PHASE_EVENTS.items() if count[name]}
+    if count[MODULE_EVENT]:
+        out["modules"] = count[MODULE_EVENT]
+    return out
+
+
 def compile_repeated(tcs: list, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: int,
                      repeat: int, hlo_out: str | None = None, log=None,
-                     program: str = "steady", modules: bool = False) -> list[dict]:
+                     program: str = "steady", modules: bool = False,
+                     phases: bool = False) -> list[dict]:
     """:func:`compile_step` of each of ``tcs``, ``repeat`` times, alternating between them so
     the machine's other load falls on all alike. Each report is its first compile's, with
     ``compile_runs`` (every compile's ``wall_s`` and ``cpu_s``) and ``compile_s`` /
     ``compile_cpu_s`` those of its fastest: a compile's own cost, where the other load only
     ever adds. XLA's program is the same each time (each compile lowers again: JAX would
     otherwise hand back the executable it already has). ``modules``: the first compile's
-    report also counts its PTX modules (:func:`count_ptx_modules`)."""
+    report also counts its PTX modules (:func:`count_ptx_modules`); ``phases``: and times its
+    compile's phases (:func:`compile_phases`)."""
     reports: list[dict] = []
     for attempt in range(repeat):
         for i, tc in enumerate(tcs):
             rep = compile_step(tc, target, gpus, tokens_per_gpu, hlo_out, log, program,
-                               modules=modules and attempt == 0)
+                               modules=modules and attempt == 0,
+                               phases=phases and attempt == 0)
             if attempt == 0:
                 reports.append({**rep, "compile_runs": []})
             elif rep["distinct_fusions"] != reports[i]["distinct_fusions"]:
@@ -164,7 +207,7 @@ def compile_repeated(tcs: list, target: gpu_targets.GpuTarget, gpus: int, tokens
 
 def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: int,
                  hlo_out: str | None = None, log=None, program: str = "steady",
-                 modules: bool = False) -> dict:
+                 modules: bool = False, phases: bool = False) -> dict:
     """Compile ``tc``'s train step for ``gpus`` x ``target`` and report the program
     (``program``: which of the trainer's programs, ``steady`` or ``priming``:
     :meth:`~ciera_models.state.Trainer.at_rungs`; XLA's scheduler limit as ``tc.memory_limit``
@@ -221,5 +264,7 @@ def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: i
     }
     if modules:
         report["ptx_modules"] = count_ptx_modules(lowered, kept.options)
+    if phases:
+        report["compile_phases"] = compile_phases(lowered, kept.options)
     report["encode"] = encode_report(lowered_encode, kept.options, modules)
     return report

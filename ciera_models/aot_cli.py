@@ -69,6 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--modules", action="store_true",
                    help="also count the kernels XLA:GPU compiles (a PTX module each: what the "
                    "compile time follows), in one more compile of each program that dumps them")
+    g.add_argument("--phases", action="store_true",
+                   help="also time the XLA:GPU compile's phases (HLO passes, priority fusion, "
+                   "LLVM and PTX) from XLA's own trace events, in one more compile of each "
+                   "program under JAX's profiler")
     g.add_argument("--program", choices=("steady", "priming"), default="steady",
                    help="which of the trainer's programs: steady (every compressed gather's "
                    "escape section fixed at the rung that holds the steady-state demand: 1/8 "
@@ -108,12 +112,23 @@ def run(args) -> int:
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     runs = [tc] + ([dataclasses.replace(tc, gather="plain")] if args.compare else [])
     reports = compile_repeated(runs, target, args.gpus, args.tokens_per_gpu, args.repeat,
-                               args.hlo_out, log, program=args.program, modules=args.modules)
+                               args.hlo_out, log, program=args.program, modules=args.modules,
+                               phases=args.phases)
     print(render(reports, target, show_collectives=args.collectives))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"target": dataclasses.asdict(target), "reports": reports}, f, indent=1)
     return 0
+
+
+def _phase_rows(p: dict | None) -> dict[str, str]:
+    """``--phases``: the compile's phases, from XLA's trace events in a compile of their own."""
+    if p is None:
+        return {}
+    seconds = lambda k: f"{p[k]:.1f} s" if k in p else "-"  # noqa: E731
+    return {"  phases (a profiled compile): HLO passes": seconds("hlo_passes_s"),
+            "    of which priority fusion": seconds("priority_fusion_s"),
+            "  LLVM and PTX, modules": f"{seconds('backend_s')}, {p.get('modules', '-')}"}
 
 
 def summary_rows(r: dict) -> dict[str, str]:
@@ -128,6 +143,7 @@ def summary_rows(r: dict) -> dict[str, str]:
     return {
         "XLA:GPU compile (after lowering)": f"{r['compile_s']:.1f} s ({r['compile_cpu_s']:.1f} s CPU)",
         **_compile_runs(r),
+        **_phase_rows(r.get("compile_phases")),
         "lowering": f"{r['lower_s']:.1f} s",
         "scheduled HLO": f"{r['hlo_bytes'] / 1e6:.2f} MB",
         "fusions (kernels)": f"{r['fusions']:,}",

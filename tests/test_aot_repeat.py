@@ -26,8 +26,8 @@ def _fake_compiles(monkeypatch, walls: dict, distinct: dict | None = None):
     calls = []
 
     def compile_step(tc, target, gpus, tokens_per_gpu, hlo_out=None, log=None,
-                     program="steady", modules=False):
-        calls.append(tc.gather + (" modules" if modules else ""))
+                     program="steady", modules=False, phases=False):
+        calls.append(tc.gather + (" modules" if modules else "") + (" phases" if phases else ""))
         wall = walls[tc.gather].pop(0)
         kernels = (distinct or {}).get(tc.gather)
         return {"gather": tc.gather, "compile_s": wall, "compile_cpu_s": wall + 0.5,
@@ -71,11 +71,12 @@ def test_the_report_row_lists_every_compile():
         "  each of 3 compiles (fastest above)": "30.0, 24.0, 27.5 s"}
 
 
-def test_modules_are_counted_in_the_first_round_only(monkeypatch):
+@pytest.mark.parametrize("flag", ["modules", "phases"])
+def test_modules_and_phases_are_counted_in_the_first_round_only(monkeypatch, flag):
     calls = _fake_compiles(monkeypatch, {"ciera": [30.0, 24.0], "plain": [15.0, 12.0]})
     tcs = [TrainConfig(), dataclasses.replace(TrainConfig(), gather="plain")]
-    aot.compile_repeated(tcs, H100, 8, 128, repeat=2, modules=True)
-    assert calls == ["ciera modules", "plain modules", "ciera", "plain"]
+    aot.compile_repeated(tcs, H100, 8, 128, repeat=2, **{flag: True})
+    assert calls == [f"ciera {flag}", f"plain {flag}", "ciera", "plain"]
 
 
 def test_ptx_modules_are_the_dumped_ptx_of_a_compile_of_their_own():
@@ -93,6 +94,41 @@ def test_ptx_modules_are_the_dumped_ptx_of_a_compile_of_their_own():
     assert aot.count_ptx_modules(Lowered(), {"xla_gpu_flag": True}) == 2
     assert seen["xla_gpu_flag"] is True
     assert not pathlib.Path(seen["xla_dump_to"]).exists()
+
+
+def test_phases_add_each_events_seconds_and_leave_out_a_phase_the_trace_lacks():
+    trace = {"traceEvents": [
+        {"ph": "X", "name": "OptimizeHloModule", "dur": 2_500_000},
+        {"ph": "X", "name": "priority-fusion", "dur": 1_000_000},
+        {"ph": "X", "name": "priority-fusion", "dur": 500_000},
+        {"ph": "X", "name": "CompileSingleModule", "dur": 40_000},
+        {"ph": "X", "name": "CompileSingleModule", "dur": 60_000},
+        {"ph": "i", "name": "CompileToBackendResult"},  # an instant, not a span
+        {"ph": "M", "name": "process_name"}]}
+    assert aot.phases_of(trace) == {"hlo_passes_s": 2.5, "priority_fusion_s": 1.5,
+                                    "modules": 2}
+    rows = aot_cli._phase_rows(aot.phases_of(trace))
+    assert rows["  LLVM and PTX, modules"] == "-, 2"
+    assert rows["    of which priority fusion"] == "1.5 s"
+    assert aot_cli._phase_rows(None) == {}
+
+
+def test_phases_of_a_real_xla_gpu_compile():
+    """XLA:GPU's own events, as JAX's profiler records them around a compile for an H100
+    (compile-only): every phase there, the passes inside the compile's time."""
+    import jax
+    import jax.numpy as jnp
+
+    mesh = gpu_targets.compile_only_mesh(H100, 8)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    x = jax.ShapeDtypeStruct((256, 256), jnp.float32, sharding=replicated)
+    lowered = jax.jit(lambda a: jnp.tanh(a @ a) + jnp.exp(a).sum(0)).lower(x)
+    options = dict(gpu_targets.FSDP_XLA_FLAGS)
+    lowered.compile(compiler_options=options)  # as the report's own compile did before
+    p = aot.compile_phases(lowered, options)  # ...so JAX must not hand that one back
+    assert set(p) == {"hlo_passes_s", "priority_fusion_s", "backend_s", "modules"}
+    assert 0 < p["priority_fusion_s"] < p["hlo_passes_s"] and p["backend_s"] > 0
+    assert p["modules"] >= 1
 
 
 def _report(**extra):
