@@ -185,10 +185,8 @@ def local_view(x: jax.Array, cache, axis_name, axis: int, name: str) -> LocalVie
     x = lax.stop_gradient(x)
     offset = lax.axis_index(axis_name).astype(jnp.int32) * x.shape[axis]
     stored = cache.words if isinstance(cache, WordCache) else cache.exp
-    cached = lax.dynamic_slice(
-        stored, tuple(offset if d == axis else 0 for d in range(stored.ndim)),
-        tuple(x.shape[axis] if d == axis else s for d, s in enumerate(stored.shape)),
-        allow_negative_indices=False)
+    cached = lax.dynamic_slice_in_dim(stored, offset, x.shape[axis], axis=axis,
+                                      allow_negative_indices=False)
     return LocalView(x, axis, n_ranks, offset, cached,
                      selfcheck.shard_checksum(x, axis, axis_name))
 

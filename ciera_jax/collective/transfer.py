@@ -179,8 +179,8 @@ def gather_section(parts, sizes_per_part, rung: jax.Array, axis_name, starts=Non
     out = []
     for part, span, width, offset in zip(parts, spans, widths, offsets):
         at = jnp.asarray(offset, jnp.int32)[rung]
-        piece = lax.dynamic_slice(rows_NxB, (0, at), (rows_NxB.shape[0], span),
-                                  allow_negative_indices=False)
+        piece = lax.dynamic_slice_in_dim(rows_NxB, at, span, axis=1,
+                                         allow_negative_indices=False)
         out.append(_from_bytes(piece, part.dtype, span // width))
     return out
 
