@@ -37,7 +37,7 @@ from ciera_jax.fsdp.state.plan import (DEFAULT_REMAT, DEFAULT_WORD_BACKWARD, Pla
                                        set_plan)
 from ciera_jax.fsdp.regather import regather
 from ciera_jax.fsdp.state.stacking import stack_size
-from ciera_jax.fsdp.state.stats import GatherStats, pack as pack_stats, record
+from ciera_jax.fsdp.state.stats import GatherStats, layer_stats, record, stats_by_key
 from ciera_jax.runtime.hlo import TRIPS_SCOPE
 from ciera_jax.runtime.varying import vma
 
@@ -374,22 +374,13 @@ def _run(compute, tensors: dict, held: tuple, regathered: tuple, n: int, plan: P
 
 def rolled_scan(body, init, xs_N: jax.Array):
     """``lax.scan(body, init, xs_N)`` for a 1-D ``xs_N`` (the layer indices), as a while loop
-    whose trip count XLA cannot see: one copy of ``body`` in the compiled program.
-
-    XLA:GPU double-buffers every loop whose trip count it knows (the FSDP flags'
-    ``xla_gpu_enable_while_loop_double_buffering``): the body twice, and an odd count's extra
-    trip peeled off. A layer loop that gathers the next layer in its own body gains no
-    overlap from that, and with the codec's gathers in the body it compiled the codec four
-    times over (with the layer before the loop). XLA has no per-loop switch, so the bound
-    passes an optimization barrier; the count stays in the loop's name scope
-    (``runtime.hlo.TRIPS_SCOPE``) for the reports that count what runs per step. The price:
-    XLA:GPU reads an unknown-count loop's condition back to the host each trip (a copy and a
-    host sync per layer).
-
-    The per-trip outputs are written into buffers made up front, sized by tracing ``body``
-    under :func:`jax.jit`, whose trace the loop then reuses (traced once, not twice). A
-    while loop has no reverse-mode derivative: the layer loop runs it in its custom VJP's
-    forward, whose backward is its own."""
+    whose trip count XLA cannot see (its bound passes an optimization barrier), so XLA:GPU's
+    double buffering, which would unroll the body twice and peel an odd count's extra trip,
+    leaves one copy of it: the layer loop prefetches the next layer itself (docs/aot.md). The
+    count stays in the loop's name scope (``runtime.hlo.TRIPS_SCOPE``) for the reports. The
+    price: XLA:GPU syncs the host on such a loop's condition every trip. ``body`` is traced
+    once, under :func:`jax.jit`, for the output buffers and the loop. No reverse-mode
+    derivative (a while loop): the layer loop runs it in its custom VJP's forward."""
     length = xs_N.shape[0]
     if length < 2:  # XLA inlines a scan of one trip: no loop to roll, none to sync on
         return lax.scan(body, init, xs_N)
@@ -414,24 +405,6 @@ def rolled_scan(body, init, xs_N: jax.Array):
         _, carry, outs = lax.while_loop(lambda state: state[0] < bound, trip,
                                         (jnp.int32(0), init, jax.tree.map(empty, out_shapes)))
     return carry, outs
-
-
-def layer_stats(stats: dict) -> tuple:
-    """One layer's ``{key: stats}`` as the layer loop stacks them: every key's packed vector
-    in ONE array (one output of the loop, one kernel a layer on a GPU, not one a key) and each
-    key's ``changed`` (a psum's result: XLA moves the psum out of the loop only while it goes
-    straight into an output of its own, :mod:`~ciera_jax.fsdp.state.stats`)."""
-    packed = {k: pack_stats(st) for k, st in sorted(stats.items())}
-    return (jnp.stack([p["vector"] for p in packed.values()], axis=-2) if packed else None,
-            {k: p["changed"] for k, p in packed.items()})
-
-
-def stats_by_key(stacked: tuple) -> dict:
-    """:func:`layer_stats`' inverse (stacked over layers or not): ``{key: packed stats}``
-    (the vectors' rows are the keys in sorted order)."""
-    vectors, changed = stacked
-    return {k: {"vector": vectors[..., i, :], "changed": changed[k]}
-            for i, k in enumerate(sorted(changed))}
 
 
 def _typed_like_gather(full, shard, axis_name):

@@ -60,6 +60,24 @@ def from_columns(array, names) -> dict:
     return {s: array[..., i] for i, s in enumerate(names)}
 
 
+def layer_stats(stats: dict) -> tuple:
+    """One layer's ``{key: stats}`` as the layer loop stacks them: every key's packed vector
+    in ONE array (one output of the loop, one kernel a layer on a GPU, not one a key) and each
+    key's ``changed`` (a psum's result: XLA moves the psum out of the loop only while it goes
+    straight into an output of its own, as the module docstring says)."""
+    packed = {k: pack(st) for k, st in sorted(stats.items())}
+    return (jnp.stack([p["vector"] for p in packed.values()], axis=-2) if packed else None,
+            {k: p["changed"] for k, p in packed.items()})
+
+
+def stats_by_key(stacked: tuple) -> dict:
+    """:func:`layer_stats`' inverse (stacked over layers or not): ``{key: packed stats}``
+    (the vectors' rows are the keys in sorted order)."""
+    vectors, changed = stacked
+    return {k: {"vector": vectors[..., i, :], "changed": changed[k]}
+            for i, k in enumerate(sorted(changed))}
+
+
 def unpack(packed: dict) -> dict:
     """:func:`pack`'s inverse, host or traced values."""
     return {**from_columns(packed["vector"], VECTOR_KEYS), "changed": packed["changed"]}
