@@ -40,7 +40,7 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
-from ciera_models import peers, shard_digest
+from ciera_models import peers, shard_digest, watchdog
 from ciera_models.checkpoint_meta import (FORMAT, check_meta, checkpoint_format, meta_sha256,
                                          tree_sha256)
 from ciera_models.failures import (NoGoodCheckpoint, RunFailure, WriteFailed,
@@ -330,6 +330,7 @@ class Checkpointer:
         it, the others a :class:`RunFailure`; none is left waiting in the next agreement."""
         got, why, here = None, None, step in self.all_steps()
         for k, phase in enumerate(phases):
+            watchdog.mark(f"checking checkpoint step {step}")
             error = None
             try:
                 if not here:

@@ -10,6 +10,8 @@ code   meaning
        that is still going)
 66     ``--resume``: every checkpoint in the folder is damaged (all were set aside)
 69     a peer process was lost or never started (multi-process runs)
+70     no process made progress for ``--hang-timeout`` seconds: every thread's stack is in
+       the log
 74     a write failed (disk full, or another OSError): the newest checkpoint is intact
 75     preempted (SIGTERM/SIGINT): saved with ``--checkpoint-dir``; rerun with ``--resume``
 =====  =================================================================================
@@ -26,6 +28,7 @@ from ciera_jax.runtime.units import fmt_bytes
 
 EXIT_NO_GOOD_CHECKPOINT = 66  # EX_NOINPUT
 EXIT_PEER_LOST = 69  # EX_UNAVAILABLE
+EXIT_HUNG = 70  # EX_SOFTWARE
 EXIT_WRITE_FAILED = 74  # EX_IOERR
 
 

@@ -23,7 +23,7 @@ from ciera_jax.runtime.devices import make_mesh
 from ciera_jax.runtime.outputs import check_output_file
 from ciera_models import checkpoint as ckpt
 from ciera_models import checkpoint_meta
-from ciera_models import crash_drill, faults, metrics, peers, run_lock, supervisor
+from ciera_models import crash_drill, faults, metrics, peers, run_lock, supervisor, watchdog
 from ciera_models.failures import WriteFailed, describe_os_error, everywhere, raised_by_all
 from ciera_models.data import load_dataset
 from ciera_models.params_hash import params_sha256
@@ -89,6 +89,10 @@ def check_inputs(tc: TrainConfig, run: RunConfig) -> None:
         check_output_file(run.metrics_out, "--metrics-out")
     faults.parse_fault(run.inject_cache_fault)  # the format; step, rank, tensor: in train()
     crash_drill.parse_crash(run.inject_crash)  # the format; step, process: in train()
+    crash_drill.parse_crash(run.inject_hang, "--inject-hang")
+    if not run.hang_timeout >= 0:
+        raise ValueError(f"--hang-timeout must be >= 0 seconds (0: never), got "
+                         f"{run.hang_timeout:g}")
 
 
 def train(tc: TrainConfig, run: RunConfig | None = None, *, mesh=None,
@@ -119,6 +123,10 @@ def train(tc: TrainConfig, run: RunConfig | None = None, *, mesh=None,
             crash = crash_drill.parse_crash(run.inject_crash)
             if crash:
                 crash_drill.check_crash(crash, run.steps, state.step, _process_count())
+            hang = crash_drill.parse_crash(run.inject_hang, "--inject-hang")
+            if hang:
+                crash_drill.check_crash(hang, run.steps, state.step, _process_count(),
+                                        "--inject-hang")
         out = stack.enter_context(_metrics_file(run, {**meta, **startup}, log))
         history, last_save, stopped = [], time.monotonic(), None
         retries = 0
@@ -128,10 +136,13 @@ def train(tc: TrainConfig, run: RunConfig | None = None, *, mesh=None,
             if fault and state.step + 1 == fault.step and not retries:
                 state = faults.inject(tr, state, fault, log)
             crash_drill.crash_if_due(crash, state.step + 1, _process_index())
+            crash_drill.hang_if_due(hang, state.step + 1, _process_index())
+            watchdog.mark(f"in step {state.step + 1}")
             rec, state = _one_step(tr, state, dataset, run, retried=retries > 0)
             peers.progress["step"] = state.step
             supervisor.report_step(state.step)
             history.append(rec)
+            watchdog.mark(f"in the agreement after step {rec['step']}")
             stop, due = _report_agreed(rec, out, run, tc, log, saver, guard, last_save)
             if rec["verify_failed"]:
                 retries = _after_failed_check(rec, retries, log)
@@ -139,6 +150,7 @@ def train(tc: TrainConfig, run: RunConfig | None = None, *, mesh=None,
             retries = 0
             stop = stop and state.step < run.steps  # a signal in the last step: just finish
             if saver and (due or stop or state.step == run.steps):
+                watchdog.mark(f"saving checkpoint step {state.step}")
                 # in the background, said when complete; the last one (or a stop's) waited for
                 saver.save(state.step, state.params, state.opt_state, meta,
                            wait=stop or state.step == run.steps, say=None if stop else log)

@@ -78,18 +78,28 @@ def lost_line(process_id: int, num_processes: int, text: str) -> str:
     else:
         who = "lost a peer process"
     step = progress.get("step")
+    log = progress.get("log")
+    return (f"ciera train (process {process_id}): {who} of {num_processes}"
+            + (f" after step {step}" if step is not None else " before training started")
+            + f"; {restart_advice(num_processes)}" + (f"; full log: {log}" if log else ""))
+
+
+def restart_advice(num_processes: int) -> str:
+    """What to restart from: the newest checkpoint complete on disk (and a save that did not
+    finish), or that nothing was saved."""
     ck = progress.get("checkpoint_dir")
     newest, saving = newest_checkpoint(ck), unfinished_checkpoint(ck)
     unfinished = (f" (the save of step {saving} did not finish)"
                   if saving is not None and (newest is None or saving > newest) else "")
-    where = (f"the newest complete checkpoint is step {newest} in {ck}{unfinished}: restart all "
-             f"{num_processes} processes with --resume" if newest is not None else
-             f"no checkpoint was saved{unfinished}: restart all processes" if ck else
-             "nothing was saved (no --checkpoint-dir): restart all processes")
-    log = progress.get("log")
-    return (f"ciera train (process {process_id}): {who} of {num_processes}"
-            + (f" after step {step}" if step is not None else " before training started")
-            + f"; {where}" + (f"; full log: {log}" if log else ""))
+    every = f"all {num_processes} processes" if num_processes > 1 else "the run"
+    if newest is not None:
+        return (f"the newest complete checkpoint is step {newest} in {ck}{unfinished}: restart "
+                f"{every} with --resume")
+    if ck:
+        return f"no checkpoint was saved{unfinished}: restart " + (
+            "all processes" if num_processes > 1 else "the run")
+    return "nothing was saved (no --checkpoint-dir): restart " + (
+        "all processes" if num_processes > 1 else "the run")
 
 
 def coordinator_gone(text: str) -> bool:
@@ -99,8 +109,14 @@ def coordinator_gone(text: str) -> bool:
                           r"grpc_status:14", text))
 
 
+def say_once() -> bool:
+    """Whether this caller is the one that prints the process's last line (the lost-peer
+    paths and the watchdog race for it): True once per process."""
+    return _said.acquire(blocking=False)
+
+
 def _say_and_exit(process_id: int, num_processes: int, text: str) -> None:
-    if not _said.acquire(blocking=False):
+    if not say_once():
         return  # the other path is saying it
     sys.stdout.flush()
     print(lost_line(process_id, num_processes, text), file=sys.stderr, flush=True)
@@ -150,7 +166,7 @@ def initialize(coordinator: str, num_processes: int, process_id: int,
 
 
 def _never_joined(process_id: int, num_processes: int, coordinator: str, timeout_s: int):
-    if not _said.acquire(blocking=False):
+    if not say_once():
         return
     sys.stdout.flush()
     print(f"ciera train (process {process_id}): the process group at {coordinator} did not "

@@ -29,7 +29,7 @@ from ciera_jax.planning import costmodel
 from ciera_jax.runtime import gpu_targets
 from ciera_jax.planning.capacities import (RungPolicy, exits_for, program_key, rungs_holding,
                                            seconds_per_byte)
-from ciera_models import memory_limit
+from ciera_models import memory_limit, watchdog
 from ciera_models.beside import CompilesBeside, abstract_like, in_thread
 from ciera_models.data import Dataset
 from ciera_models.model import Transformer
@@ -186,6 +186,10 @@ class Trainer:
         memory limit as ``--memory-limit`` says (:func:`ciera_models.memory_limit.compile_within`,
         the policy ``ciera aot`` reports with; a GPU model not in ``gpu_targets.TARGETS`` keeps
         XLA's own limit)."""
+        with watchdog.compiling():
+            return self._compile(args, log, lowered)
+
+    def _compile(self, args: tuple, log, lowered):
         lowered = self.step_fn.lower(*args) if lowered is None else lowered
         device = self.mesh.devices.flat[0]
         target = gpu_targets.target_of(device) if gpu_targets.is_gpu(device.platform) else None
@@ -268,7 +272,10 @@ class Trainer:
             traced = self.prepare_fn.trace(*self.encode_arguments())
         lowered = traced.lower()
         options = self.compiler_options or None
-        compile_fn = lambda: lowered.compile(compiler_options=options)  # noqa: E731
+
+        def compile_fn():
+            with watchdog.compiling():
+                return lowered.compile(compiler_options=options)
         if self.beside:  # taken by a step once compiled on every process (until then, steps prime)
             self.beside_compiles.start(ENCODE, compile_fn)
         else:

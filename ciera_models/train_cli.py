@@ -121,7 +121,7 @@ def run(args) -> int:
     _check_launch(launch)
     vars(args).update(coordinator=launch.coordinator, num_processes=launch.num_processes,
                       process_id=launch.process_id)  # for the child's flags
-    from ciera_models import peers, supervisor
+    from ciera_models import peers, supervisor, watchdog
     from ciera_jax.cli.main import BAD_INPUT, EXIT_BAD_INPUT, bad_input_line
     from ciera_models.failures import PeerLost, RunFailure, raised_everywhere
 
@@ -149,6 +149,7 @@ def run(args) -> int:
 
     _without_persistent_cache(jax)
     multi = jax.process_count() > 1
+    _start_watchdog(jax, run_cfg.hang_timeout)
     n = run_cfg.devices if run_cfg.devices and not multi else len(jax.devices())
     mesh = make_mesh(n)
     tc = dataclasses.replace(tc, schedule_steps=_schedule_steps(tc, run_cfg))
@@ -183,10 +184,23 @@ def run(args) -> int:
             peers.end_alone(EXIT_BAD_INPUT if bad_input else 1)
         raise
     peers.stop_watching()
+    watchdog.stop()
     if is_main:
         print(res.summary)
         print(f"params_sha256={res.sha256}", flush=True)
     return EXIT_PREEMPTED if res.preempted else 0
+
+
+def _start_watchdog(jax, timeout_s: float) -> None:
+    """``--hang-timeout``: every process watches every process's progress (through the
+    coordination service when there are several); the stacks go to the supervisor's log."""
+    from jax._src import distributed
+
+    from ciera_models import peers, watchdog
+
+    multi = jax.process_count() > 1
+    watchdog.start(timeout_s, jax.process_index(), jax.process_count(),
+                   distributed.global_state.client if multi else None, peers.progress["log"])
 
 
 def _stacks_on_sigusr1() -> None:

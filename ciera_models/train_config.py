@@ -207,6 +207,13 @@ class RunConfig:
         None, "raise an error on one process before step STEP: STEP[:PROCESS] (default "
         "process 0); a drill of a crash on one host: every process ends, the others as for a "
         "lost peer", metavar="STEP[:PROCESS]")
+    inject_hang: str | None = option(
+        None, "stop one process before step STEP, alive, until the watchdog ends the run: "
+        "STEP[:PROCESS] (default process 0); a drill of --hang-timeout", metavar="STEP[:PROCESS]")
+    hang_timeout: float = option(
+        1800, "seconds without progress on any process (a step, an agreement, a checkpoint's "
+        "check; compiles excepted) after which every process writes its threads' stacks to its "
+        "log and ends in one line (exit 70); 0: never", metavar="SECONDS")
 
 
 def _flag(name: str) -> str:

@@ -5,6 +5,7 @@ process's ``TimeoutExpired`` (a hang in CI is then readable from CI's log alone)
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 import subprocess
 import time
 
@@ -13,11 +14,13 @@ import pytest
 STACKS_WAIT_S = 5  # for each process to print its stacks after SIGUSR1
 
 
-def finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
+def finish(procs: list[subprocess.Popen], timeout: float,
+           logs: list[Path] | None = None) -> list[tuple[int, str, str]]:
     """Each process's ``(exit code, stdout, stderr)`` (stderr ``""`` where it goes to stdout),
     all of them ended within ``timeout`` seconds together. Past it, each live one gets SIGUSR1
     (``ciera train`` prints its threads' stacks), then all are killed and the test fails with
-    the end of each one's output."""
+    the end of each one's output, and of its log file in ``logs`` (the supervisor's copy of
+    everything its child wrote, which outlives what the pipes had time to carry)."""
     deadline = time.monotonic() + timeout
     outs = []
     try:
@@ -34,7 +37,8 @@ def finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str
         pytest.fail(f"the {len(procs)}-process run did not end within {timeout:.0f} s:\n"
                     + "\n".join(f"--- process {i} (exit {p.returncode}):\n{_tail(out)}\n"
                                 f"{_tail(err)}" for i, (p, (out, err))
-                                in enumerate(zip(procs, got))))
+                                in enumerate(zip(procs, got)))
+                    + "".join(f"\n--- log {log}:\n{_tail(_read(log))}" for log in logs or []))
     finally:
         for p in procs:
             if p.poll() is None:
@@ -45,3 +49,10 @@ def finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str
 
 def _tail(text: str | None, chars: int = 5000) -> str:
     return (text or "")[-chars:]
+
+
+def _read(path: Path) -> str:
+    try:
+        return Path(path).read_text(errors="replace")
+    except OSError as e:
+        return f"(not readable: {e.strerror})"

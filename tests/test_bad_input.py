@@ -53,6 +53,11 @@ ROWS = [
      "--inject-crash step 21 is not trained by this run; pick a step from 1 to 20"),
     (["train", "--steps", "20", "--inject-crash", "5:1"],
      "--inject-crash: process 1 is not among the 1 process(es)"),
+    (["train", "--inject-hang", "3:x"], "--inject-hang '3:x': expected STEP[:PROCESS], e.g. 5 "
+                                        "or 5:1"),
+    (["train", "--steps", "20", "--inject-hang", "5:1"],
+     "--inject-hang: process 1 is not among the 1 process(es)"),
+    (["train", "--hang-timeout", "-1"], "--hang-timeout must be >= 0 seconds (0: never), got -1"),
     (["train", "--steps", "20", "--inject-cache-fault", "50"],
      "--inject-cache-fault step 50 is past the end (--steps 20); pick a step from 2 to 20"),
     (["train", "--steps", "20", "--inject-cache-fault", "1"],

@@ -14,7 +14,7 @@ import pytest
 
 from ciera_jax.runtime.launch import free_port
 from ciera_models import peers
-from ciera_models.failures import EXIT_PEER_LOST
+from ciera_models.failures import EXIT_HUNG, EXIT_PEER_LOST
 from processes import finish  # tests/processes.py
 
 TRAIN = [sys.executable, "-m", "ciera_jax.cli.main", "train", "--schedule-steps", "40",
@@ -95,17 +95,21 @@ STEPS = 12  # every run below trains towards the same 12-step schedule
 
 
 def _start(ck, port: int, *extra: str, steps: int = STEPS, env: dict | None = None):
-    """Both processes of a run; ``env``: more of the environment, for both."""
+    """Both processes of a run; ``env``: more of the environment, for both. A run that stops
+    moving ends in the watchdog's line (where each process was) well before the 400 s limit;
+    nothing here waits that long without progress or a compile."""
     return [subprocess.Popen(
         [*TRAIN, "--steps", str(steps), "--checkpoint-dir", str(ck), "--coordinator",
-         f"127.0.0.1:{port}", "--process-id", str(i), *extra],
+         f"127.0.0.1:{port}", "--process-id", str(i), "--hang-timeout", "150", *extra],
         env={**ENV, "JAX_PLATFORMS": "cpu", **(env or {})},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
 
 
-def _finish(procs) -> list[tuple[int, str, str]]:
-    """Every 2-process run here ends within 400 s (about 45 s on an idle 2-core machine)."""
-    return finish(procs, 400)
+def _finish(procs, ck=None) -> list[tuple[int, str, str]]:
+    """Every 2-process run here ends within 400 s (about 45 s on an idle 2-core machine);
+    ``ck``: the run's checkpoint folder, where each process's log is (shown if it hangs)."""
+    return finish(procs, 400, [ck / f"ciera-train-process-{i}.log" for i in range(2)]
+                  if ck else None)
 
 
 def _sha(out: str) -> str:
@@ -160,7 +164,7 @@ def test_either_lost_process_is_one_line_and_resume_is_bitwise(killed, tmp_path,
     if killed == 0:  # the abort reached the log, not the terminal
         assert "Terminating process because the JAX distributed service" in log.read_text()
     assert waited < timeout_s + 30
-    (rc0, out0, e0), (rc1, _, e1) = _finish(_start(ck, free_port(), "--resume"))
+    (rc0, out0, e0), (rc1, _, e1) = _finish(_start(ck, free_port(), "--resume"), ck)
     assert rc0 == rc1 == 0, e0[-2000:] + e1[-2000:]
     assert "resumed from" in out0
     assert _sha(out0) == straight_sha
@@ -175,7 +179,7 @@ def test_a_checkpoint_damaged_on_one_process_falls_back_on_both(damage, tmp_path
     restore step 4 and end bitwise on the straight run."""
     ck = tmp_path / "ck"
     (rc0, _, e0), (rc1, _, e1) = _finish(_start(ck, free_port(), "--checkpoint-every", "4",
-                                                steps=8))
+                                                steps=8), ck)
     assert rc0 == rc1 == 0, e0[-2000:] + e1[-2000:]
     if damage == "cut arrays":
         data = sorted(p for p in (ck / "8" / "state" / "ocdbt.process_1").rglob("*")
@@ -186,7 +190,7 @@ def test_a_checkpoint_damaged_on_one_process_falls_back_on_both(damage, tmp_path
     else:
         shutil.copy(ck / "4" / "digests" / "process_1.json",
                     ck / "8" / "digests" / "process_1.json")
-    (rc0, out0, e0), (rc1, out1, e1) = _finish(_start(ck, free_port(), "--resume"))
+    (rc0, out0, e0), (rc1, out1, e1) = _finish(_start(ck, free_port(), "--resume"), ck)
     assert rc0 == rc1 == 0, out0[-3000:] + e0[-2000:] + out1[-3000:] + e1[-2000:]
     assert re.search(rf"checkpoint step 8 in {re.escape(str(ck))} is damaged \(.*\): set aside "
                      r"as .*damaged/8; trying step 4", out0), out0[-3000:]
@@ -219,6 +223,34 @@ def test_a_crash_on_one_process_ends_it_and_the_other_sees_a_lost_peer(crashed, 
         f"ciera train (process {s}): {who} of 2 after step 2; no checkpoint was saved: restart "
         f"all processes; full log: {ck / f'ciera-train-process-{s}.log'}"), err_s[-3000:]
     assert "Check failure" not in out_s + err_s
+
+
+@pytest.mark.slow
+def test_a_process_stuck_alive_ends_every_process_in_one_line_with_its_stacks(tmp_path):
+    """``--inject-hang 3:1``: process 1 stops before step 3, alive (its heartbeats go on, so no
+    peer is lost), while process 0 waits for it in step 3. Neither moves for ``--hang-timeout``
+    seconds: each writes every thread's stack to its log and ends in one line that names where
+    both were and the checkpoint to resume from, exit 70. Without the watchdog: a hang until
+    killed."""
+    ck, timeout_s = tmp_path / "ck", 15
+    procs = _start(ck, free_port(), "--gather", "plain", "--checkpoint-every", "2",
+                   "--inject-hang", "3:1", "--hang-timeout", str(timeout_s), steps=6)
+    results = _finish(procs, ck)
+    for i, (rc, _, err) in enumerate(results):
+        log = ck / f"ciera-train-process-{i}.log"
+        assert rc == EXIT_HUNG, err[-3000:]
+        assert re.fullmatch(
+            rf"ciera train \(process {i}\): no progress for {timeout_s} s \(--hang-timeout\): "
+            r"process 0 in step 3, process 1 before step 3 \(--inject-hang\); stopped; the "
+            rf"newest complete checkpoint is step 2 in {re.escape(str(ck))}"
+            r"(?: \(the save of step \d+ did not finish\))?: restart all 2 processes with "
+            rf"--resume; the stacks of every thread: in {re.escape(str(log))}",
+            err.strip()), err[-3000:]
+        stacks = log.read_text().split("--- the watchdog: every thread's stack ---")[-1]
+        # process 0 waits in step 3's collective, or (gloo's own connect timed out first)
+        # for the peer watcher to name a lost peer, which it cannot: process 1 still beats
+        assert ("hang_if_due" in stacks if i == 1 else
+                "_one_step" in stacks or "lost_peer" in stacks), stacks[-3000:]
 
 
 @pytest.mark.slow

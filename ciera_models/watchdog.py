@@ -1,0 +1,171 @@
+"""A run that stops moving ends in one line (``--hang-timeout``), not in a hang until killed.
+
+A process can get stuck while alive: a collective whose peer never arrives, a checkpoint read
+that never returns, a deadlock inside a library. Its heartbeat keeps flowing, so the peer
+watcher (:mod:`ciera_models.peers`) sees nothing wrong, and every other process waits for it in
+its next collective. So the loop marks its progress (:func:`mark`: each step, the agreement
+after it, each phase of a checkpoint's check, a save it waits for), and a thread watches the
+marks. When no process has marked anything for ``--hang-timeout`` seconds and none is
+compiling (a compile marks nothing for minutes at scale: :func:`compiling`), every process
+writes each thread's stack to its log, prints one line that says where each process was and
+what to restart from, and ends with :data:`~ciera_models.failures.EXIT_HUNG` (70).
+
+In a multi-process run each process publishes its mark in the coordination service's key-value
+store, beside the peer watcher's beats, and reads the others': a process waiting in a
+collective for a peer that is still compiling does not give up, and the line names the process
+that stopped (say ``process 1 before step 3``) next to the ones waiting for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import faulthandler
+import os
+import sys
+import threading
+import time
+
+from ciera_models.failures import EXIT_HUNG
+
+DEFAULT_TIMEOUT_S = 1800  # PyTorch's NCCL default: longer than any step, shorter than a day
+KEY = "ciera/progress/"  # + the process id
+EXIT_GRACE_S = 3.0  # process 0 hosts the coordination service: the others print first
+
+_lock = threading.Lock()
+_mark = {"count": 0, "where": "starting", "compiling": 0}
+_stopped = threading.Event()
+
+
+def mark(where: str) -> None:
+    """This process moved on, and is now ``where`` (``"in step 3"``): what the line says if it
+    stops there."""
+    with _lock:
+        _mark["count"] += 1
+        _mark["where"] = where
+
+
+@contextlib.contextmanager
+def compiling():
+    """A compile runs (in any thread): no process gives up while one compiles anywhere."""
+    with _lock:
+        _mark["compiling"] += 1
+        _mark["count"] += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _mark["compiling"] -= 1
+            _mark["count"] += 1
+
+
+def own() -> str:
+    """This process's mark as published: ``count|compiling|where``."""
+    with _lock:
+        return f"{_mark['count']}|{int(_mark['compiling'] > 0)}|{_mark['where']}"
+
+
+@dataclasses.dataclass
+class Seen:
+    value: str | None  # the mark as published (None: not yet)
+    since: float  # when it last changed, on this process's clock
+
+    @property
+    def compiling(self) -> bool:
+        return self.value is not None and self.value.split("|")[1] == "1"
+
+    @property
+    def where(self) -> str:
+        return self.value.split("|", 2)[2] if self.value else "not started"
+
+
+class Watch:
+    """Every process's mark as this process last saw it, and whether the run is stuck."""
+
+    def __init__(self, num_processes: int, timeout_s: float, now: float):
+        self.timeout_s = timeout_s
+        self.seen = [Seen(None, now) for _ in range(num_processes)]
+
+    def update(self, process: int, value: str | None, now: float) -> None:
+        if value is not None and value != self.seen[process].value:
+            self.seen[process] = Seen(value, now)
+
+    def stuck(self, now: float) -> bool:
+        """No process marked anything for the timeout, and none is compiling."""
+        return all(now - s.since >= self.timeout_s and not s.compiling for s in self.seen)
+
+    def where(self) -> str:
+        """Where each process last said it was (``process 1 before step 3, ...``)."""
+        if len(self.seen) == 1:
+            return self.seen[0].where
+        return ", ".join(f"process {i} {s.where}" for i, s in enumerate(self.seen))
+
+
+def stuck_line(process_id: int, watch: Watch, advice: str, stacks: str) -> str:
+    """The one line each process prints (``advice``: :func:`ciera_models.peers.restart_advice`)."""
+    who = f" (process {process_id})" if len(watch.seen) > 1 else ""
+    return (f"ciera train{who}: no progress for {watch.timeout_s:g} s (--hang-timeout): "
+            f"{watch.where()}; stopped; {advice}; the stacks of every thread: {stacks}")
+
+
+def start(timeout_s: float, process_id: int = 0, num_processes: int = 1, client=None,
+          log: str | None = None) -> None:
+    """Watch from a daemon thread (``timeout_s`` 0: not at all). ``client``: JAX's
+    distributed-runtime client, for a multi-process run; ``log``: where the stacks go (the
+    supervisor's log of this process), else stderr, above the line."""
+    if not timeout_s:
+        return
+    _stopped.clear()
+    threading.Thread(target=_watch, args=(timeout_s, process_id, num_processes, client, log),
+                     name="ciera-watchdog", daemon=True).start()
+
+
+def stop() -> None:
+    """The run is over: processes now leave one by one; that is not a hang."""
+    _stopped.set()
+
+
+def _watch(timeout_s, process_id, num_processes, client, log) -> None:
+    watch = Watch(num_processes, timeout_s, time.monotonic())
+    while not _stopped.wait(1.0):
+        now, value = time.monotonic(), own()
+        watch.update(process_id, value, now)
+        if client is not None:
+            with contextlib.suppress(Exception):  # the service gone: the peer watcher's case
+                client.key_value_set(KEY + str(process_id), value, allow_overwrite=True)
+                # every process's mark in one call (not one per process: 128 of them a second)
+                for key, theirs in client.key_value_dir_get(KEY):
+                    i = int(key.rsplit("/", 1)[-1])
+                    if i != process_id and 0 <= i < num_processes:
+                        watch.update(i, theirs, now)
+        if watch.stuck(now) and not _stopped.is_set():
+            _end(process_id, watch, log)
+
+
+def _end(process_id: int, watch: Watch, log: str | None) -> None:
+    from ciera_models import peers
+
+    if not peers.say_once():
+        return  # the peer watcher is saying its line
+    sys.stdout.flush()
+    stacks = _write_stacks(log)
+    print(stuck_line(process_id, watch, peers.restart_advice(len(watch.seen)), stacks),
+          file=sys.stderr, flush=True)
+    if process_id == 0 and len(watch.seen) > 1:
+        time.sleep(EXIT_GRACE_S)
+    os._exit(EXIT_HUNG)
+
+
+def _write_stacks(log: str | None) -> str:
+    """Every thread's stack into ``log`` (appended), else to stderr; where they went."""
+    if log:
+        try:
+            with open(log, "a") as f:
+                f.write("--- the watchdog: every thread's stack ---\n")
+                f.flush()
+                faulthandler.dump_traceback(file=f, all_threads=True)
+            return f"in {log}"
+        except OSError:
+            pass
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    return "above"

@@ -1,0 +1,93 @@
+"""The watchdog's judgement (``--hang-timeout``): a run is stuck when no process marked progress
+for the timeout and none is compiling; its line says where each process was. The drills that
+end real runs: ``tests/test_lost_peer.py`` (2 processes) and below (one process)."""
+
+import re
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from ciera_models import watchdog
+from ciera_models.failures import EXIT_HUNG
+from ciera_models.watchdog import Watch
+
+
+def _value(count: int, where: str, compiling: bool = False) -> str:
+    return f"{count}|{int(compiling)}|{where}"
+
+
+def test_stuck_only_when_every_process_stood_still_for_the_timeout():
+    w = Watch(2, timeout_s=10, now=0.0)
+    w.update(0, _value(1, "in step 3"), now=1.0)
+    w.update(1, _value(1, "before step 3"), now=2.0)
+    assert not w.stuck(11.0)  # process 1 moved 9 s ago
+    assert w.stuck(12.0)
+    w.update(1, _value(1, "before step 3"), now=12.0)  # the same mark again: no progress
+    assert w.stuck(12.5)
+    w.update(1, _value(2, "in step 3"), now=13.0)  # it moved on
+    assert not w.stuck(13.0) and not w.stuck(22.9) and w.stuck(23.0)
+    assert w.where() == "process 0 in step 3, process 1 in step 3"
+
+
+def test_a_process_compiling_keeps_every_process_waiting():
+    w = Watch(3, timeout_s=5, now=0.0)
+    w.update(0, _value(4, "in step 1"), now=0.0)
+    w.update(1, _value(4, "in step 1"), now=0.0)
+    w.update(2, _value(3, "in step 1", compiling=True), now=0.0)
+    assert not w.stuck(1000.0)
+    w.update(2, _value(4, "in step 1"), now=1000.0)  # its compile ended: a change
+    assert not w.stuck(1004.0) and w.stuck(1005.0)
+
+
+def test_a_process_that_never_published_counts_from_the_start():
+    w = Watch(2, timeout_s=5, now=0.0)
+    w.update(0, _value(1, "checking checkpoint step 8"), now=0.0)
+    w.update(1, None, now=4.0)  # NOT_FOUND: not published yet
+    assert w.stuck(5.0)
+    assert w.where() == "process 0 checking checkpoint step 8, process 1 not started"
+
+
+def test_marks_and_compiles_from_any_thread_change_the_published_value():
+    before = watchdog.own()
+    watchdog.mark("in step 7")
+    after = watchdog.own()
+    assert after != before and after.endswith("|0|in step 7")
+    inside = []
+    with watchdog.compiling():
+        t = threading.Thread(target=lambda: inside.append(watchdog.own()))
+        t.start()
+        t.join()
+    assert inside[0].split("|")[1] == "1" and watchdog.own().split("|")[1] == "0"
+    assert len({before, after, inside[0], watchdog.own()}) == 4  # each one a change
+
+
+def test_the_line_names_each_process_and_what_to_restart_from(tmp_path):
+    w = Watch(2, timeout_s=30, now=0.0)
+    w.update(0, _value(9, "in step 3"), 0.0)
+    w.update(1, _value(8, "before step 3 (--inject-hang)"), 0.0)
+    line = watchdog.stuck_line(1, w, "nothing was saved (no --checkpoint-dir): restart all "
+                               "processes", "in /x/ciera-train-process-1.log")
+    assert line == ("ciera train (process 1): no progress for 30 s (--hang-timeout): process 0 "
+                    "in step 3, process 1 before step 3 (--inject-hang); stopped; nothing was "
+                    "saved (no --checkpoint-dir): restart all processes; the stacks of every "
+                    "thread: in /x/ciera-train-process-1.log")
+
+
+@pytest.mark.slow
+def test_one_process_stuck_ends_with_its_stacks_above_one_line(tmp_path):
+    """One process, ``--inject-hang 2``: within the timeout of the stop, every thread's stack
+    on stderr (no supervisor, so no log), then the line last, exit 70."""
+    p = subprocess.run([sys.executable, "-m", "ciera_jax.cli.main", "train", "--steps", "4",
+                        "--gather", "plain", "--inject-hang", "2", "--hang-timeout", "5",
+                        "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "1"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == EXIT_HUNG, p.stderr[-3000:]
+    *stacks, line = p.stderr.strip().splitlines()
+    assert re.fullmatch(r"ciera train: no progress for 5 s \(--hang-timeout\): before step 2 "
+                        r"\(--inject-hang\); stopped; the newest complete checkpoint is step 1 "
+                        rf"in {re.escape(str(tmp_path / 'ck'))}"
+                        r"(?: \(the save of step \d+ did not finish\))?: restart the run with "
+                        r"--resume; the stacks of every thread: above", line), p.stderr[-3000:]
+    assert any("hang_if_due" in s for s in stacks), p.stderr[-3000:]
