@@ -22,6 +22,7 @@ from ciera_jax.codec.wire import OVERFLOW_RUNGS
 from ciera_jax.runtime.gpu_targets import is_gpu
 from ciera_models import configs
 from ciera_models.data import TOKEN_DTYPES
+from ciera_models.watchdog import DEFAULT_TIMEOUT_S as DEFAULT_HANG_TIMEOUT_S
 
 
 class LazyChoices(collections.abc.Sequence):
@@ -211,7 +212,7 @@ class RunConfig:
         None, "stop one process before step STEP, alive, until the watchdog ends the run: "
         "STEP[:PROCESS] (default process 0); a drill of --hang-timeout", metavar="STEP[:PROCESS]")
     hang_timeout: float = option(
-        1800, "seconds without progress on any process (a step, an agreement, a checkpoint's "
+        DEFAULT_HANG_TIMEOUT_S, "seconds without progress on any process (a step, an agreement, a checkpoint's "
         "check; compiles excepted) after which every process writes its threads' stacks to its "
         "log and ends in one line (exit 70); 0: never", metavar="SECONDS")
 

@@ -28,7 +28,7 @@ import time
 
 from ciera_models.failures import EXIT_HUNG
 
-DEFAULT_TIMEOUT_S = 1800  # PyTorch's NCCL default: longer than any step, shorter than a day
+DEFAULT_TIMEOUT_S = 1800  # torch.distributed's default_pg_timeout: far longer than a step
 KEY = "ciera/progress/"  # + the process id
 EXIT_GRACE_S = 3.0  # process 0 hosts the coordination service: the others print first
 
