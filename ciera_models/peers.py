@@ -10,12 +10,14 @@ seconds and tells every client, whose reaction is a C++ ``LOG(FATAL)``: a 100-li
 aborts too: its ``absl::Status`` argument has no Python conversion, ``std::bad_cast``.)
 
 So the processes keep a heartbeat of their own, in the coordination service's key-value store:
-a thread in each process bumps ``ciera/beat/<id>`` every second and watches the others'. A peer
-whose beat stands still for half of ``--peer-timeout`` is lost; a coordinator that stops
-answering is lost process 0. The watcher prints one line (which process, the last step, the
-newest checkpoint complete on disk, a save that was in flight) and ends the process with
-``os._exit``, before JAX's own timeout (the full ``--peer-timeout``) would abort it. A collective that fails in the step (:func:`lost_peer`)
-waits for that line. A peer that never starts: ``initialization_timeout`` bounds the join.
+a thread in each process bumps ``ciera/beat/<id>`` every second and reads every beat in one
+call. A peer whose beat stands still for half of ``--peer-timeout`` is lost; a coordinator that
+stops answering is lost process 0. The watcher prints one line (which process, the last step,
+the newest checkpoint complete on disk, a save that was in flight) and ends the process with
+``os._exit``, before JAX's own timeout (the full ``--peer-timeout``) would abort it. A
+collective that fails in the step (:func:`lost_peer`) waits for that line. A peer that never
+starts: ``initialization_timeout`` bounds the join. A peer that stops while alive (its beats go
+on) is the watchdog's (:mod:`ciera_models.watchdog`, ``--hang-timeout``).
 """
 
 from __future__ import annotations
@@ -92,15 +94,16 @@ def restart_advice(num_processes: int) -> str:
     newest, saving = newest_checkpoint(ck), unfinished_checkpoint(ck)
     unfinished = (f" (the save of step {saving} did not finish)"
                   if saving is not None and (newest is None or saving > newest) else "")
-    every = f"all {num_processes} processes" if num_processes > 1 else "the run"
+    if num_processes == 1:
+        every = every_n = "the run"
+    else:
+        every, every_n = "all processes", f"all {num_processes} processes"
     if newest is not None:
         return (f"the newest complete checkpoint is step {newest} in {ck}{unfinished}: restart "
-                f"{every} with --resume")
+                f"{every_n} with --resume")
     if ck:
-        return f"no checkpoint was saved{unfinished}: restart " + (
-            "all processes" if num_processes > 1 else "the run")
-    return "nothing was saved (no --checkpoint-dir): restart " + (
-        "all processes" if num_processes > 1 else "the run")
+        return f"no checkpoint was saved{unfinished}: restart {every}"
+    return f"nothing was saved (no --checkpoint-dir): restart {every}"
 
 
 def coordinator_gone(text: str) -> bool:

@@ -212,9 +212,10 @@ class RunConfig:
         None, "stop one process before step STEP, alive, until the watchdog ends the run: "
         "STEP[:PROCESS] (default process 0); a drill of --hang-timeout", metavar="STEP[:PROCESS]")
     hang_timeout: float = option(
-        DEFAULT_HANG_TIMEOUT_S, "seconds without progress on any process (a step, an agreement, a checkpoint's "
-        "check; compiles excepted) after which every process writes its threads' stacks to its "
-        "log and ends in one line (exit 70); 0: never", metavar="SECONDS")
+        DEFAULT_HANG_TIMEOUT_S, "seconds without progress on any process (a step, an "
+        "agreement, a checkpoint's check; compiles excepted) after which every process writes "
+        "its threads' stacks to its log and ends in one line (exit 70); 0: never",
+        metavar="SECONDS")
 
 
 def _flag(name: str) -> str:

@@ -5,9 +5,10 @@ process's ``TimeoutExpired`` (a hang in CI is then readable from CI's log alone)
 from __future__ import annotations
 
 import signal
-from pathlib import Path
 import subprocess
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -17,28 +18,40 @@ STACKS_WAIT_S = 5  # for each process to print its stacks after SIGUSR1
 def finish(procs: list[subprocess.Popen], timeout: float,
            logs: list[Path] | None = None) -> list[tuple[int, str, str]]:
     """Each process's ``(exit code, stdout, stderr)`` (stderr ``""`` where it goes to stdout),
-    all of them ended within ``timeout`` seconds together. Past it, each live one gets SIGUSR1
+    all of them ended within ``timeout`` seconds together. Every process's pipes are read at
+    once, each in a thread: read one after another, a process that writes more than a pipe
+    holds (64 KB) while an earlier one runs stalls in its write, and the earlier one waits for
+    it in a collective, a hang this harness made. Past the timeout, each live one gets SIGUSR1
     (``ciera train`` prints its threads' stacks), then all are killed and the test fails with
     the end of each one's output, and of its log file in ``logs`` (the supervisor's copy of
-    everything its child wrote, which outlives what the pipes had time to carry)."""
+    everything its child wrote)."""
+    outs: list = [("", "")] * len(procs)
+
+    def drain(i: int, p: subprocess.Popen) -> None:
+        outs[i] = p.communicate()
+
+    readers = [threading.Thread(target=drain, args=(i, p), daemon=True)
+               for i, p in enumerate(procs)]
+    for t in readers:
+        t.start()
     deadline = time.monotonic() + timeout
-    outs = []
     try:
-        for p in procs:
-            outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic())))
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGUSR1)
-        time.sleep(STACKS_WAIT_S)
-        for p in procs:
-            p.kill()
-        got = [p.communicate() for p in procs]  # all output so far, stacks included
-        pytest.fail(f"the {len(procs)}-process run did not end within {timeout:.0f} s:\n"
-                    + "\n".join(f"--- process {i} (exit {p.returncode}):\n{_tail(out)}\n"
-                                f"{_tail(err)}" for i, (p, (out, err))
-                                in enumerate(zip(procs, got)))
-                    + "".join(f"\n--- log {log}:\n{_tail(_read(log))}" for log in logs or []))
+        for t in readers:
+            t.join(max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in readers):
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGUSR1)
+            time.sleep(STACKS_WAIT_S)
+            for p in procs:
+                p.kill()
+            for t in readers:
+                t.join()  # all output so far, stacks included
+            pytest.fail(f"the {len(procs)}-process run did not end within {timeout:.0f} s:\n"
+                        + "\n".join(f"--- process {i} (exit {p.returncode}):\n{_tail(out)}\n"
+                                    f"{_tail(err)}" for i, (p, (out, err))
+                                    in enumerate(zip(procs, outs)))
+                        + log_tails(logs or []))
     finally:
         for p in procs:
             if p.poll() is None:
@@ -49,6 +62,12 @@ def finish(procs: list[subprocess.Popen], timeout: float,
 
 def _tail(text: str | None, chars: int = 5000) -> str:
     return (text or "")[-chars:]
+
+
+def log_tails(logs: list[Path]) -> str:
+    """The end of each log file, for a failure's message (its stacks, after a watchdog's
+    line)."""
+    return "".join(f"\n--- log {log}:\n{_tail(_read(log))}" for log in logs)
 
 
 def _read(path: Path) -> str:

@@ -15,7 +15,7 @@ import pytest
 from ciera_jax.runtime.launch import free_port
 from ciera_models import peers
 from ciera_models.failures import EXIT_HUNG, EXIT_PEER_LOST
-from processes import finish  # tests/processes.py
+from processes import finish, log_tails  # tests/processes.py
 
 TRAIN = [sys.executable, "-m", "ciera_jax.cli.main", "train", "--schedule-steps", "40",
          "--log-every", "1", "--devices", "4", "--num-processes", "2"]
@@ -191,7 +191,8 @@ def test_a_checkpoint_damaged_on_one_process_falls_back_on_both(damage, tmp_path
         shutil.copy(ck / "4" / "digests" / "process_1.json",
                     ck / "8" / "digests" / "process_1.json")
     (rc0, out0, e0), (rc1, out1, e1) = _finish(_start(ck, free_port(), "--resume"), ck)
-    assert rc0 == rc1 == 0, out0[-3000:] + e0[-2000:] + out1[-3000:] + e1[-2000:]
+    assert rc0 == rc1 == 0, (out0[-3000:] + e0[-2000:] + out1[-3000:] + e1[-2000:]
+                             + log_tails([ck / f"ciera-train-process-{i}.log" for i in range(2)]))
     assert re.search(rf"checkpoint step 8 in {re.escape(str(ck))} is damaged \(.*\): set aside "
                      r"as .*damaged/8; trying step 4", out0), out0[-3000:]
     assert f"resumed from {ck} at step 4" in out0
