@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 
+from ciera_models import peers
 from ciera_models.failures import EXIT_HUNG
 
 DEFAULT_TIMEOUT_S = 1800  # torch.distributed's default_pg_timeout: far longer than a step
@@ -143,8 +144,6 @@ def _watch(timeout_s, process_id, num_processes, client, log) -> None:
 
 
 def _end(process_id: int, watch: Watch, log: str | None) -> None:
-    from ciera_models import peers
-
     if not peers.say_once():
         return  # the peer watcher is saying its line
     sys.stdout.flush()

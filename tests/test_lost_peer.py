@@ -105,11 +105,15 @@ def _start(ck, port: int, *extra: str, steps: int = STEPS, env: dict | None = No
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
 
 
+def _logs(ck) -> list:
+    """Both processes' logs, which their supervisors keep in the checkpoint folder ``ck``."""
+    return [ck / f"ciera-train-process-{i}.log" for i in range(2)]
+
+
 def _finish(procs, ck=None) -> list[tuple[int, str, str]]:
     """Every 2-process run here ends within 400 s (about 45 s on an idle 2-core machine);
     ``ck``: the run's checkpoint folder, where each process's log is (shown if it hangs)."""
-    return finish(procs, 400, [ck / f"ciera-train-process-{i}.log" for i in range(2)]
-                  if ck else None)
+    return finish(procs, 400, _logs(ck) if ck else None)
 
 
 def _sha(out: str) -> str:
@@ -192,7 +196,7 @@ def test_a_checkpoint_damaged_on_one_process_falls_back_on_both(damage, tmp_path
                     ck / "8" / "digests" / "process_1.json")
     (rc0, out0, e0), (rc1, out1, e1) = _finish(_start(ck, free_port(), "--resume"), ck)
     assert rc0 == rc1 == 0, (out0[-3000:] + e0[-2000:] + out1[-3000:] + e1[-2000:]
-                             + log_tails([ck / f"ciera-train-process-{i}.log" for i in range(2)]))
+                             + log_tails(_logs(ck)))
     assert re.search(rf"checkpoint step 8 in {re.escape(str(ck))} is damaged \(.*\): set aside "
                      r"as .*damaged/8; trying step 4", out0), out0[-3000:]
     assert f"resumed from {ck} at step 4" in out0
