@@ -80,14 +80,12 @@ def _abandoned_read(u) -> bool:
 
 
 def _drop_closed_loop_errors() -> None:
-    """Once, for the process: tensorstore callbacks into an event loop that orbax closed after
-    a failed read or write print "Event loop is closed" (through ``sys.excepthook`` or
-    ``sys.unraisablehook``), and each array read a failed restore left unfinished prints its
+    """Once per hook, for the process: tensorstore callbacks into an event loop that orbax
+    closed after a failed read or write print "Event loop is closed" (through
+    ``sys.excepthook`` or ``sys.unraisablehook``), and each array read a failed restore left unfinished prints its
     error with the array's whole TensorStore spec when it is collected (3 KB each, 44 in one
     2-process test: a stderr pipe nobody drained filled, and the process stalled in the hook).
     That is noise after a failure already reported in one line."""
-    if getattr(sys.excepthook, "ciera_quiet", False):
-        return
     excepthook, unraisablehook = sys.excepthook, sys.unraisablehook
 
     def on_except(kind, value, tb):
@@ -98,8 +96,11 @@ def _drop_closed_loop_errors() -> None:
         if not (_closed_loop(u.exc_type, u.exc_value) or _abandoned_read(u)):
             unraisablehook(u)
 
-    on_except.ciera_quiet = True
-    sys.excepthook, sys.unraisablehook = on_except, on_unraisable
+    # each hook on its own: another library (pytest's capture, for one) may replace one of them
+    for name, quiet in (("excepthook", on_except), ("unraisablehook", on_unraisable)):
+        if not getattr(getattr(sys, name), "ciera_quiet", False):
+            quiet.ciera_quiet = True
+            setattr(sys, name, quiet)
 
 
 @contextlib.contextmanager
