@@ -71,20 +71,30 @@ def lost_tasks(text: str) -> list[int]:
     return sorted({int(x) for x in re.findall(r"[Tt]ask (\d+) heartbeat timeout", text)})
 
 
-def lost_line(process_id: int, num_processes: int, text: str) -> str:
-    """The one line a survivor prints (``text``: what JAX or gloo said)."""
+def lost_line(process_id: int, num_processes: int, text: str,
+              beating_s: int | None = None) -> str:
+    """The one line a survivor prints (``text``: what JAX or gloo said). ``beating_s``: a
+    collective failed and every peer still beat that many seconds later; say so, with the
+    collective's error, instead of blaming a loss nobody saw."""
+    step, log = progress.get("step"), progress.get("log")
+    when = f" after step {step}" if step is not None else " before training started"
     tasks = [t for t in lost_tasks(text) if t != process_id]
     if tasks:
-        who = "lost process " + ", ".join(map(str, tasks))
+        what = f"lost process {', '.join(map(str, tasks))} of {num_processes}{when}"
+    elif beating_s is not None:  # the coordinator answered all along: it is not gone
+        what = (f"a collective failed{when}, and all {num_processes} processes still beat "
+                f"{beating_s} s later ({_first_line(text)})")
     elif process_id != 0 and coordinator_gone(text):
-        who = "lost process 0 (the coordinator)"
+        what = f"lost process 0 (the coordinator) of {num_processes}{when}"
     else:
-        who = "lost a peer process"
-    step = progress.get("step")
-    log = progress.get("log")
-    return (f"ciera train (process {process_id}): {who} of {num_processes}"
-            + (f" after step {step}" if step is not None else " before training started")
-            + f"; {restart_advice(num_processes)}" + (f"; full log: {log}" if log else ""))
+        what = f"lost a peer process of {num_processes}{when}"
+    return (f"ciera train (process {process_id}): {what}; {restart_advice(num_processes)}"
+            + (f"; full log: {log}" if log else ""))
+
+
+def _first_line(text: str, limit: int = 200) -> str:
+    line = (text.strip().splitlines() or ["no message"])[0]
+    return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
 def restart_advice(num_processes: int) -> str:
@@ -119,11 +129,12 @@ def say_once() -> bool:
     return _said.acquire(blocking=False)
 
 
-def _say_and_exit(process_id: int, num_processes: int, text: str) -> None:
+def _say_and_exit(process_id: int, num_processes: int, text: str,
+                  beating_s: int | None = None) -> None:
     if not say_once():
         return  # the other path is saying it
     sys.stdout.flush()
-    print(lost_line(process_id, num_processes, text), file=sys.stderr, flush=True)
+    print(lost_line(process_id, num_processes, text, beating_s), file=sys.stderr, flush=True)
     os._exit(EXIT_PEER_LOST)
 
 
@@ -222,13 +233,14 @@ def _watch(client, process_id: int, num_processes: int, timeout_s: int) -> None:
 
 def lost_peer(e: BaseException, process_id: int, num_processes: int,
               timeout_s: int = DEFAULT_TIMEOUT_S) -> None:
-    """``e`` (raised in a step) is a collective that lost its peer: wait for the watcher to
-    name the lost process and end this one; if it has not after ``timeout_s``, end it with the
-    line without the name."""
+    """``e`` (raised in a step) is a collective that failed, most likely because a peer is
+    gone: wait for the watcher to name the lost process and end this one. If it has not after
+    ``timeout_s``, every peer still beats (the collective failed on its own: gloo's connect
+    timeout under a peer stuck alive, for one): end with a line that says so and quotes ``e``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         time.sleep(0.5)
-    _say_and_exit(process_id, num_processes, str(e))
+    _say_and_exit(process_id, num_processes, str(e), beating_s=timeout_s)
 
 
 def is_peer_failure(e: BaseException) -> bool:

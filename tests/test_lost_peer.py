@@ -43,6 +43,22 @@ def test_the_line_names_the_lost_process_and_the_newest_checkpoint(tmp_path, mon
     assert peers.lost_line(0, 3, "Gloo AllGather failed").endswith(
         "lost a peer process of 3 after step 12; nothing was saved (no --checkpoint-dir): "
         "restart all processes")
+    # every peer still beat after the wait: the collective failed on its own, quoted
+    assert peers.lost_line(0, 3, "INTERNAL: Gloo connect timed out\nstack", beating_s=60) == (
+        "ciera train (process 0): a collective failed after step 12, and all 3 processes still "
+        "beat 60 s later (INTERNAL: Gloo connect timed out); nothing was saved (no "
+        "--checkpoint-dir): restart all processes")
+    line = peers.lost_line(1, 3, "UNAVAILABLE: " + "x" * 500, beating_s=60)  # not process 0's
+    assert "a collective failed after step 12" in line and "x" * 180 + "...)" in line
+    assert len(line) < 400
+
+
+def test_a_failed_collective_nobody_is_lost_from_says_so(monkeypatch):
+    """lost_peer waits for the watcher; when it names nobody, the line quotes the failure."""
+    said = []
+    monkeypatch.setattr(peers, "_say_and_exit", lambda *a, **k: said.append((a, k)))
+    peers.lost_peer(RuntimeError("Gloo connect timed out"), 1, 2, timeout_s=0)
+    assert said == [((1, 2, "Gloo connect timed out"), {"beating_s": 0})]
 
 
 def test_a_peer_that_never_starts_is_one_line_within_the_timeout(tmp_path):
