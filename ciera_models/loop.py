@@ -185,15 +185,19 @@ def _start(tc: TrainConfig, run: RunConfig, mesh, saver, log):
                 log(f"note: {note}")
         if (note := checkpoint_meta.layout_note(saved, layout)) is not None:
             log(f"note: {note}")
-    tr = build_trainer(tc, mesh)
-    if tr.policy is not None:  # an earlier run in this process: its programs stay compiled
-        tr.policy.start_run()
-    # The encode program compiles while the state is made or restored; not for a run with
-    # nothing to do (Python would wait for the compile at exit), nor beside the steps
-    # (--compile-beside: it starts after the first step's program)
-    if not tr.beside and not (saved is not None and saved.get("step", 0) >= run.steps):
-        tr.start_encode_compile()
-    state = tr.init_state(run.seed)
+    # the trainer's and the state's making trace and compile (the model's init runs op by op):
+    # a loaded host's slow start-up is no hang (a restore marks its own progress)
+    with watchdog.compiling():
+        tr = build_trainer(tc, mesh)
+        if tr.policy is not None:  # an earlier run in this process: its programs stay compiled
+            tr.policy.start_run()
+        # The encode program compiles while the state is made or restored; not for a run with
+        # nothing to do (Python would wait for the compile at exit), nor beside the steps
+        # (--compile-beside: it starts after the first step's program)
+        if not tr.beside and not (saved is not None and saved.get("step", 0) >= run.steps):
+            tr.start_encode_compile()
+        state = tr.init_state(run.seed)
+    watchdog.mark("starting")
     if run.resume:
         state = _restore(saver, state, log)
         if state.step >= run.steps:

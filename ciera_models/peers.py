@@ -38,6 +38,7 @@ BEATS = "ciera/beat/"  # + the process id: its heartbeat, in the coordination se
 # supervisor) the full log's path, for the line
 progress: dict = {"step": None, "checkpoint_dir": None, "log": None}
 _said = threading.Lock()
+WRITE_LIMIT_S = 20.0  # how long an ending process's last writes may take
 
 
 def newest_checkpoint(directory: str | None) -> int | None:
@@ -129,10 +130,20 @@ def say_once() -> bool:
     return _said.acquire(blocking=False)
 
 
+def exit_within(code: int, extra_s: float = 0.0) -> None:
+    """Arm an exit with ``code`` :data:`WRITE_LIMIT_S` (+ ``extra_s``) from now, whatever this
+    thread is then doing: the last line's write blocks forever on a stderr pipe that nobody
+    drains (a full pipe stalled a 2-process test once), and an ending process must not hang."""
+    timer = threading.Timer(WRITE_LIMIT_S + extra_s, os._exit, (code,))
+    timer.daemon = True
+    timer.start()
+
+
 def _say_and_exit(process_id: int, num_processes: int, text: str,
                   beating_s: int | None = None) -> None:
     if not say_once():
         return  # the other path is saying it
+    exit_within(EXIT_PEER_LOST)
     sys.stdout.flush()
     print(lost_line(process_id, num_processes, text, beating_s), file=sys.stderr, flush=True)
     os._exit(EXIT_PEER_LOST)

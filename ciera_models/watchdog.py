@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import faulthandler
 import os
 import sys
 import threading
 import time
+import traceback
 
 from ciera_models import peers
 from ciera_models.failures import EXIT_HUNG
@@ -146,6 +146,7 @@ def _watch(timeout_s, process_id, num_processes, client, log) -> None:
 def _end(process_id: int, watch: Watch, log: str | None) -> None:
     if not peers.say_once():
         return  # the peer watcher is saying its line
+    peers.exit_within(EXIT_HUNG, EXIT_GRACE_S)  # a stderr nobody drains cannot hold it
     sys.stdout.flush()
     stacks = _write_stacks(log)
     print(stuck_line(process_id, watch, peers.restart_advice(len(watch.seen)), stacks),
@@ -156,15 +157,23 @@ def _end(process_id: int, watch: Watch, log: str | None) -> None:
 
 
 def _write_stacks(log: str | None) -> str:
-    """Every thread's stack into ``log`` (appended), else to stderr; where they went."""
+    """Every thread's stack into ``log`` (appended), else to stderr; where they went. Formatted
+    here, not by ``faulthandler``: its write holds the GIL, so a stderr pipe nobody drains
+    would also stop the thread armed to end the process."""
+    text = "--- the watchdog: every thread's stack ---\n" + _stacks()
     if log:
         try:
             with open(log, "a") as f:
-                f.write("--- the watchdog: every thread's stack ---\n")
-                f.flush()
-                faulthandler.dump_traceback(file=f, all_threads=True)
+                f.write(text)
             return f"in {log}"
         except OSError:
             pass
-    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    sys.stderr.write(text)
     return "above"
+
+
+def _stacks() -> str:
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return "".join(f"Thread {names.get(ident, ident)} (most recent call last):\n"
+                   + "".join(traceback.format_stack(frame))
+                   for ident, frame in sys._current_frames().items())

@@ -91,3 +91,31 @@ def test_one_process_stuck_ends_with_its_stacks_above_one_line(tmp_path):
                         r"(?: \(the save of step \d+ did not finish\))?: restart the run with "
                         r"--resume; the stacks of every thread: above", line), p.stderr[-3000:]
     assert any("hang_if_due" in s for s in stacks), p.stderr[-3000:]
+
+
+BLOCKED_STDERR = """
+import fcntl, os, sys, threading
+from ciera_models import peers, watchdog
+peers.WRITE_LIMIT_S = 1.0
+r, w = os.pipe()  # a stderr pipe nobody drains, already full
+fcntl.fcntl(w, fcntl.F_SETFL, os.O_NONBLOCK)
+try:
+    while True:
+        os.write(w, b"x" * 65536)
+except BlockingIOError:
+    pass
+fcntl.fcntl(w, fcntl.F_SETFL, 0)
+sys.stderr = open(w, "w")
+{call}
+"""
+
+
+@pytest.mark.parametrize("call, code", [
+    ("peers._say_and_exit(0, 2, 'unhealthy (stopped sending heartbeats): 1')", 69),
+    ("watchdog._end(1, watchdog.Watch(2, 5, 0.0), None)", EXIT_HUNG)])
+def test_a_last_line_that_cannot_be_written_still_ends_the_process(call, code):
+    """The line's write blocks on a full stderr pipe; the process exits anyway, within the
+    armed limit, with the code the line would have come with."""
+    p = subprocess.run([sys.executable, "-c", BLOCKED_STDERR.format(call=call)],
+                       capture_output=True, timeout=120)
+    assert p.returncode == code, p.stderr[-2000:]
