@@ -6,7 +6,8 @@ watcher (:mod:`ciera_models.peers`) sees nothing wrong, and every other process 
 its next collective. So the loop marks its progress (:func:`mark`: each step, the agreement
 after it, each phase of a checkpoint's check, a save it waits for), and a thread watches the
 marks. When no process has marked anything for ``--hang-timeout`` seconds and none is
-compiling (a compile marks nothing for minutes at scale: :func:`compiling`), every process
+compiling (a compile marks nothing for minutes at scale: :func:`compiling`; for at most
+:attr:`Watch.compile_limit_s`), every process
 writes each thread's stack to its log, prints one line that says where each process was and
 what to restart from, and ends with :data:`~ciera_models.failures.EXIT_HUNG` (70).
 
@@ -31,6 +32,9 @@ from ciera_models.failures import EXIT_HUNG
 
 DEFAULT_TIMEOUT_S = 1800  # torch.distributed's default_pg_timeout: far longer than a step
 KEY = "ciera/progress/"  # + the process id
+# A compile holds every process off for this many timeouts, and at least an hour (a GPU
+# compile at scale takes minutes, whatever a step takes): longer, it is stuck too.
+COMPILE_TIMEOUTS, COMPILE_FLOOR_S = 4, 3600.0
 EXIT_GRACE_S = 3.0  # process 0 hosts the coordination service: the others print first
 
 _lock = threading.Lock()
@@ -48,7 +52,8 @@ def mark(where: str) -> None:
 
 @contextlib.contextmanager
 def compiling():
-    """A compile runs (in any thread): no process gives up while one compiles anywhere."""
+    """A compile runs (in any thread): no process gives up while one compiles anywhere (up
+    to :attr:`Watch.compile_limit_s`)."""
     with _lock:
         _mark["compiling"] += 1
         _mark["count"] += 1
@@ -91,15 +96,22 @@ class Watch:
         if value is not None and value != self.seen[process].value:
             self.seen[process] = Seen(value, now)
 
+    @property
+    def compile_limit_s(self) -> float:
+        return max(COMPILE_TIMEOUTS * self.timeout_s, COMPILE_FLOOR_S)
+
     def stuck(self, now: float) -> bool:
-        """No process marked anything for the timeout, and none is compiling."""
-        return all(now - s.since >= self.timeout_s and not s.compiling for s in self.seen)
+        """No process marked anything for the timeout, and none is compiling (for less than
+        :attr:`compile_limit_s`: a compile that long is a hang too)."""
+        return all(now - s.since >= (self.compile_limit_s if s.compiling else self.timeout_s)
+                   for s in self.seen)
 
     def where(self) -> str:
         """Where each process last said it was (``process 1 before step 3, ...``)."""
-        if len(self.seen) == 1:
-            return self.seen[0].where
-        return ", ".join(f"process {i} {s.where}" for i, s in enumerate(self.seen))
+        wheres = [s.where + (", compiling" if s.compiling else "") for s in self.seen]
+        if len(wheres) == 1:
+            return wheres[0]
+        return ", ".join(f"process {i} {w}" for i, w in enumerate(wheres))
 
 
 def stuck_line(process_id: int, watch: Watch, advice: str, stacks: str) -> str:

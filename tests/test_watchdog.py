@@ -31,14 +31,21 @@ def test_stuck_only_when_every_process_stood_still_for_the_timeout():
     assert w.where() == "process 0 in step 3, process 1 in step 3"
 
 
-def test_a_process_compiling_keeps_every_process_waiting():
+def test_a_process_compiling_keeps_every_process_waiting_up_to_a_limit():
     w = Watch(3, timeout_s=5, now=0.0)
     w.update(0, _value(4, "in step 1"), now=0.0)
     w.update(1, _value(4, "in step 1"), now=0.0)
     w.update(2, _value(3, "in step 1", compiling=True), now=0.0)
-    assert not w.stuck(1000.0)
-    w.update(2, _value(4, "in step 1"), now=1000.0)  # its compile ended: a change
-    assert not w.stuck(1004.0) and w.stuck(1005.0)
+    limit = watchdog.COMPILE_FLOOR_S  # an hour at least, whatever the timeout
+    assert w.compile_limit_s == limit
+    assert not w.stuck(limit - 0.1)
+    w.update(2, _value(4, "in step 1"), now=limit - 0.1)  # its compile ended: a change
+    assert not w.stuck(limit + 4.8) and w.stuck(limit + 4.9)
+    w.update(2, _value(5, "in step 2", compiling=True), now=1e4)  # a compile that hangs
+    assert not w.stuck(1e4 + limit - 0.1) and w.stuck(1e4 + limit)
+    assert w.where() == ("process 0 in step 1, process 1 in step 1, process 2 in step 2, "
+                         "compiling")
+    assert Watch(1, timeout_s=1800, now=0.0).compile_limit_s == 4 * 1800  # 4 timeouts
 
 
 def test_a_process_that_never_published_counts_from_the_start():
