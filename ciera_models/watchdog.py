@@ -7,9 +7,9 @@ its next collective. So the loop marks its progress (:func:`mark`: each step, th
 after it, each phase of a checkpoint's check, a save it waits for), and a thread watches the
 marks. When no process has marked anything for ``--hang-timeout`` seconds and none is
 compiling (a compile marks nothing for minutes at scale: :func:`compiling`; for at most
-:attr:`Watch.compile_limit_s`), every process
-writes each thread's stack to its log, prints one line that says where each process was and
-what to restart from, and ends with :data:`~ciera_models.failures.EXIT_HUNG` (70).
+:attr:`Watch.compile_limit_s`), every process writes each thread's stack to its log, prints
+one line that says where each process was and what to restart from, and ends with
+:data:`~ciera_models.failures.EXIT_HUNG` (70).
 
 In a multi-process run each process publishes its mark in the coordination service's key-value
 store, beside the peer watcher's beats, and reads the others': a process waiting in a
