@@ -60,6 +60,10 @@ class CompilesBeside:
         beside the steps."""
         self.pending[key] = in_thread(compile_fn, "ciera-step-compile")
 
+    def still_compiling(self) -> int:
+        """How many are still compiling on this process (a process ends only after them)."""
+        return sum(not f.done() for f in self.pending.values())
+
     def take_ready(self) -> dict:
         """``{key: (compiled, seconds)}`` of the programs compiled on every process, no longer
         pending. A compile that failed raises here, on the process it failed on."""

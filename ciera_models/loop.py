@@ -161,6 +161,9 @@ def train(tc: TrainConfig, run: RunConfig | None = None, *, mesh=None,
                     + (f"checkpoint saved to {saver.directory} at step {state.step}; run again "
                        "with --resume to continue" if saver else
                        "nothing was saved (no --checkpoint-dir); a new run starts from step 0"))
+        if pending := tr.beside_compiles.still_compiling():
+            log(f"done; the process exits when the {pending} program(s) still compiling beside "
+                "the steps finish (XLA cannot stop a compile; no step will run them)")
     return RunResult(params_sha256(state.params), history,
                      metrics.summarize(history, tc, tc.gather), state.step, stopped,
                      str(saver.directory) if saver else None)

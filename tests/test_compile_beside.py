@@ -33,6 +33,19 @@ def test_a_program_is_taken_only_once_every_process_has_compiled_it(monkeypatch)
     assert not compiles.pending and compiles.take_ready() == {}
 
 
+def test_the_compiles_still_running_are_counted_for_the_run_s_last_line():
+    import threading
+    release = threading.Event()
+    compiles = CompilesBeside()
+    compiles.start("slow", lambda: release.wait(30))
+    compiles.start("quick", lambda: "program")
+    compiles.pending["quick"].result()
+    assert compiles.still_compiling() == 1
+    release.set()
+    _done(compiles)
+    assert compiles.still_compiling() == 0
+
+
 def test_a_failed_compile_raises_where_it_is_taken():
     compiles = CompilesBeside()
 
