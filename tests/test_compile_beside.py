@@ -2,6 +2,8 @@
 compiles in a thread; the run stays bitwise plain, and every process takes a new program at
 the same step."""
 
+import threading
+
 import pytest
 
 from ciera_models import beside
@@ -34,7 +36,6 @@ def test_a_program_is_taken_only_once_every_process_has_compiled_it(monkeypatch)
 
 
 def test_the_compiles_still_running_are_counted_for_the_run_s_last_line():
-    import threading
     release = threading.Event()
     compiles = CompilesBeside()
     compiles.start("slow", lambda: release.wait(30))

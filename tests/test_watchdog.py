@@ -101,10 +101,10 @@ def test_one_process_stuck_ends_with_its_stacks_above_one_line(tmp_path):
 
 
 BLOCKED_STDERR = """
-import fcntl, os, sys, threading
+import fcntl, os, sys
 from ciera_models import peers, watchdog
 peers.WRITE_LIMIT_S = 1.0
-r, w = os.pipe()  # a stderr pipe nobody drains, already full
+unread, w = os.pipe()  # a stderr pipe nobody drains (its read end open), already full
 fcntl.fcntl(w, fcntl.F_SETFL, os.O_NONBLOCK)
 try:
     while True:
