@@ -117,8 +117,13 @@ class Watch:
 def stuck_line(process_id: int, watch: Watch, advice: str, stacks: str) -> str:
     """The one line each process prints (``advice``: :func:`ciera_models.peers.restart_advice`)."""
     who = f" (process {process_id})" if len(watch.seen) > 1 else ""
-    return (f"ciera train{who}: no progress for {watch.timeout_s:g} s (--hang-timeout): "
-            f"{watch.where()}; stopped; {advice}; the stacks of every thread: {stacks}")
+    if any(s.compiling for s in watch.seen):  # held off until the compile's limit
+        waited = (f"{watch.compile_limit_s:g} s (a compile's limit: {COMPILE_TIMEOUTS} x "
+                  "--hang-timeout, at least an hour)")
+    else:
+        waited = f"{watch.timeout_s:g} s (--hang-timeout)"
+    return (f"ciera train{who}: no progress for {waited}: {watch.where()}; stopped; {advice}; "
+            f"the stacks of every thread: {stacks}")
 
 
 def start(timeout_s: float, process_id: int = 0, num_processes: int = 1, client=None,

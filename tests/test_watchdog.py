@@ -45,6 +45,9 @@ def test_a_process_compiling_keeps_every_process_waiting_up_to_a_limit():
     assert not w.stuck(1e4 + limit - 0.1) and w.stuck(1e4 + limit)
     assert w.where() == ("process 0 in step 1, process 1 in step 1, process 2 in step 2, "
                          "compiling")
+    assert watchdog.stuck_line(0, w, "restart", "above").startswith(
+        "ciera train (process 0): no progress for 3600 s (a compile's limit: 4 x "
+        "--hang-timeout, at least an hour): process 0 in step 1, ")
     assert Watch(1, timeout_s=1800, now=0.0).compile_limit_s == 4 * 1800  # 4 timeouts
 
 
