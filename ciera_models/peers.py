@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 from ciera_models.failures import EXIT_PEER_LOST, PeerLost
 
@@ -37,7 +37,7 @@ BEATS = "ciera/beat/"  # + the process id: its heartbeat, in the coordination se
 # set by the training loop: the last finished step, the checkpoint folder and (under the
 # supervisor) the full log's path, for the line
 progress: dict = {"step": None, "checkpoint_dir": None, "log": None}
-_said = threading.Lock()
+_said = threading.Lock()  # taken by the path that says the process's last words
 WRITE_LIMIT_S = 20.0  # how long an ending process's last writes may take
 
 
@@ -124,12 +124,6 @@ def coordinator_gone(text: str) -> bool:
                           r"grpc_status:14", text))
 
 
-def say_once() -> bool:
-    """Whether this caller is the one that prints the process's last line (the lost-peer
-    paths and the watchdog race for it): True once per process."""
-    return _said.acquire(blocking=False)
-
-
 def exit_within(code: int, extra_s: float = 0.0) -> None:
     """Arm an exit with ``code`` :data:`WRITE_LIMIT_S` (+ ``extra_s``) from now, whatever this
     thread is then doing: the last line's write blocks forever on a stderr pipe that nobody
@@ -139,25 +133,38 @@ def exit_within(code: int, extra_s: float = 0.0) -> None:
     timer.start()
 
 
-def _say_and_exit(process_id: int, num_processes: int, text: str,
-                  beating_s: int | None = None) -> None:
-    if not say_once():
-        return  # the other path is saying it
-    exit_within(EXIT_PEER_LOST)
-    sys.stdout.flush()
-    print(lost_line(process_id, num_processes, text, beating_s), file=sys.stderr, flush=True)
-    os._exit(EXIT_PEER_LOST)
-
-
-def end_alone(code: int) -> NoReturn:
-    """End this process now, without JAX's exit-time shutdown: for a failure the other
-    processes did not share (a bug here, a write that failed on this host). That shutdown
-    waits for every process at a barrier, while the others wait for this one in their next
-    collective, and the watcher's beats keep flowing until then: a hang. Gone, this process is
-    a lost peer to the others, each ending in one line (exit 69)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+def last_words(code: int, say: Callable[[], object], extra_s: float = 0.0) -> NoReturn:
+    """End this process with ``code`` once ``say()`` has written its last words, within
+    :data:`WRITE_LIMIT_S` (+ ``extra_s``) whatever the writes do (:func:`exit_within`), and
+    without JAX's exit-time shutdown (it waits for every process at a barrier). The paths that
+    end a process race (the peer watcher, the watchdog, a failed step): the first says its
+    words, and any other waits here for the end it armed."""
+    if not _said.acquire(blocking=False):
+        threading.Event().wait()  # the path saying its words ends the process
+    exit_within(code, extra_s)
+    try:
+        sys.stdout.flush()
+        say()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001 - a closed stderr must not keep the process alive
+        pass
     os._exit(code)
+
+
+def _say_and_exit(process_id: int, num_processes: int, text: str,
+                  beating_s: int | None = None) -> NoReturn:
+    last_words(EXIT_PEER_LOST, lambda: print(
+        lost_line(process_id, num_processes, text, beating_s), file=sys.stderr))
+
+
+def end_alone(code: int, say: Callable[[], object] = lambda: None) -> NoReturn:
+    """End this process now, after ``say()`` (:func:`last_words`): for a failure the other
+    processes did not share (a bug here, a write that failed on this host). JAX's exit-time
+    shutdown waits for every process at a barrier, while the others wait for this one in their
+    next collective, and the watcher's beats keep flowing until then: a hang. Gone, this process
+    is a lost peer to the others, each ending in one line (exit 69)."""
+    last_words(code, say)
 
 
 def initialize(coordinator: str, num_processes: int, process_id: int,
@@ -191,15 +198,13 @@ def initialize(coordinator: str, num_processes: int, process_id: int,
                      name="ciera-peer-watch", daemon=True).start()
 
 
-def _never_joined(process_id: int, num_processes: int, coordinator: str, timeout_s: int):
-    if not say_once():
-        return
-    sys.stdout.flush()
-    print(f"ciera train (process {process_id}): the process group at {coordinator} did not "
-          f"form within --peer-timeout {timeout_s}s (not every one of the {num_processes} "
-          "processes started, or they disagree on --coordinator / --num-processes); nothing "
-          "was trained", file=sys.stderr, flush=True)
-    os._exit(EXIT_PEER_LOST)
+def _never_joined(process_id: int, num_processes: int, coordinator: str,
+                  timeout_s: int) -> NoReturn:
+    last_words(EXIT_PEER_LOST, lambda: print(
+        f"ciera train (process {process_id}): the process group at {coordinator} did not "
+        f"form within --peer-timeout {timeout_s}s (not every one of the {num_processes} "
+        "processes started, or they disagree on --coordinator / --num-processes); nothing "
+        "was trained", file=sys.stderr))
 
 
 def stop_watching() -> None:

@@ -39,6 +39,10 @@ CHILD_ENV = "CIERA_TRAIN_CHILD"  # set in the child: it runs the job itself
 LOG_ENV = "CIERA_TRAIN_LOG"  # the log file's path, for the child's own lost-peer line
 PROGRESS_FD_ENV = "CIERA_PROGRESS_FD"  # the child writes each finished step here
 HOLD_S = 3.0  # C++ log lines not followed by an abort within this long reach the terminal
+# A line read this soon after a C++ line goes on its message: the coordination service's
+# errors span lines that look like nothing ("...(stopped sending heartbeats):", "1", "The
+# tasks have crashed..."), written in one go.
+BURST_S = 0.05
 # absl / glog: "W1201 20:56:04.503986   18767 preemption_sync_manager.cc:147] ..."
 _GLOG = re.compile(rb"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ [\w./-]+:\d+\]")
 # the lines a glog message or the abort dump carries on with
@@ -74,14 +78,19 @@ class StderrFilter:
         self._write = write
         self._held: list[bytes] = []
         self._since = 0.0
+        self._last_cxx = float("-inf")  # when the last C++ line came
         self._lock = threading.Lock()
         self.aborted = False
         self.abort_text: list[bytes] = []  # what the abort said, for naming the lost process
 
     def feed(self, line: bytes) -> None:
         with self._lock:
-            cxx = bool(_GLOG.match(line)) or (bool(self._held or self.aborted)
-                                              and bool(_CONTINUED.match(line)))
+            now = time.monotonic()
+            follows = now - self._last_cxx <= BURST_S  # written with the C++ line before it
+            cxx = bool(_GLOG.match(line)) or (bool(self._held or self.aborted) and (
+                follows or bool(_CONTINUED.match(line))))
+            if cxx:
+                self._last_cxx = now
             if self.aborted and cxx:
                 self.abort_text.append(line)
                 return

@@ -137,9 +137,9 @@ def run(args) -> int:
     peers.progress["log"] = os.environ.get(supervisor.LOG_ENV) if supervisor.is_child() else None
     try:
         _init_distributed(launch)
-    except PeerLost as e:
-        print(f"ciera train: {e}", file=sys.stderr, flush=True)
-        os._exit(e.exit_code)  # not JAX's exit-time shutdown: it waits on the absent peer
+    except PeerLost as e:  # not JAX's exit-time shutdown: it waits on the absent peer
+        line = f"ciera train: {e}"
+        peers.end_alone(e.exit_code, lambda: print(line, file=sys.stderr))
 
     import jax
 
@@ -165,9 +165,10 @@ def run(args) -> int:
         res = train(tc, run_cfg, mesh=mesh, log=log)
     except RunFailure as e:
         who = f" (process {jax.process_index()})" if multi else ""
-        print(f"ciera train{who}: {e}", file=sys.stderr, flush=True)
+        line = f"ciera train{who}: {e}"
         if multi and not raised_everywhere(e):
-            peers.end_alone(e.exit_code)
+            peers.end_alone(e.exit_code, lambda: print(line, file=sys.stderr))
+        print(line, file=sys.stderr, flush=True)
         return e.exit_code
     except Exception as e:
         if multi and peers.is_peer_failure(e):  # one line, naming the lost process; exits
@@ -175,13 +176,10 @@ def run(args) -> int:
         if multi and not raised_everywhere(e):
             # this process alone (a bug here, a file missing on this host): the others see a
             # lost peer, instead of waiting for this one
-            bad_input = isinstance(e, BAD_INPUT)
-            if bad_input:
-                print(bad_input_line("train", e, f" (process {jax.process_index()})"),
-                      file=sys.stderr)
-            else:
-                traceback.print_exc()
-            peers.end_alone(EXIT_BAD_INPUT if bad_input else 1)
+            if isinstance(e, BAD_INPUT):
+                line = bad_input_line("train", e, f" (process {jax.process_index()})")
+                peers.end_alone(EXIT_BAD_INPUT, lambda: print(line, file=sys.stderr))
+            peers.end_alone(1, traceback.print_exc)
         raise
     peers.stop_watching()
     watchdog.stop()

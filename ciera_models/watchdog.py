@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import sys
 import threading
 import time
 import traceback
+from typing import NoReturn
 
 from ciera_models import peers
 from ciera_models.failures import EXIT_HUNG
@@ -119,7 +119,7 @@ def stuck_line(process_id: int, watch: Watch, advice: str, stacks: str) -> str:
     who = f" (process {process_id})" if len(watch.seen) > 1 else ""
     if any(s.compiling for s in watch.seen):  # held off until the compile's limit
         waited = (f"{watch.compile_limit_s:g} s (a compile's limit: {COMPILE_TIMEOUTS} x "
-                  "--hang-timeout, at least an hour)")
+                  f"--hang-timeout, at least {COMPILE_FLOOR_S:g} s)")
     else:
         waited = f"{watch.timeout_s:g} s (--hang-timeout)"
     return (f"ciera train{who}: no progress for {waited}: {watch.where()}; stopped; {advice}; "
@@ -160,17 +160,15 @@ def _watch(timeout_s, process_id, num_processes, client, log) -> None:
             _end(process_id, watch, log)
 
 
-def _end(process_id: int, watch: Watch, log: str | None) -> None:
-    if not peers.say_once():
-        return  # the peer watcher is saying its line
-    peers.exit_within(EXIT_HUNG, EXIT_GRACE_S)  # a stderr nobody drains cannot hold it
-    sys.stdout.flush()
-    stacks = _write_stacks(log)
-    print(stuck_line(process_id, watch, peers.restart_advice(len(watch.seen)), stacks),
-          file=sys.stderr, flush=True)
-    if process_id == 0 and len(watch.seen) > 1:
-        time.sleep(EXIT_GRACE_S)
-    os._exit(EXIT_HUNG)
+def _end(process_id: int, watch: Watch, log: str | None) -> NoReturn:
+    def say():
+        stacks = _write_stacks(log)
+        print(stuck_line(process_id, watch, peers.restart_advice(len(watch.seen)), stacks),
+              file=sys.stderr, flush=True)
+        if process_id == 0 and len(watch.seen) > 1:
+            time.sleep(EXIT_GRACE_S)
+
+    peers.last_words(EXIT_HUNG, say, EXIT_GRACE_S)  # the peer watcher may be saying its own
 
 
 def _write_stacks(log: str | None) -> str:

@@ -30,6 +30,23 @@ ABORT = textwrap.dedent("""\
         @     0x7f27870a71f5  (unknown)
     """)
 
+# what process 0 (the coordination service's host) printed when process 1 was killed, abridged:
+# the service's own error first, in lines that look like nothing, then the client's abort
+SERVICE_ABORT = textwrap.dedent("""\
+    E1205 08:07:00.304670   27138 coordination_service.cc:1549] [506278181986372195] Use error polling to propagate the following error to all tasks: UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):
+    1
+    The tasks have crashed. Check the task logs for an earlier error, or scheduler events (e.g. preemption, eviction) to debug further. [type.googleapis.com/tensorflow.CoordinationServiceError='']
+    E1205 08:07:00.305525   27149 coordination_service_agent.cc:289] Polled an error from coordination service (this can be an error from this or another task).
+    F1205 08:07:00.305943   27149 client.h:80] Terminating process because the JAX distributed service detected fatal errors. This most likely indicates that another task died; see the other task logs for more details. absl::Status: UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):
+    1
+    The tasks have crashed. Check the task logs for an earlier error, or scheduler events (e.g. preemption, eviction) to debug further.
+
+    RPC: /xla.coordination.CoordinationService/PollForError [type.googleapis.com/tensorflow.CoordinationServiceError='']
+    *** Check failure stack trace: ***
+        @     0x7f886b640634  absl::lts_20260107::log_internal::LogMessage::SendToLog()
+        @     0x7f887a6a71f5  (unknown)
+    """)
+
 
 def _child(code: str) -> list[str]:
     return [sys.executable, "-c", textwrap.dedent(code)]
@@ -72,6 +89,26 @@ def test_the_coordination_abort_is_the_lost_peer_line_and_69(tmp_path):
     kept = log.read_text()
     assert "client.h:80] Terminating process" in kept and "Check failure stack trace" in kept
     assert "step line" in kept
+
+
+def test_the_service_hosts_abort_is_one_line_too(tmp_path):
+    """Process 0 hosts the coordination service, whose error (in lines that look like nothing:
+    ``1``, ``The tasks have crashed...``) comes before its client's abort; none of it reaches
+    the terminal. The lines are written as the C++ code writes them: each message at once."""
+    messages = [m for m in SERVICE_ABORT.replace("\nE1205", "\n\0E1205").replace(
+        "\nF1205", "\n\0F1205").split("\0")]
+    rc, out, err = _supervise(tmp_path, f"""
+        import os, sys, time
+        from ciera_models import supervisor
+        supervisor.report_step(5)
+        for message in {messages!r}:
+            sys.stderr.write(message); sys.stderr.flush(); time.sleep(0.01)
+        os.abort()
+        """, process_id=0)
+    assert rc == EXIT_PEER_LOST, err
+    assert err.strip() == (
+        "ciera train (process 0): lost process 1 of 2 after step 5; no checkpoint was saved: "
+        f"restart all processes; full log: {tmp_path / 'ciera-train-process-0.log'}")
 
 
 def test_other_exits_pass_through_with_their_output(tmp_path):

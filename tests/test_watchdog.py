@@ -47,7 +47,7 @@ def test_a_process_compiling_keeps_every_process_waiting_up_to_a_limit():
                          "compiling")
     assert watchdog.stuck_line(0, w, "restart", "above").startswith(
         "ciera train (process 0): no progress for 3600 s (a compile's limit: 4 x "
-        "--hang-timeout, at least an hour): process 0 in step 1, ")
+        "--hang-timeout, at least 3600 s): process 0 in step 1, ")
     assert Watch(1, timeout_s=1800, now=0.0).compile_limit_s == 4 * 1800  # 4 timeouts
 
 
@@ -120,12 +120,34 @@ sys.stderr = open(w, "w")
 """
 
 
+RACE = """
+import sys, threading, time
+from ciera_models import peers
+first = threading.Thread(target=peers.last_words, args=(5, lambda: (
+    time.sleep(0.5), print("the first path's line", file=sys.stderr))))
+first.start()
+time.sleep(0.1)
+peers.end_alone(6, lambda: print("the second path's line", file=sys.stderr))
+"""
+
+
+def test_of_two_paths_ending_a_process_the_first_says_its_line_and_the_other_waits():
+    """The peer watcher, the watchdog and a failed step race to end a process: one line, the
+    first's, and its exit code."""
+    p = subprocess.run([sys.executable, "-c", RACE], capture_output=True, text=True, timeout=60)
+    assert (p.returncode, p.stderr) == (5, "the first path's line\n")
+
+
 @pytest.mark.parametrize("call, code", [
     ("peers._say_and_exit(0, 2, 'unhealthy (stopped sending heartbeats): 1')", 69),
-    ("watchdog._end(1, watchdog.Watch(2, 5, 0.0), None)", EXIT_HUNG)])
+    ("watchdog._end(1, watchdog.Watch(2, 5, 0.0), None)", EXIT_HUNG),
+    ("peers._never_joined(1, 2, 'localhost:1', 5)", 69),
+    ("peers.end_alone(3, lambda: print('a traceback', file=sys.stderr))", 3),
+    ("peers.end_alone(4, lambda: 1 / 0)", 4)])  # words that fail to be said end it too
 def test_a_last_line_that_cannot_be_written_still_ends_the_process(call, code):
-    """The line's write blocks on a full stderr pipe; the process exits anyway, within the
-    armed limit, with the code the line would have come with."""
+    """Every path that ends a process (:func:`peers.last_words`): the line's write blocks on a
+    full stderr pipe; the process exits anyway, within the armed limit, with the code the line
+    would have come with."""
     p = subprocess.run([sys.executable, "-c", BLOCKED_STDERR.format(call=call)],
                        capture_output=True, timeout=120)
     assert p.returncode == code, p.stderr[-2000:]
