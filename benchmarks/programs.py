@@ -85,6 +85,11 @@ def one_run(name: str, args, tmp: str) -> dict:
         stand_in_steps=len(stand_ins))
 
 
+def by_round(runs: list[dict], plains: list[dict], key: str) -> list[float]:
+    """``key`` of each round's run over the same round's plain run."""
+    return [r[key] / p[key] for r, p in zip(runs, plains)]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     results = {n: [] for n in args.runs}
@@ -126,6 +131,17 @@ def main(argv=None) -> int:
               f"{last['wire_last_quarter']:>9.3f}{last['overflows']:>10}"
               f"{last['stand_in_steps']:>10}  "
               f"{last['program_steps']}")
+    if base and args.rounds > 1:  # each round's ratio against its own plain run: a load that
+        print("x plain round by round (each against its round's plain run), median:")  # drifts
+        for row in rows:  # between rounds moves these less than it moves the medians' ratio
+            if row["run"] == "plain":
+                continue
+            row["by_round_vs_plain"] = {k: by_round(results[row["run"]], results["plain"], k)
+                                        for k in ("first_step_s", "steady_step_s")}
+            print(f"  {row['run']:<15}" + "; ".join(
+                f"{k.removesuffix('_s').replace('_', ' ')} "
+                + ", ".join(f"{x:.2f}" for x in v) + f" ({statistics.median(v):.2f})"
+                for k, v in row["by_round_vs_plain"].items()))
     hashes = {x["sha256"] for rs in results.values() for x in rs}
     print(f"params_sha256: {'all equal' if len(hashes) == 1 else 'DIFFER'} "
           f"({sorted(hashes)[0][:16]}...)")
