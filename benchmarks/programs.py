@@ -13,8 +13,9 @@ compile, which starts beside the state's making: what a user waits for), every p
 run compiled (count, seconds, recompiles; a program compiled beside the steps counts its own
 seconds, waited for by none), the steps that ran a stand-in, the median step after
 ``--settle`` steps (the steady step: steps that neither compiled nor ran beside a compile),
-the wire over the run and its last quarter (padding up to the programs' rungs and overflows
-counted), and the params hash (all equal).
+the median of those without an overflow (the codec's own cost, without the exits' and the
+fallbacks'), the wire over the run and its last quarter (padding up to the programs' rungs
+and overflows counted), and the params hash (all equal).
 
     python benchmarks/programs.py [--config tiny] [--steps 200] [--plan P] [--rounds 1]
                                   [--runs ...] [--out PATH]
@@ -23,6 +24,7 @@ counted), and the params hash (all equal).
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -67,8 +69,12 @@ def one_run(name: str, args, tmp: str) -> dict:
                if line.startswith("params_sha256="))
     compiles = [c for r in rows for c in (r["compile_s"], r.get("beside_compile_s", 0.0)) if c]
     stand_ins = [r["step"] for r in rows if r.get("stand_in")]
-    steady = [r["step_time_s"] for r in rows[args.settle:]
-              if not r["compile_s"] and r["step"] > max(stand_ins, default=0)]
+    settled = [r for r in rows[args.settle:]
+               if not r["compile_s"] and r["step"] > max(stand_ins, default=0)]
+    steady = [r["step_time_s"] for r in settled]
+    # the steady steps whose demand fit their program's rungs (no overflow: no exit, no
+    # fallback), apart from the rest: what the codec costs, and what overflows add to it
+    clean = [r["step_time_s"] for r in settled if not r["overflows"]]
     q = rows[len(rows) - len(rows) // 4:]
     return dict(
         run=name, sha256=sha, first_step_s=rows[0]["step_time_s"],
@@ -78,6 +84,8 @@ def one_run(name: str, args, tmp: str) -> dict:
         to_first_step_cpu_s=header["startup_cpu_s"] + rows[0]["step_cpu_s"],
         programs=len(compiles),
         compile_s=sum(compiles), compiles=compiles, steady_step_s=statistics.median(steady),
+        clean_step_s=statistics.median(clean) if clean else float("nan"),
+        clean_steps=len(clean), overflow_steps=len(steady) - len(clean),
         wire=sum(r["sent_bytes"] for r in rows) / sum(r["plain_bytes"] for r in rows),
         wire_last_quarter=sum(r["sent_bytes"] for r in q) / sum(r["plain_bytes"] for r in q),
         overflows=sum(r["overflows"] for r in rows),
@@ -88,6 +96,15 @@ def one_run(name: str, args, tmp: str) -> dict:
 def by_round(runs: list[dict], plains: list[dict], key: str) -> list[float]:
     """``key`` of each round's run over the same round's plain run."""
     return [r[key] / p[key] for r, p in zip(runs, plains)]
+
+
+def ratios_line(ratios: list[float]) -> str:
+    """``1.08, 1.03, 1.10 (1.08)``: each round's, then their median; ``-`` for a round with
+    no such step (a run whose every steady step overflowed has no clean one)."""
+    if all(math.isnan(x) for x in ratios):
+        return "-"
+    return (", ".join("-" if math.isnan(x) else f"{x:.2f}" for x in ratios)
+            + f" ({statistics.median(x for x in ratios if not math.isnan(x)):.2f})")
 
 
 def main(argv=None) -> int:
@@ -103,7 +120,9 @@ def main(argv=None) -> int:
                       f"{x['to_first_step_s']:.1f} s, {x['to_first_step_cpu_s']:.1f} CPU s), "
                       f"{x['programs']} programs {x['compile_s']:6.1f} s ("
                       f"{x['stand_in_steps']} steps ran a stand-in), steady "
-                      f"{x['steady_step_s']:.3f} s, wire {x['wire']:.3f} / last quarter "
+                      f"{x['steady_step_s']:.3f} s ({x['clean_steps']} steps without an "
+                      f"overflow: {x['clean_step_s']:.3f} s), wire {x['wire']:.3f} / last "
+                      f"quarter "
                       f"{x['wire_last_quarter']:.3f}", flush=True)
     keys = ("first_step_s", "first_step_cpu_s", "to_first_step_s", "to_first_step_cpu_s",
             "compile_s", "steady_step_s")
@@ -137,10 +156,10 @@ def main(argv=None) -> int:
             if row["run"] == "plain":
                 continue
             row["by_round_vs_plain"] = {k: by_round(results[row["run"]], results["plain"], k)
-                                        for k in ("first_step_s", "steady_step_s")}
+                                        for k in ("first_step_s", "steady_step_s",
+                                                  "clean_step_s")}
             print(f"  {row['run']:<15}" + "; ".join(
-                f"{k.removesuffix('_s').replace('_', ' ')} "
-                + ", ".join(f"{x:.2f}" for x in v) + f" ({statistics.median(v):.2f})"
+                f"{k.removesuffix('_s').replace('_', ' ')} " + ratios_line(v)
                 for k, v in row["by_round_vs_plain"].items()))
     hashes = {x["sha256"] for rs in results.values() for x in rs}
     print(f"params_sha256: {'all equal' if len(hashes) == 1 else 'DIFFER'} "

@@ -95,8 +95,8 @@ def test_the_service_hosts_abort_is_one_line_too(tmp_path):
     """Process 0 hosts the coordination service, whose error (in lines that look like nothing:
     ``1``, ``The tasks have crashed...``) comes before its client's abort; none of it reaches
     the terminal. The lines are written as the C++ code writes them: each message at once."""
-    messages = [m for m in SERVICE_ABORT.replace("\nE1205", "\n\0E1205").replace(
-        "\nF1205", "\n\0F1205").split("\0")]
+    messages = SERVICE_ABORT.replace("\nE1205", "\n\0E1205").replace(
+        "\nF1205", "\n\0F1205").split("\0")
     rc, out, err = _supervise(tmp_path, f"""
         import os, sys, time
         from ciera_models import supervisor
