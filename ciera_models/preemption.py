@@ -9,7 +9,6 @@ flags each step.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
@@ -17,6 +16,8 @@ import threading
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
+
+from ciera_models import peers
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later" -- rerun (with --resume if it saved)
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -46,9 +47,9 @@ class PreemptionGuard:
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         if self.signal_name is not None:
-            print(f"ciera train: second signal ({name}): exiting now without saving",
-                  file=sys.stderr, flush=True)
-            os._exit(128 + signum)
+            peers.last_words(128 + signum, lambda: print(
+                f"ciera train: second signal ({name}): exiting now without saving",
+                file=sys.stderr))
         self.signal_name = name
         self._log(f"{name} received: finishing this step, then "
                   + ("saving and exiting" if self._saves else

@@ -143,7 +143,9 @@ def test_of_two_paths_ending_a_process_the_first_says_its_line_and_the_other_wai
     ("watchdog._end(1, watchdog.Watch(2, 5, 0.0), None)", EXIT_HUNG),
     ("peers._never_joined(1, 2, 'localhost:1', 5)", 69),
     ("peers.end_alone(3, lambda: print('a traceback', file=sys.stderr))", 3),
-    ("peers.end_alone(4, lambda: 1 / 0)", 4)])  # words that fail to be said end it too
+    ("peers.end_alone(4, lambda: 1 / 0)", 4),  # words that fail to be said end it too
+    ("from ciera_models import preemption; g = preemption.PreemptionGuard(log=lambda s: None)"
+     "; g._handle(15, None); g._handle(15, None)", 128 + 15)])  # a second SIGTERM
 def test_a_last_line_that_cannot_be_written_still_ends_the_process(call, code):
     """Every path that ends a process (:func:`peers.last_words`): the line's write blocks on a
     full stderr pipe; the process exits anyway, within the armed limit, with the code the line
