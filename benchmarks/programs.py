@@ -122,8 +122,7 @@ def main(argv=None) -> int:
                       f"{x['stand_in_steps']} steps ran a stand-in), steady "
                       f"{x['steady_step_s']:.3f} s ({x['clean_steps']} steps without an "
                       f"overflow: {x['clean_step_s']:.3f} s), wire {x['wire']:.3f} / last "
-                      f"quarter "
-                      f"{x['wire_last_quarter']:.3f}", flush=True)
+                      f"quarter {x['wire_last_quarter']:.3f}", flush=True)
     keys = ("first_step_s", "first_step_cpu_s", "to_first_step_s", "to_first_step_cpu_s",
             "compile_s", "steady_step_s")
     med = {n: {k: statistics.median(x[k] for x in rs) for k in keys}

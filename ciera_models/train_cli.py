@@ -139,7 +139,7 @@ def run(args) -> int:
         _init_distributed(launch)
     except PeerLost as e:  # not JAX's exit-time shutdown: it waits on the absent peer
         line = f"ciera train: {e}"
-        peers.end_alone(e.exit_code, lambda: print(line, file=sys.stderr))
+        peers.last_words(e.exit_code, lambda: print(line, file=sys.stderr))
 
     import jax
 
@@ -179,7 +179,8 @@ def run(args) -> int:
             if isinstance(e, BAD_INPUT):
                 line = bad_input_line("train", e, f" (process {jax.process_index()})")
                 peers.end_alone(EXIT_BAD_INPUT, lambda: print(line, file=sys.stderr))
-            peers.end_alone(1, traceback.print_exc)
+            else:
+                peers.end_alone(1, traceback.print_exc)
         raise
     peers.stop_watching()
     watchdog.stop()
