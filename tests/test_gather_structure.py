@@ -1,6 +1,7 @@
 """The compressed gather's shape in the compiled program: one main transfer per tensor, outside
-every conditional (so XLA can run it asynchronously under compute); conditional branches hold
-nothing but small transfers (the escape section's prefixes) and the plain fallback.
+every conditional (so XLA can run it asynchronously under compute); conditional branches with
+a transfer hold nothing but small transfers (the escape section's prefixes) and the plain
+fallback; the fallback's other branch decodes, with no transfer.
 
 Checked on the jaxpr of one gather (both modes, bf16 and float32) and on the optimized CPU HLO
 of the tiny train step with every tensor compressed.
@@ -69,10 +70,13 @@ def test_one_main_transfer_outside_conditionals_and_branches_only_transfer(mode,
     walks = [c for c in outside(jaxpr, "while") if c.primitive.name == "cond" and c not in conds]
     assert len(walks) == ((2 if mode == "exponent" else 3) if loop else 0), len(walks)
     rest = n_local * word_bytes - (wire.main_bytes - 4)  # the fallback: bits past the head
-    rest_gathers = 0
+    rest_gathers = decoding_branches = 0
     for c in conds:
         fallback = len(list(subjaxprs(c))) == 2  # the rung switch has a branch per rung
         for branch in subjaxprs(c):
+            if fallback and not any(e.primitive.name in GATHERS for e in walk(branch)):
+                decoding_branches += 1  # the decode and its self-check: skipped on a fallback
+                continue
             for e in walk(branch):
                 assert e.primitive.name in TRANSFER_ONLY | (FALLBACK_ALSO if fallback else
                                                             set()), (mode, e.primitive.name)
@@ -83,6 +87,7 @@ def test_one_main_transfer_outside_conditionals_and_branches_only_transfer(mode,
                     else:
                         assert size <= max(wire.section_sizes), size
     assert rest_gathers == 1, "the plain fallback is the one large transfer in a branch"
+    assert decoding_branches == 1, "the fallback's other branch decodes"
 
 
 @pytest.mark.parametrize("mode", ["exponent", "word"])
