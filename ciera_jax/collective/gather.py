@@ -256,39 +256,44 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
     fallback, rung, section = sent.overflow, sent.rung, sent.section_bytes
     wire = e.wire
     taken = sent.rung_sent  # an overflow's exit: the rung it sent at
-    # The decode runs in the conditional's compressed branch, with the self-check, so a step
-    # whose tensor overflows (the fallback or an exit gathers the rest) does not also decode
-    # what it throws away: on the CPU, tiny's step 0.93-0.95x what it took with the decode
-    # before the conditional, where every tensor overflowing paid both. On XLA:GPU the branch
-    # makes the tensor itself, so it copies nothing through (OLMoE-1B-7B on 16 H100s,
-    # exponent mode: 44.2 -> 32.9 GB of copies a step), at the price of the decodes' fusion
-    # across tensors (word mode: 8% more launches). Word mode's branches return the words
-    # only: the tensor is their bits.
-    got = word_option.receive(e, sent, cached, impl) if word else None
-    finish = word_option.overflow_exit(e, sent, got, impl, axis_name) if word else None
-    operands = (shard, sent.rows)
+    # Where the decode runs. Exponent mode: in the fallback conditional's compressed branch,
+    # with its self-check, so a step that falls back does not also decode what it throws away
+    # (tiny on the CPU, where it falls back every step: 1.18x -> 1.04x plain's step), and
+    # XLA:GPU copies nothing through the branch (OLMoE-1B-7B on 16 H100s: 44.2 -> 32.9 GB of
+    # copies a step, 1.7 GB less memory). Word mode: before the conditional, where XLA fuses
+    # it with the layer's other decodes, and the branch passes one array through, the words
+    # (the tensor is their bits): in the branch its compile took 1.60x plain's instead of
+    # 1.50x on the CPU, and 8% more launches on XLA:GPU (docs/results.md, twenty-third stop).
+    decoded = ()
+    finish = failed = None
+    if word:
+        got = word_option.receive(e, sent, cached, impl)
+        decoded = (word_option.fill(e, got, *got.levels,
+                                    jnp.asarray(wire.caps1, jnp.int32)[rung], impl),)
+        finish = word_option.overflow_exit(e, sent, got, impl, axis_name)
+        # With overflow rungs, the check takes the conditional's words, whichever way they
+        # came (an exit fills the escapes past the fixed prefix in its branch); without, the
+        # decode's, fused with it before the conditional.
+        failed = None if finish else word_option.check(e, got, decoded[0], dtype)
+    operands = (shard, sent.rows, decoded)
 
     def typed(*arrays):  # every branch's outputs typed alike
         return tuple(varying_like(a, operands, axis_name) for a in arrays)
 
-    def plain(shard, rows):
+    def plain(shard, rows, _):
         bits = rows_to_full(transfer.plain_rest(rows, bitfields.to_bits(shard), axis_name),
                             e.shard_shape, e.axis)
         if word:
-            return typed(bits, jnp.int32(0))
+            return typed(bits)
         full = bitfields.from_bits(bits, dtype)
         return typed(full, bitfields.exponent(full), jnp.int32(0))
 
-    def compressed(*_):
-        if not word:
-            return typed(*exponent_option.decode(e, sent, cached, dtype, impl))
-        words = word_option.fill(e, got, *got.levels, jnp.asarray(wire.caps1, jnp.int32)[rung],
-                                 impl)
-        return typed(words, word_option.check(e, got, words, dtype))
+    def compressed(_, __, decoded):
+        return typed(*decoded) if word else typed(*exponent_option.decode(e, sent, cached,
+                                                                          dtype, impl))
 
     def overflow(*_):
-        words = finish()
-        return typed(words, word_option.check(e, got, words, dtype))
+        return typed(finish())
 
     if finish is not None:
         # The one conditional with collectives: the fixed rung held the demand (no transfer),
@@ -302,7 +307,9 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
         # rung or a cache is unprimed (the agreement makes ``fallback`` rank-invariant).
         out = lax.cond(fallback, plain, compressed, *operands)
     if word:
-        new_cached, failed = out
+        (new_cached,) = out
+        if failed is None:
+            failed = word_option.check(e, got, new_cached, dtype)
         full = bitfields.from_bits(new_cached, dtype)
     else:
         full, new_cached, failed = out
