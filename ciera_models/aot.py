@@ -226,7 +226,8 @@ def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: i
         lowered_encode = tr.prepare_fn.lower(*tr.encode_arguments())
     t_lower = time.perf_counter() - t0
     model = memory_limit.model_memory(tr, tokens_per_gpu)
-    plan = memory_limit.LimitPlan(target, memory_limit.per_gpu_bytes(args), model.total)
+    plan = memory_limit.LimitPlan(target, memory_limit.per_gpu_bytes(args), model.total,
+                                  memory_limit.room_bytes(target, tc.memory_gb))
     if log:
         log(f"ciera aot: {tc.gather} step of {tc.config} on {gpus} x {target.name}: lowered in "
             f"{t_lower:.1f} s, compiling with XLA:GPU ({tc.xla_flags} flags, memory limit "

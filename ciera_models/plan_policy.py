@@ -57,16 +57,22 @@ def _say_once(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def memory_gb(tc, platform: str) -> float | None:
+    """The memory a plan works in, per device: ``--memory-gb``, or an accelerator's own (what
+    its allocator may hold); None on CPU without ``--memory-gb``."""
+    if tc.memory_gb is not None or platform == "cpu":
+        return tc.memory_gb
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit", 0) / memory.GB or None
+
+
 def cache_budget_bytes(tc, n: int, platform: str) -> float | None:
     """Bytes per device the caches may hold: ``--memory-gb`` (or an accelerator's own memory)
     less ``planner.HEADROOM_GB`` and what the memory model says the training state, gathered
     layers and activations need under ``--remat``; None (unlimited) on CPU without
     ``--memory-gb``. When even no cache would fit, one line on stderr says so (and what
     would fit) before the step compiles."""
-    gb = tc.memory_gb
-    if gb is None and platform != "cpu":
-        stats = jax.devices()[0].memory_stats() or {}
-        gb = stats.get("bytes_limit", 0) / memory.GB or None
+    gb = memory_gb(tc, platform)
     if gb is None:
         return None
     tokens = tc.batch_size * tc.length // n
