@@ -258,12 +258,13 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
     taken = sent.rung_sent  # an overflow's exit: the rung it sent at
     # Where the decode runs. Exponent mode: in the fallback conditional's compressed branch,
     # with its self-check, so a step that falls back does not also decode what it throws away
-    # (tiny on the CPU, where it falls back every step: 1.18x -> 1.04x plain's step), and
+    # (tiny on the CPU, where it falls back every step: 1.18x -> 1.01x plain's step), and
     # XLA:GPU copies nothing through the branch (OLMoE-1B-7B on 16 H100s: 44.2 -> 32.9 GB of
     # copies a step, 1.7 GB less memory). Word mode: before the conditional, where XLA fuses
     # it with the layer's other decodes, and the branch passes one array through, the words
     # (the tensor is their bits): in the branch its compile took 1.60x plain's instead of
-    # 1.50x on the CPU, and 8% more launches on XLA:GPU (docs/results.md, twenty-third stop).
+    # 1.55x on the CPU, its steps without an overflow 1.14x instead of 1.03x, and XLA:GPU
+    # launched 10% more kernels (docs/results.md, "Round 4, twenty-third stop").
     decoded = ()
     finish = failed = None
     if word:
