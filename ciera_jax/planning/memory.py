@@ -30,10 +30,11 @@ params, optimizer and caches are exact (tested against JAX's array sizes); gathe
 activations are estimates. XLA's own count of the compiled step (``ciera aot``) is elastic:
 the latency-hiding scheduler keeps buffers live longer to overlap collectives while the step
 stays under its memory limit (95% of 80% of the GPU less the inputs), so the same step counts
-25.4 GB with the default limit and 18.6 GB with a 17 GB one (OLMoE-1B-7B, 16 H100s). ``ciera
-aot`` gives the scheduler this model's total as its limit where XLA would count more
-(``gpu_targets.plan_slop_percent``); XLA's count is then within 10% of this one on every
-paper-scale row (docs/results.md, "XLA's scheduler within the plan").
+25.4 GB with the default limit and 18.6 GB with a 17 GB one (OLMoE-1B-7B, 16 H100s). With this
+model's total as its limit (``gpu_targets.plan_slop_percent``) XLA's count is within 10% of this
+one on every paper-scale row (docs/results.md, "XLA's scheduler within the plan"); ``ciera
+train`` and ``ciera aot`` set that limit only where XLA's own schedule would not fit the GPU
+(``ciera_models.memory_limit``): this model counts what a step needs, not the room XLA takes.
 """
 
 from __future__ import annotations
