@@ -278,6 +278,27 @@ def test_auto_limit_compiles_again_only_when_xla_exceeds_the_room(limit, first, 
         memory_limit.compile_within(plan, "none", compile_at, lambda total: total)
 
 
+def test_the_room_on_a_gpu_is_what_this_process_s_allocator_may_hold(monkeypatch):
+    """On a GPU without ``--memory-gb`` the plan's memory (the cache budget's, and the room the
+    scheduler limit is checked against) is this process's device's allocator limit:
+    ``jax.devices()[0]`` is process 0's on a pod, and its stats are not this process's."""
+    import types
+
+    from ciera_models import memory_limit, plan_policy
+    from ciera_models.train import TrainConfig
+
+    local = types.SimpleNamespace(memory_stats=lambda: {"bytes_limit": int(60e9)})
+    monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [local])
+    monkeypatch.setattr(jax, "devices", lambda *a, **k: pytest.fail("not this process's"))
+    tc = TrainConfig(config="tiny")
+    assert plan_policy.memory_gb(tc, "gpu") == 60.0
+    assert memory_limit.room_bytes(H100, plan_policy.memory_gb(tc, "gpu")) == 56e9
+    assert plan_policy.memory_gb(TrainConfig(config="tiny", memory_gb=24.0), "gpu") == 24.0
+    assert plan_policy.memory_gb(tc, "cpu") is None
+    local.memory_stats = lambda: None  # a backend that reports nothing: unknown, not zero
+    assert plan_policy.memory_gb(tc, "gpu") is None
+
+
 @pytest.mark.parametrize("limit", ["plan", "gpu"])
 def test_the_trainer_compiles_gpu_steps_within_the_limit_the_report_names(monkeypatch, mesh8,
                                                                           limit):
