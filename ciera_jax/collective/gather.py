@@ -290,8 +290,9 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
         return typed(full, bitfields.exponent(full), jnp.int32(0))
 
     def compressed(_, __, decoded):
-        return typed(*decoded) if word else typed(*exponent_option.decode(e, sent, cached,
-                                                                          dtype, impl))
+        if word:
+            return typed(*decoded)
+        return typed(*exponent_option.decode(e, sent, cached, dtype, impl))
 
     def overflow(*_):
         return typed(finish())
