@@ -67,7 +67,7 @@ def room_bytes(target: gpu_targets.GpuTarget, memory_gb: float | None) -> int:
     what the GPU's allocator may hold) or the GPU's, less ``planner.HEADROOM_GB``, as the plan's
     cache budget counts it."""
     gb = target.memory_gb if memory_gb is None else min(memory_gb, target.memory_gb)
-    return int((gb - planner.HEADROOM_GB) * memory.GB)
+    return int(planner.room_bytes(gb))
 
 
 def plan_for(tr, args, target: gpu_targets.GpuTarget, tokens_per_gpu: int) -> LimitPlan:

@@ -308,6 +308,12 @@ def check_budget(budget: Any, what: str = "cache budget") -> float | None:
 HEADROOM_GB = 4.0  # what a plan leaves free of the GPU's memory (allocator, scheduler, estimate)
 
 
+def room_bytes(memory_gb: float) -> float:
+    """The bytes a step may use on a device of ``memory_gb``: all of it less
+    :data:`HEADROOM_GB`."""
+    return (memory_gb - HEADROOM_GB) * memory.GB
+
+
 def cache_budget(memory_gb: Any, mem: memory.Memory, what: str = "",
                  headroom_gb: float = 0.0) -> float | None:
     """Bytes left for caches when a GPU has ``memory_gb`` (None: unlimited): the device memory

@@ -40,7 +40,8 @@ from typing import Any, Callable, Mapping
 
 from ciera_jax.planning import costmodel as cm
 from ciera_jax.planning import memory
-from ciera_jax.planning.planner import HEADROOM_GB, cache_budget, plan_model_modes, plan_tensor
+from ciera_jax.planning.planner import (HEADROOM_GB, cache_budget, plan_model_modes, plan_tensor,
+                                        room_bytes)
 from ciera_jax.planning.shapes import get_config, global_tensors, layer_tensors
 from ciera_jax.sim.cluster import Cluster, get_cluster
 from ciera_jax.planning.traces import Trace, WordTrace, default_trace, default_word_trace
@@ -161,7 +162,7 @@ def plan_within_memory(cfg: Any, gpus: int, cluster: Cluster, tokens_per_gpu: in
         budget = cache_budget(topo.memory_gb, base, headroom_gb=HEADROOM_GB)
     except ValueError as e:  # not even the training state fits
         return Fit(base, reason=str(e))
-    if topo.memory_gb is not None and base.total > (topo.memory_gb - HEADROOM_GB) * memory.GB:
+    if topo.memory_gb is not None and base.total > room_bytes(topo.memory_gb):
         return Fit(base, reason=f"{memory.fmt_gb(base.total)} GB per GPU without caches")
     return Fit(base, budget, plan_model_modes(cfg, gpus, topo, budget, trace, word_trace, phase))
 
@@ -358,7 +359,7 @@ def simulate_step(cfg: Any, gpus: int, cluster: Cluster | str = "h100", method: 
                       sum(g.wire_bytes for g in groups), sum(g.plain_bytes for g in groups),
                       sum(g.n_compressed for g in groups), codec_stream,
                       sum(g.wire_bytes + g.rewire_bytes for g in groups), gather_only, extra,
-                      total, room is None or total <= (room - HEADROOM_GB) * memory.GB)
+                      total, room is None or total <= room_bytes(room))
 
 
 def sweep(cfg: Any, gpu_counts: list[int], cluster: Cluster | str = "h100",
