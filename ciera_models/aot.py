@@ -213,8 +213,11 @@ def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: i
     :meth:`~ciera_models.state.Trainer.at_rungs`; XLA's scheduler limit as ``tc.memory_limit``
     says: :func:`ciera_models.memory_limit.compile_within`, as ``ciera train`` compiles)."""
     tc = batch_for(tc, gpus, tokens_per_gpu)
-    if tc.memory_gb is None:  # plan within the target's memory, never a CPU device's
-        tc = dataclasses.replace(tc, memory_gb=target.memory_gb)
+    # Plan within what JAX's allocator may hold of the target (this environment's share, as a
+    # pod run's memory_stats report it), never a CPU device's memory.
+    allocator = target.allocator_bytes()
+    if tc.memory_gb is None:
+        tc = dataclasses.replace(tc, memory_gb=allocator / 1e9)
     mesh = gpu_targets.compile_only_mesh(target, gpus)
     t0 = time.perf_counter()
     # The codec's kernels as impl="auto" picks them on the target GPU (Mosaic GPU on Hopper),
@@ -256,7 +259,7 @@ def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: i
         "memory": {"argument": ma.argument_size_in_bytes, "output": ma.output_size_in_bytes,
                    "alias": ma.alias_size_in_bytes, "temp": ma.temp_size_in_bytes,
                    "total": xla_total, "capacity": target.memory_bytes,
-                   "headroom": target.memory_bytes - xla_total},
+                   "allocator": allocator, "headroom": allocator - xla_total},
         "trainer": {"plan": tr.plan_summary, "attention": tr.attention, "experts": tr.experts,
                     "remat": tr.tc.remat,
                     "cache_modes": dict(sorted(tr.cache_modes.items())),

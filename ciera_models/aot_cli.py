@@ -166,7 +166,7 @@ def summary_rows(r: dict) -> dict[str, str]:
             f"{100 * r['all_gather_overlap_share']:.0f}%",
         "XLA memory: arguments + temporaries": f"{_size(mem['argument'])} + "
                                                f"{_size(mem['temp'])}",
-        "XLA memory: total per GPU": f"{_size(mem['total'])} of {_size(mem['capacity'])} ("
+        "XLA memory: total per GPU": f"{_size(mem['total'])} of {_size(mem['allocator'])} ("
                                      + ("fits" if mem["headroom"] >= 0 else "does NOT fit")
                                      + f", {mem['headroom'] / GB:+.1f} GB)",
         "XLA scheduler limit: inputs + temporaries": _limit(r),
@@ -213,7 +213,8 @@ def render(reports: list[dict], target, show_collectives: bool = False) -> str:
 
     r0 = reports[0]
     head = (f"{r0['config']} on {r0['gpus']} x {target.name} ({target.description}, "
-            f"{target.memory_gb:.1f} GB), {r0['tokens_per_gpu']} tokens per GPU, "
+            f"{target.memory_gb:.1f} GB, {r0['memory']['allocator'] / GB:.1f} GB of it JAX's "
+            f"allocator's), {r0['tokens_per_gpu']} tokens per GPU, "
             f"batch {r0['batch'][0]}x{r0['batch'][1]}, --remat {r0['trainer']['remat']}, "
             f"attention {r0['trainer']['attention']}, experts {r0['trainer']['experts']}, "
             f"the {r0.get('program', 'steady')} program")

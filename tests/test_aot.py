@@ -151,6 +151,8 @@ def test_tiny_step_compiles_for_h100s_and_the_report_counts_its_hlo(tiny_reports
     mem = rep["memory"]
     assert mem["total"] == mem["argument"] + mem["output"] - mem["alias"] + mem["temp"] > 0
     assert mem["capacity"] == H100.memory_bytes
+    assert mem["allocator"] == H100.allocator_bytes() < mem["capacity"]  # JAX's 75%
+    assert mem["headroom"] == mem["allocator"] - mem["total"]
     modes = set(rep["trainer"]["cache_modes"].values())
     assert modes == {"none"} if mode == "plain" else mode in modes <= {mode, "none"}
     if mode == "plain":
@@ -276,6 +278,26 @@ def test_auto_limit_compiles_again_only_when_xla_exceeds_the_room(limit, first, 
         assert seen[1] == plan.slop
     with pytest.raises(ValueError, match="memory_limit"):
         memory_limit.compile_within(plan, "none", compile_at, lambda total: total)
+
+
+@pytest.mark.parametrize("env, share", [
+    ({}, 0.75),  # the GPU client's default, preallocated or not
+    ({"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}, 0.75),
+    ({"XLA_CLIENT_MEM_FRACTION": ".9"}, 0.9),
+    ({"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}, 0.5),  # the deprecated name
+    ({"XLA_PYTHON_CLIENT_ALLOCATOR": "platform", "XLA_CLIENT_MEM_FRACTION": ".5"}, 1.0),
+])
+def test_a_compile_without_the_gpu_plans_within_what_jax_s_allocator_may_hold(env, share):
+    """``ciera aot`` plans and judges the fit against the allocator's share of the GPU, as
+    ``ciera train`` reads it from a run's ``bytes_limit``, not the whole GPU."""
+    from ciera_jax.runtime import gpu_targets
+
+    assert gpu_targets.allocator_share(env) == share
+    assert H100.allocator_bytes(env) == int(H100.memory_bytes * share)
+    with pytest.raises(ValueError, match="XLA_CLIENT_MEM_FRACTION must be a number"):
+        gpu_targets.allocator_share({"XLA_CLIENT_MEM_FRACTION": "most"})
+    with pytest.raises(ValueError, match="must be positive"):
+        gpu_targets.allocator_share({"XLA_PYTHON_CLIENT_MEM_FRACTION": "0"})
 
 
 def test_the_room_on_a_gpu_is_what_this_process_s_allocator_may_hold(monkeypatch):

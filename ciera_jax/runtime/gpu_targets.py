@@ -45,6 +45,32 @@ SLOP_FLAG = "xla_gpu_memory_limit_slop_factor"
 DEFAULT_SLOP_PERCENT = 95  # XLA's default
 # Where a train step sets that limit (ciera_models.memory_limit): auto, the plan's, XLA's own.
 MEMORY_LIMITS = ("auto", "plan", "gpu")
+# The share of a GPU's memory JAX's allocator may hold when the environment names none: the GPU
+# client's default, preallocated or not (XLA's BFC allocator is sized to it and only grows to it).
+DEFAULT_ALLOCATOR_SHARE = 0.75
+# What jaxlib's GPU client reads (xla_client.py); the second name is the deprecated one.
+MEM_FRACTION_VARS = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+
+
+def allocator_share(env=None) -> float:
+    """The share of a GPU's memory JAX's allocator may hold in a process started with ``env``
+    (default: this one's): ``XLA_CLIENT_MEM_FRACTION`` (or the deprecated
+    ``XLA_PYTHON_CLIENT_MEM_FRACTION``), else :data:`DEFAULT_ALLOCATOR_SHARE`; all of it with
+    ``XLA_PYTHON_CLIENT_ALLOCATOR=platform`` (no pool, no limit). What a run's
+    ``memory_stats()["bytes_limit"]`` reports, for a compile without the GPU (``ciera aot``)."""
+    env = os.environ if env is None else env
+    if env.get("XLA_PYTHON_CLIENT_ALLOCATOR", "").lower() == "platform":
+        return 1.0
+    for var in MEM_FRACTION_VARS:
+        if env.get(var):
+            try:
+                share = float(env[var])
+            except ValueError:
+                raise ValueError(f"{var} must be a number, got {env[var]!r}") from None
+            if not 0 < share:
+                raise ValueError(f"{var} must be positive, got {env[var]!r}")
+            return share
+    return DEFAULT_ALLOCATOR_SHARE
 
 
 def is_gpu(platform: str) -> bool:
@@ -106,6 +132,11 @@ class GpuTarget:
     @property
     def memory_gb(self) -> float:
         return self.memory_bytes / 1e9
+
+    def allocator_bytes(self, env=None) -> int:
+        """What JAX's allocator may hold of this GPU in a run started with ``env``
+        (:func:`allocator_share`): the memory a step and its caches must fit in."""
+        return int(self.memory_bytes * allocator_share(env))
 
 
 _HOPPER = dict(sm_count=132, compute_capability=(9, 0), clock_ghz=1.98, l2_bytes=50 * 1024**2,
