@@ -21,10 +21,15 @@ against all of them (CIERA's main transfers must not: only escape prefixes and t
 fallback may). Then, per compressed mode, the ``--sources`` library functions its compiled
 step has the most fusions from beyond plain's (``ciera_jax.runtime.hlo.fusion_sources``: a
 fusion counts at the innermost frame of its stack inside ``ciera_jax``): where the step's
-size, and so its compile time, goes.
+size goes. With ``--ir-sources N``, each mode compiles its step once more with XLA's dump on and
+reports the optimized LLVM IR of its kernels (``hlo.cpu_kernel_ir``), which is what XLA:CPU's
+compile time follows (LLVM unrolls a small kernel's fixed-size loops, so fusions are a poor
+proxy), and per compressed mode the N functions with the most IR beyond plain's, at the
+innermost frame, and at every frame of the stack in the codec's layers (``hlo.ir_sources``: a
+codec function with its callees).
 
     python benchmarks/compile_time.py [--config tiny] [--plan all] [--rounds 2] [--sources 8]
-                                      [--out PATH]
+                                      [--ir-sources N] [--out PATH]
 """
 
 from __future__ import annotations
@@ -35,12 +40,14 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 from ciera_jax.runtime import hlo
 from common import parser, write_results  # benchmarks/common.py, beside this script
 
 MODES = ("plain", "exponent", "word")
+CODEC_LAYERS = ("collective/", "codec/", "kernels/")  # where a mode's own IR is made
 
 
 def parse_args(argv=None):
@@ -51,6 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--devices", type=int, default=8, help="emulated CPU devices")
     p.add_argument("--sources", type=int, default=8,
                    help="per compressed mode, the functions with the most extra fusions")
+    p.add_argument("--ir-sources", type=int, default=0, metavar="N",
+                   help="per compressed mode, the functions with the most extra LLVM IR (one "
+                        "more compile per mode, dumped)")
     p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)  # one mode, in-process
     return p.parse_args(argv)
 
@@ -61,6 +71,18 @@ def branch_gathers(text: str) -> tuple[int, int]:
     inside = hlo.inside_branches(comps)
     return (sum(len(hlo.all_gathers(t)) for c, t in comps.items() if c in inside),
             sum(len(hlo.all_gathers(t)) for t in comps.values()))
+
+
+def kernel_ir(lowered) -> dict:
+    """The step's kernels' optimized LLVM IR, from one more compile with XLA's dump on: in all,
+    and by library function (innermost frame; every frame: ``ir_inclusive``)."""
+    with tempfile.TemporaryDirectory() as d:
+        # the dump option also makes JAX compile again rather than hand back the timed program
+        lowered.compile(compiler_options={"xla_dump_to": d})
+        text, kernels = hlo.cpu_kernel_ir(d)
+    return dict(ir_bytes=sum(kernels.values()), ir_kernels=len(kernels),
+                ir_sources=dict(hlo.ir_sources(text, kernels)),
+                ir_inclusive=dict(hlo.ir_sources(text, kernels, inclusive=True)))
 
 
 def worker(args) -> dict:
@@ -91,6 +113,9 @@ def worker(args) -> dict:
     text = compiled.as_text()
     inside, total = branch_gathers(text)
     fusions = hlo.fusion_sources(text)
+    ir = kernel_ir(jax.jit(tr.step_fn).lower(*tr.at_rungs(
+        (state.params, state.caches, state.opt_state, state.ahead, batch), "steady"))
+    ) if args.ir_sources else None
     jax.clear_caches()
     build_trainer.cache_clear()  # a new trainer: nothing traced or compiled above is reused
     t0 = time.perf_counter()
@@ -103,7 +128,25 @@ def worker(args) -> dict:
     return dict(mode=args.worker, build_s=build_s, compile_s=compile_s,
                 compile_cpu_s=compile_cpu_s, first_step_s=first_s,
                 hlo_bytes=len(text), gathers_in_branches=inside, gathers=total,
-                fusions=sum(fusions.values()), fusion_sources=dict(fusions))
+                fusions=sum(fusions.values()), fusion_sources=dict(fusions),
+                **(ir or {}))
+
+
+def print_ir(rows: list[dict], top: int) -> None:
+    """Each mode's kernels' LLVM IR against plain's, and where a compressed mode's extra IR
+    comes from."""
+    plain = rows[0]
+    print("\noptimized LLVM IR of the step's kernels (the last round's): " + ", ".join(
+        f"{r['mode']} {r['ir_bytes'] / 1e6:.2f} MB in {r['ir_kernels']} "
+        f"({r['ir_bytes'] / plain['ir_bytes']:.2f}x)" for r in rows))
+    for row in rows[1:]:
+        for key, how in (("ir_sources", "innermost frame"),
+                         ("ir_inclusive", "every frame, the codec's layers")):
+            extra = {k: n - plain[key].get(k, 0) for k, n in row[key].items()
+                     if key == "ir_sources" or k.startswith(CODEC_LAYERS)}
+            print(f"{row['mode']}: the most IR beyond plain's, KB ({how})")
+            for k, n in sorted(extra.items(), key=lambda kv: -kv[1])[:top]:
+                print(f"{n / 1e3:>9.1f}  {k}")
 
 
 def main(argv=None) -> int:
@@ -115,7 +158,8 @@ def main(argv=None) -> int:
     for r in range(args.rounds):
         for mode in MODES:
             cmd = [sys.executable, __file__, "--worker", mode, "--config", args.config,
-                   "--plan", args.plan, "--devices", str(args.devices), "--out", ""]
+                   "--plan", args.plan, "--devices", str(args.devices), "--out", "",
+                   "--ir-sources", str(args.ir_sources)]
             out = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
             if out.returncode:
                 sys.stderr.write(out.stderr[-3000:])
@@ -141,7 +185,9 @@ def main(argv=None) -> int:
                    hlo_bytes=last["hlo_bytes"], gathers_in_branches=last["gathers_in_branches"],
                    gathers=last["gathers"], fusions=last["fusions"],
                    fusions_vs_plain=last["fusions"] / runs["plain"][-1]["fusions"],
-                   fusion_sources=last["fusion_sources"], rounds=runs[m])
+                   fusion_sources=last["fusion_sources"], rounds=runs[m],
+                   **{k: last[k] for k in ("ir_bytes", "ir_kernels", "ir_sources",
+                                           "ir_inclusive") if k in last})
         rows.append(row)
         print(f"{m:<10}{row['compile_s']:>10.1f}{row['compile_vs_plain']:>9.2f}"
               f"{row['compile_cpu_s']:>8.1f}{row['compile_cpu_vs_plain']:>9.2f}"
@@ -156,6 +202,8 @@ def main(argv=None) -> int:
               f"the most extra from")
         for k, n in top:
             print(f"{n:>6}  {k}")
+    if args.ir_sources:
+        print_ir(rows, args.ir_sources)
     write_results(args.out, dict(config=args.config, plan=args.plan, devices=args.devices,
                                  rows=rows))
     return 0

@@ -160,3 +160,28 @@ def test_fusion_sources_name_the_library_function_of_every_fusion():
     assert any(k.startswith("codec/bitfields.py:") for k in sources), sources
     assert set(sources) - {"(outside ciera_jax)", "(no source)"} <= {
         k for k in sources if k.split(":")[0].endswith(".py")}
+
+
+def test_ir_sources_attribute_each_kernel_s_llvm_ir_to_its_fusion_s_function(tmp_path):
+    """``hlo.cpu_kernel_ir`` + ``hlo.ir_sources`` (``compile_time.py --ir-sources``): an
+    XLA:CPU dump's kernels are the compiled module's fusions, each kernel's IR counted once
+    at its innermost library frame, and at every frame of its stack when inclusive."""
+    from ciera_jax.codec import bitfields
+
+    x = jnp.arange(4096, dtype=jnp.float32).astype(jnp.bfloat16)
+    jax.jit(lambda x: (bitfields.split(x), jnp.sin(x.astype(jnp.float32)))).lower(x).compile(
+        compiler_options={"xla_dump_to": str(tmp_path)})
+    text, kernels = hlo.cpu_kernel_ir(str(tmp_path))
+    assert kernels and all(size > 0 for size in kernels.values())
+    fused = set(hlo.fusion_chains(text))
+    assert set(kernels) & fused, (sorted(kernels), sorted(fused))
+    sources = hlo.ir_sources(text, kernels)
+    assert sum(sources.values()) == sum(kernels.values())
+    assert any(k.startswith("codec/bitfields.py:") for k in sources), sources
+    inclusive = hlo.ir_sources(text, kernels, inclusive=True)
+    for frame, size in sources.items():
+        if not frame.startswith("("):  # a library frame: its kernels and its callees'
+            assert inclusive[frame] >= size
+    assert hlo.ir_sources(text, {"no_such_kernel": 7}) == {"(not a fusion)": 7}
+    with pytest.raises(ValueError, match="one XLA:CPU module"):
+        hlo.cpu_kernel_ir(str(tmp_path / "empty"))

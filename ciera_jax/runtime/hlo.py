@@ -3,8 +3,8 @@
 Used to check where the collectives of a compiled step landed (a transfer inside a conditional
 branch runs serialized with the compute around it on a GPU): ``benchmarks/compile_time.py``
 counts them, the tests assert on them. And to say which source function each fusion came
-from (:func:`fusion_sources`), which is where a compiled step's size, and so its compile time,
-goes.
+from (:func:`fusion_sources`), and its kernel's LLVM IR (:func:`ir_sources`), which is where a
+compiled step's size, and so its compile time, goes.
 """
 
 from __future__ import annotations
@@ -93,21 +93,71 @@ def stack_sources(hlo: str, package: str = "ciera_jax"):
     return sources
 
 
+def fusion_chains(hlo: str, package: str = "ciera_jax") -> dict[str, tuple[str, ...] | None]:
+    """``{fusion name: the frames of its stack in package, innermost first}`` for each fusion
+    of a compiled module's text (``compile().as_text()``); None for a fusion with no stack."""
+    sources = stack_sources(hlo, package)
+    chains: dict[str, tuple[str, ...] | None] = {}
+    for line in hlo.splitlines():
+        if " fusion(" not in line or "calls=" not in line:
+            continue
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = ", line)
+        chains[m.group(1) if m else line] = (
+            sources(line) if re.search(r"stack_frame_id=\d+", line) else None)
+    return chains
+
+
+def _where(chain, package: str) -> str:
+    if chain is None:
+        return "(no source)"
+    return chain[0] if chain else f"(outside {package})"
+
+
 def fusion_sources(hlo: str, package: str = "ciera_jax") -> collections.Counter:
     """``{"file:function": fusions}``: each fusion of a compiled module's text (``compile().
     as_text()``) counted at the innermost frame of its stack that lies in ``package``;
     ``"(outside <package>)"`` and ``"(no source)"`` for the rest."""
-    sources = stack_sources(hlo, package)
-    counts: collections.Counter = collections.Counter()
-    for line in hlo.splitlines():
-        if " fusion(" not in line or "calls=" not in line:
-            continue
-        if not re.search(r"stack_frame_id=\d+", line):
-            counts["(no source)"] += 1
-            continue
-        chain = sources(line)
-        counts[chain[0] if chain else f"(outside {package})"] += 1
-    return counts
+    return collections.Counter(_where(c, package) for c in fusion_chains(hlo, package).values())
+
+
+def ir_sources(hlo: str, kernel_bytes: dict[str, int], package: str = "ciera_jax",
+               inclusive: bool = False) -> collections.Counter:
+    """``{"file:function": bytes}``: each kernel's optimized LLVM IR (``kernel_bytes``: by
+    fusion name, from an XLA:CPU dump) at the innermost frame of its fusion's stack in
+    ``package`` as :func:`fusion_sources` counts fusions, or (``inclusive``) at every frame
+    of it; ``"(not a fusion)"`` for kernels of no fusion in ``hlo``. XLA:CPU's compile time
+    follows the IR, which LLVM makes large for small fixed-size loops (it unrolls them), not
+    the fusion count."""
+    chains = fusion_chains(hlo, package)
+    out: collections.Counter = collections.Counter()
+    for name, size in kernel_bytes.items():
+        if name not in chains:
+            out["(not a fusion)"] += size
+        elif inclusive and chains[name]:
+            for frame in set(chains[name]):
+                out[frame] += size
+        else:
+            out[_where(chains[name], package)] += size
+    return out
+
+
+def cpu_kernel_ir(dump_dir: str) -> tuple[str, dict[str, int]]:
+    """What an XLA:CPU compile dumped (``compiler_options={"xla_dump_to": dump_dir}``, one
+    module): its optimized HLO text and ``{kernel (fusion) name: bytes of its optimized LLVM
+    IR}``, for :func:`ir_sources`."""
+    from pathlib import Path
+
+    texts = sorted(Path(dump_dir).glob("*cpu_after_optimizations.txt"))
+    if len(texts) != 1:
+        raise ValueError(f"expected one XLA:CPU module dumped in {dump_dir}, found "
+                         f"{len(texts)}: compile one program with xla_dump_to")
+    module = texts[0].name[:-len("cpu_after_optimizations.txt")]  # "module_N.jit_f."
+    kernels: dict[str, int] = {}
+    for f in Path(dump_dir).glob(f"{module}*.ir-with-opt.ll"):
+        name = f.name[len(module):-len(".ir-with-opt.ll")]
+        name = name.removeprefix("__compute_module_").removesuffix("_kernel_module")
+        kernels[name] = kernels.get(name, 0) + f.stat().st_size
+    return texts[0].read_text(), kernels
 
 
 def scoped_trip_count(instruction: str) -> int | None:
