@@ -57,6 +57,12 @@ class LimitPlan:
     room_bytes: int
 
     @property
+    def memory_bytes(self) -> int:
+        """The memory the step and its caches must fit in: the room and the planner's
+        headroom."""
+        return self.room_bytes + int(planner.HEADROOM_GB * memory.GB)
+
+    @property
     def slop(self) -> int:
         """The slop factor that puts XLA's limit at the plan's total."""
         return gpu_targets.plan_slop_percent(self.target, self.io_bytes, self.plan_bytes)
@@ -91,9 +97,12 @@ def compile_within(plan: LimitPlan, how: str, compile_at: Callable[[int | None],
     slop = plan.slop
     tighter = slop < gpu_targets.DEFAULT_SLOP_PERCENT
     if how == "plan":
-        return compile_at(slop if tighter else None), None
+        kept = compile_at(slop if tighter else None)
+        _say_if_over(plan, total(kept), log, who)
+        return kept, None
     first = compile_at(None)
     if how == "gpu" or not tighter or total(first) <= plan.room_bytes:
+        _say_if_over(plan, total(first), log, who)
         return first, None
     if log:
         log(f"{who}: XLA counts {total(first) / 1e9:.1f} GB, more than the "
@@ -101,7 +110,22 @@ def compile_within(plan: LimitPlan, how: str, compile_at: Callable[[int | None],
             f"{plan.plan_bytes / 1e9:.1f} GB): compiling again with "
             f"{gpu_targets.SLOP_FLAG}={slop}")
     second = compile_at(slop)
-    return (second, first) if total(second) < total(first) else (first, second)
+    kept, other = (second, first) if total(second) < total(first) else (first, second)
+    _say_if_over(plan, total(kept), log, who)
+    return kept, other
+
+
+def _say_if_over(plan: LimitPlan, total: int, log, who: str) -> None:
+    """One line when even the kept schedule does not fit the memory the step has: it would
+    not run, and the line says by how much and the ``--memory-gb`` that plans the caches
+    smaller by as much (the memory model missed what XLA keeps beside them)."""
+    short = total - plan.memory_bytes
+    if short <= 0 or not log:
+        return
+    log(f"{who}: XLA counts {total / 1e9:.1f} GB per device for this step, {short / 1e9:.1f} GB "
+        f"more than the {plan.memory_bytes / 1e9:.1f} GB it may hold: it will not run. The "
+        f"memory model counted {plan.plan_bytes / 1e9:.1f} GB; --memory-gb "
+        f"{math.floor((plan.memory_bytes - short) / 1e9)} plans the caches that much smaller")
 
 
 def xla_total(ma) -> int:

@@ -280,6 +280,31 @@ def test_auto_limit_compiles_again_only_when_xla_exceeds_the_room(limit, first, 
         memory_limit.compile_within(plan, "none", compile_at, lambda total: total)
 
 
+@pytest.mark.parametrize("limit,counts,said", [
+    ("auto", [36.5e9, 36.5e9], True),  # over the room, and the plan's limit did not help
+    ("auto", [35e9, 33.5e9], False),  # the plan's limit made it fit
+    ("auto", [33e9, 33e9], False),  # over the room, within the memory: runs
+    ("plan", [36.5e9], True),
+    ("plan", [33e9], False),
+    ("gpu", [36.5e9], True),
+])
+def test_a_step_that_will_not_fit_says_so_and_the_memory_gb_that_plans_it_smaller(limit, counts,
+                                                                                   said):
+    """XLA's count of the kept schedule above the memory the step has (the room and the
+    planner's headroom: --memory-gb 34 here) is one line, whatever the limit; a step that
+    fits says nothing."""
+    from ciera_models import memory_limit
+
+    plan = memory_limit.LimitPlan(H100, int(5.2e9), int(20e9), memory_limit.room_bytes(H100, 34.0))
+    assert plan.memory_bytes == 34e9
+    lines, seen = [], iter(counts)
+    memory_limit.compile_within(plan, limit, lambda slop: next(seen), lambda t: t, lines.append)
+    over = [line for line in lines if "will not run" in line]
+    assert over == (["ciera: XLA counts 36.5 GB per device for this step, 2.5 GB more than the "
+                     "34.0 GB it may hold: it will not run. The memory model counted 20.0 GB; "
+                     "--memory-gb 31 plans the caches that much smaller"] if said else [])
+
+
 @pytest.mark.parametrize("env, share", [
     ({}, 0.75),  # the GPU client's default, preallocated or not
     ({"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}, 0.75),
