@@ -166,7 +166,7 @@ def summary_rows(r: dict) -> dict[str, str]:
             f"{100 * r['all_gather_overlap_share']:.0f}%",
         "XLA memory: arguments + temporaries": f"{_size(mem['argument'])} + "
                                                f"{_size(mem['temp'])}",
-        "XLA memory: total per GPU": f"{_size(mem['total'])} of {_size(mem['allocator'])} ("
+        "XLA memory: total per GPU": f"{_size(mem['total'])} of {_size(mem['memory_bytes'])} ("
                                      + ("fits" if mem["headroom"] >= 0 else "does NOT fit")
                                      + f", {mem['headroom'] / GB:+.1f} GB)",
         "XLA scheduler limit: inputs + temporaries": _limit(r),

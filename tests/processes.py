@@ -15,6 +15,17 @@ import pytest
 STACKS_WAIT_S = 5  # for each process to print its stacks after SIGUSR1
 
 
+def kill_all(procs: list[subprocess.Popen]) -> None:
+    """Kill each process and close its pipes (what it wrote and nobody read is dropped): a
+    pipe left open is a ResourceWarning, and a file descriptor, per process."""
+    for p in procs:
+        p.kill()
+        p.wait()
+        for pipe in (p.stdin, p.stdout, p.stderr):
+            if pipe is not None:
+                pipe.close()
+
+
 def finish(procs: list[subprocess.Popen], timeout: float,
            logs: list[Path] | None = None) -> list[tuple[int, str, str]]:
     """Each process's ``(exit code, stdout, stderr)`` (stderr ``""`` where it goes to stdout),

@@ -152,7 +152,8 @@ def test_tiny_step_compiles_for_h100s_and_the_report_counts_its_hlo(tiny_reports
     assert mem["total"] == mem["argument"] + mem["output"] - mem["alias"] + mem["temp"] > 0
     assert mem["capacity"] == H100.memory_bytes
     assert mem["allocator"] == H100.allocator_bytes() < mem["capacity"]  # JAX's 75%
-    assert mem["headroom"] == mem["allocator"] - mem["total"]
+    assert mem["memory_bytes"] == mem["allocator"]  # no --memory-gb: the allocator's
+    assert mem["headroom"] == mem["memory_bytes"] - mem["total"]
     modes = set(rep["trainer"]["cache_modes"].values())
     assert modes == {"none"} if mode == "plain" else mode in modes <= {mode, "none"}
     if mode == "plain":

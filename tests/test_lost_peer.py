@@ -15,7 +15,7 @@ import pytest
 from ciera_jax.runtime.launch import free_port
 from ciera_models import peers
 from ciera_models.failures import EXIT_HUNG, EXIT_PEER_LOST
-from processes import finish, log_tails  # tests/processes.py
+from processes import finish, kill_all, log_tails  # tests/processes.py
 
 TRAIN = [sys.executable, "-m", "ciera_jax.cli.main", "train", "--schedule-steps", "40",
          "--log-every", "1", "--devices", "4", "--num-processes", "2"]
@@ -90,9 +90,7 @@ def test_a_killed_peer_ends_the_survivor_in_one_line(tmp_path):
         out, err = procs[0].communicate(timeout=300)
         waited = time.monotonic() - killed
     finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+        kill_all(procs)
     assert procs[0].returncode == EXIT_PEER_LOST, err[-3000:]
     assert err.strip().count("\n") == 0, err[-3000:]  # one line, no C++ abort dump
     m = re.fullmatch(rf"ciera train \(process 0\): lost process 1 of 2 after step (\d+); the "
@@ -165,9 +163,7 @@ def test_either_lost_process_is_one_line_and_resume_is_bitwise(killed, tmp_path,
         out, err = survivor.communicate(timeout=timeout_s + 120)
         waited = time.monotonic() - killed_at
     finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+        kill_all(procs)
     s = 1 - killed
     assert survivor.returncode == EXIT_PEER_LOST, err[-3000:]
     assert err.strip().count("\n") == 0, err[-3000:]

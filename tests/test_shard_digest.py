@@ -10,7 +10,6 @@ import errno
 import json
 import logging
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -28,6 +27,7 @@ from ciera_models import checkpoint_meta
 from ciera_models import peers, shard_digest
 from ciera_models.failures import WriteFailed
 from ciera_models.params_hash import params_sha256
+from processes import kill_all  # tests/processes.py
 
 
 def _state(n_devices: int = 8, bump: int = 0):
@@ -309,8 +309,7 @@ def test_an_interrupted_background_save_leaves_the_previous_checkpoint(tmp_path,
         said = {child.stdout.readline().strip() for _ in range(2)}
         assert said == {"hashing", "saving"}, (said, child.stderr.read()[-2000:])
     finally:
-        child.send_signal(signal.SIGKILL)
-        child.wait()
+        kill_all([child])
     assert (ck / "1").is_dir() and not (ck / "2").exists()
     assert [p.name.split(".")[0] for p in ck.iterdir() if "tmp" in p.name] == ["2"]
     monkeypatch.setitem(peers.progress, "step", 2)

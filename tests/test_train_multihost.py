@@ -52,7 +52,7 @@ def test_a_program_compiled_beside_is_taken_at_one_step_on_every_process(tmp_pat
     metrics = tmp_path / "beside.jsonl"
     sha = _train_two_processes("ciera", tmp_path, "--compile-beside", "on", "--metrics-out",
                                str(metrics), steps=steps, env=env)
-    rows = [json.loads(line) for line in open(metrics)][1:]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()][1:]
     taken = [r for r in rows if r["beside_compile_s"]]
     assert len(taken) == 1, [(r["step"], r["program"], r["stand_in"]) for r in rows]
     # done on process 0 at step 1, taken only once process 1 said so, seconds later
