@@ -216,9 +216,6 @@ def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: i
     # Plan within what JAX's allocator may hold of the target (this environment's share, as a
     # pod run's memory_stats report it), never a CPU device's memory.
     allocator = target.allocator_bytes()
-    # what the step must fit in: the allocator's share, or --memory-gb (never above the GPU)
-    memory_bytes = (allocator if tc.memory_gb is None
-                    else int(min(tc.memory_gb, target.memory_gb) * 1e9))
     if tc.memory_gb is None:
         tc = dataclasses.replace(tc, memory_gb=allocator / 1e9)
     mesh = gpu_targets.compile_only_mesh(target, gpus)
@@ -262,8 +259,9 @@ def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: i
         "memory": {"argument": ma.argument_size_in_bytes, "output": ma.output_size_in_bytes,
                    "alias": ma.alias_size_in_bytes, "temp": ma.temp_size_in_bytes,
                    "total": xla_total, "capacity": target.memory_bytes,
-                   "allocator": allocator, "memory_bytes": memory_bytes,
-                   "headroom": memory_bytes - xla_total},
+                   # what the step must fit in: the allocator's share, or --memory-gb
+                   "allocator": allocator, "memory_bytes": plan.memory_bytes,
+                   "headroom": plan.memory_bytes - xla_total},
         "trainer": {"plan": tr.plan_summary, "attention": tr.attention, "experts": tr.experts,
                     "remat": tr.tc.remat,
                     "cache_modes": dict(sorted(tr.cache_modes.items())),

@@ -97,20 +97,20 @@ def compile_within(plan: LimitPlan, how: str, compile_at: Callable[[int | None],
     slop = plan.slop
     tighter = slop < gpu_targets.DEFAULT_SLOP_PERCENT
     if how == "plan":
-        kept = compile_at(slop if tighter else None)
-        _say_if_over(plan, total(kept), log, who)
-        return kept, None
-    first = compile_at(None)
-    if how == "gpu" or not tighter or total(first) <= plan.room_bytes:
-        _say_if_over(plan, total(first), log, who)
-        return first, None
-    if log:
-        log(f"{who}: XLA counts {total(first) / 1e9:.1f} GB, more than the "
-            f"{plan.room_bytes / 1e9:.1f} GB the plan allows the step (the model: "
-            f"{plan.plan_bytes / 1e9:.1f} GB): compiling again with "
-            f"{gpu_targets.SLOP_FLAG}={slop}")
-    second = compile_at(slop)
-    kept, other = (second, first) if total(second) < total(first) else (first, second)
+        kept, other = compile_at(slop if tighter else None), None
+    else:
+        kept, other = compile_at(None), None
+        if how == "auto" and tighter and total(kept) > plan.room_bytes:
+            if log:
+                log(f"{who}: XLA counts {total(kept) / 1e9:.1f} GB, more than the "
+                    f"{plan.room_bytes / 1e9:.1f} GB the plan allows the step (the model: "
+                    f"{plan.plan_bytes / 1e9:.1f} GB): compiling again with "
+                    f"{gpu_targets.SLOP_FLAG}={slop}")
+            second = compile_at(slop)
+            if total(second) < total(kept):
+                kept, other = second, kept
+            else:
+                other = second
     _say_if_over(plan, total(kept), log, who)
     return kept, other
 
