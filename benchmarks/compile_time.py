@@ -107,15 +107,14 @@ def worker(args) -> dict:
     build_s = time.perf_counter() - t0
     t0, c0 = time.perf_counter(), time.process_time()
     # the steady program: every compressed gather's rung fixed at the steady-state demand
-    compiled = jax.jit(tr.step_fn).lower(*tr.at_rungs(
-        (state.params, state.caches, state.opt_state, state.ahead, batch), "steady")).compile()
+    lowered = jax.jit(tr.step_fn).lower(*tr.at_rungs(
+        (state.params, state.caches, state.opt_state, state.ahead, batch), "steady"))
+    compiled = lowered.compile()
     compile_s, compile_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     text = compiled.as_text()
     inside, total = branch_gathers(text)
     fusions = hlo.fusion_sources(text)
-    ir = kernel_ir(jax.jit(tr.step_fn).lower(*tr.at_rungs(
-        (state.params, state.caches, state.opt_state, state.ahead, batch), "steady"))
-    ) if args.ir_sources else None
+    ir = kernel_ir(lowered) if args.ir_sources else None
     jax.clear_caches()
     build_trainer.cache_clear()  # a new trainer: nothing traced or compiled above is reused
     t0 = time.perf_counter()

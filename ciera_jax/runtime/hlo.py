@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import re
+from pathlib import Path
 
 _CALLS = re.compile(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
 # A loop whose trip count XLA cannot see (``fsdp.prepared.rolled_scan``) keeps it in its name
@@ -145,8 +146,6 @@ def cpu_kernel_ir(dump_dir: str) -> tuple[str, dict[str, int]]:
     """What an XLA:CPU compile dumped (``compiler_options={"xla_dump_to": dump_dir}``, one
     module): its optimized HLO text and ``{kernel (fusion) name: bytes of its optimized LLVM
     IR}``, for :func:`ir_sources`."""
-    from pathlib import Path
-
     texts = sorted(Path(dump_dir).glob("*cpu_after_optimizations.txt"))
     if len(texts) != 1:
         raise ValueError(f"expected one XLA:CPU module dumped in {dump_dir}, found "
