@@ -62,8 +62,9 @@ def memory_gb(tc, platform: str) -> float | None:
     its allocator may hold); None on CPU without ``--memory-gb``."""
     if tc.memory_gb is not None or platform == "cpu":
         return tc.memory_gb
-    stats = jax.local_devices()[0].memory_stats() or {}  # this process's: jax.devices()[0]
-    return stats.get("bytes_limit", 0) / memory.GB or None  # is process 0's on a pod
+    # this process's device: jax.devices()[0] is process 0's on a pod
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit", 0) / memory.GB or None
 
 
 def cache_budget_bytes(tc, n: int, platform: str) -> float | None:
