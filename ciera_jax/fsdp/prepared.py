@@ -36,9 +36,10 @@ from ciera_jax.fsdp.state.inventory import GatheredTensor, gatherers
 from ciera_jax.fsdp.state.plan import (DEFAULT_REMAT, DEFAULT_WORD_BACKWARD, Plan, plan_of,
                                        set_plan)
 from ciera_jax.fsdp.regather import regather
-from ciera_jax.fsdp.rolled import rolled_scan
 from ciera_jax.fsdp.state.stacking import stack_size
 from ciera_jax.fsdp.state.stats import GatherStats, layer_stats, record, stats_by_key
+from ciera_jax.runtime.hlo import TRIPS_SCOPE
+from ciera_jax.runtime.varying import vma
 
 INPUTS_ATTR = "ciera_gather_inputs"
 
@@ -381,6 +382,41 @@ def _run(compute, tensors: dict, held: tuple, regathered: tuple, n: int, plan: P
     run = jax.custom_vjp(lambda *a: forward(*a, keep=False)[0])
     run.defvjp(forward, backward)
     return run
+
+
+def rolled_scan(body, init, xs_N: jax.Array):
+    """``lax.scan(body, init, xs_N)`` for a 1-D ``xs_N`` (the layer indices), as a while loop
+    whose trip count XLA cannot see (its bound passes an optimization barrier), so XLA:GPU's
+    double buffering, which would unroll the body twice and peel an odd count's extra trip,
+    leaves one copy of it: the layer loop prefetches the next layer itself (docs/aot.md). The
+    count stays in the loop's name scope (``runtime.hlo.TRIPS_SCOPE``) for the reports. The
+    price: XLA:GPU syncs the host on such a loop's condition every trip. ``body`` is traced
+    once, under :func:`jax.jit`, for the output buffers and the loop. No reverse-mode
+    derivative (a while loop): the layer loop runs it in its custom VJP's forward."""
+    length = xs_N.shape[0]
+    if length < 2:  # XLA inlines a scan of one trip: no loop to roll, none to sync on
+        return lax.scan(body, init, xs_N)
+    body = jax.jit(body)
+    _, out_shapes = jax.eval_shape(body, init, xs_N[0])
+
+    def empty(s):
+        z = jnp.zeros((length,) + s.shape, s.dtype)
+        missing = tuple(sorted(vma(s) - vma(z)))  # typed as the trips' outputs are
+        return lax.pcast(z, missing, to="varying") if missing else z
+
+    def trip(state):
+        i, carry, outs = state
+        carry, out = body(carry, lax.dynamic_index_in_dim(xs_N, i, keepdims=False,
+                                                         allow_negative_indices=False))
+        outs = jax.tree.map(lambda o, v: lax.dynamic_update_index_in_dim(
+            o, v, i, 0, allow_negative_indices=False), outs, out)
+        return i + 1, carry, outs
+
+    with jax.named_scope(f"{TRIPS_SCOPE}{length}"):
+        bound = lax.optimization_barrier(jnp.int32(length))
+        _, carry, outs = lax.while_loop(lambda state: state[0] < bound, trip,
+                                        (jnp.int32(0), init, jax.tree.map(empty, out_shapes)))
+    return carry, outs
 
 
 def _typed_like_gather(full, shard, axis_name):
