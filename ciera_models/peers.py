@@ -215,32 +215,52 @@ def stop_watching() -> None:
 _stopped = threading.Event()
 
 
+ROUND_CREDIT_S = 2.0  # the most one watcher round counts for (a round is 1 s and two calls)
+
+
+class PeerBeats:
+    """Whose beat has stood still for ``limit`` seconds of this watcher's own watching. A round
+    late by more than :data:`ROUND_CREDIT_S` (this process starved of CPU or of the GIL, or a
+    slow call to the service) counts as that long: a peer is not blamed for a stall of the
+    watcher's, and a dead one is still named ``limit`` seconds after its last beat."""
+
+    def __init__(self, peers: list[int], limit: float, now: float):
+        self.limit, self.watched, self.last_round = limit, 0.0, now
+        self.seen = {i: (None, 0.0) for i in peers}  # last beat value, watched time it changed
+
+    def round(self, beats: dict, now: float) -> list[int]:
+        """``beats`` (``{key: value}`` from the service) read at ``now``: the stale peers."""
+        self.watched += min(now - self.last_round, ROUND_CREDIT_S)
+        self.last_round = now
+        for i, (value, _) in self.seen.items():
+            beat = beats.get(f"{BEATS}{i}")  # absent: it has not beaten yet
+            if beat != value:
+                self.seen[i] = (beat, self.watched)
+        return [i for i, (_, t) in self.seen.items() if self.watched - t > self.limit]
+
+
 def _watch(client, process_id: int, num_processes: int, timeout_s: int) -> None:
     """Beat every second; end this process with one line when a peer's beat stands still for
-    ``timeout_s / 2`` or the coordinator stops answering for as long."""
+    ``timeout_s / 2`` (:class:`PeerBeats`) or the coordinator stops answering for as long."""
     limit = max(2.0, timeout_s / 2)
-    peers = [i for i in range(num_processes) if i != process_id]
-    seen = {i: (None, time.monotonic()) for i in peers}  # last beat value, when it changed
+    watch = PeerBeats([i for i in range(num_processes) if i != process_id], limit,
+                      time.monotonic())
     beat, unreachable_since = 0, None
     while not _stopped.wait(1.0):
-        now = time.monotonic()
         try:
             beat += 1
             client.key_value_set(f"{BEATS}{process_id}", str(beat), allow_overwrite=True)
             # every beat in one call, not one per peer (127 a second each on 128 processes)
             beats = dict(client.key_value_dir_get(BEATS))
-            for i in peers:
-                value = beats.get(f"{BEATS}{i}")  # absent: it has not beaten yet
-                if value != seen[i][0]:
-                    seen[i] = (value, now)
             unreachable_since = None
         except Exception as e:  # noqa: BLE001 - the coordination service is gone
+            now = time.monotonic()
             unreachable_since = unreachable_since or now
             if now - unreachable_since > limit and not _stopped.is_set():
                 _say_and_exit(process_id, num_processes,
                               f"coordination service unavailable: {e}")
             continue
-        stale = [i for i in peers if now - seen[i][1] > limit]
+        stale = watch.round(beats, time.monotonic())
         if stale and not _stopped.is_set():
             _say_and_exit(process_id, num_processes,
                           "unhealthy (stopped sending heartbeats): "

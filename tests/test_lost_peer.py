@@ -61,6 +61,25 @@ def test_a_failed_collective_nobody_is_lost_from_says_so(monkeypatch):
     assert said == [((1, 2, "Gloo connect timed out"), {"beating_s": 0})]
 
 
+def test_a_peer_is_lost_after_its_beat_stands_still_while_this_watcher_watches():
+    """A peer whose beat stops is named ``limit`` seconds later; a stall of the watcher's own
+    (a late round: this process starved) does not count against a peer that beats on."""
+    watch = peers.PeerBeats([1, 2], limit=5.0, now=0.0)
+    beat = {1: 0, 2: 0}
+
+    def beats(*beating):
+        for i in beating:
+            beat[i] += 1
+        return {f"{peers.BEATS}{i}": str(b) for i, b in beat.items()}
+
+    assert watch.round(beats(1, 2), 1.0) == []
+    assert watch.round(beats(), 41.0) == []  # 40 s late, counted as 2 (3 watched in all)
+    assert watch.round(beats(2), 42.0) == []  # 1 beats no more: 1 stood still for 3
+    assert watch.round(beats(2), 44.0) == []  # 5
+    assert watch.round(beats(2), 45.0) == [1]  # 6 watched seconds > 5
+    assert watch.round(beats(1, 2), 46.0) == []  # a beat again: fresh
+
+
 def test_a_peer_that_never_starts_is_one_line_within_the_timeout(tmp_path):
     t0 = time.monotonic()
     p = subprocess.run([*TRAIN, "--steps", "5", "--coordinator", f"127.0.0.1:{free_port()}",
