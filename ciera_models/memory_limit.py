@@ -6,8 +6,9 @@ XLA's latency-hiding scheduler keeps buffers live to overlap collectives until i
 (:mod:`ciera_jax.runtime.gpu_targets`). Unlimited, it can spend what the plan gave to caches or
 headroom (OLMoE-1B-7B's plain step on 16 H100s: 25.4 GB at XLA's default, 19.2 GB at the
 plan's limit; docs/results.md). But a limit costs overlap: OLMoE-1B-7B's exponent-mode step on
-16 H100s overlapped 89% of its gathers at XLA's default (38.0 GB of 85.5) and 55% at the plan's
-(29.2 GB). Hence ``auto``: it limits only where XLA's own schedule would not fit the memory the
+16 H100s overlaps 89% of its gathers at XLA's default (31.3 GB of 85.5) and 86% at the plan's
+(26.4 GB; 55% before the backward stopped copying its exponent stacks). Hence ``auto``: it
+limits only where XLA's own schedule would not fit the memory the
 plan allows the step (the GPU's, or ``--memory-gb``, less ``planner.HEADROOM_GB``).
 """
 
