@@ -8,8 +8,8 @@ headroom (OLMoE-1B-7B's plain step on 16 H100s: 25.4 GB at XLA's default, 19.2 G
 plan's limit; docs/results.md). But a limit costs overlap: OLMoE-1B-7B's exponent-mode step on
 16 H100s overlaps 89% of its gathers at XLA's default (31.3 GB of 85.5) and 86% at the plan's
 (26.4 GB; 55% before the backward stopped copying its exponent stacks). Hence ``auto``: it
-limits only where XLA's own schedule would not fit the memory the
-plan allows the step (the GPU's, or ``--memory-gb``, less ``planner.HEADROOM_GB``).
+limits only where XLA's own schedule would not fit the memory the plan allows the step (the
+GPU's, or ``--memory-gb``, less ``planner.HEADROOM_GB``).
 """
 
 from __future__ import annotations
