@@ -287,7 +287,9 @@ def verify(tree, manifest: dict[str, dict]) -> tuple[int, int]:
         bad = [job for job in pool.map(check, jobs) if job is not None]
     if bad:
         name, x, ix, _, saved_by = bad[0]
-        zeros = " (it reads as all zeros)" if not np.any(_cut(x, ix)) else ""
+        # its bytes, not its values: a damaged float shard may hold NaNs
+        raw = np.frombuffer(np.ascontiguousarray(_cut(x, ix)).tobytes(), np.uint8)
+        zeros = " (it reads as all zeros)" if not raw.any() else ""
         more = f" (and {len(bad) - 1} more shard(s))" if len(bad) > 1 else ""
         raise Damaged(f"its shard {show(ix)} of {name}, saved by process {saved_by}, does not "
                       f"match its digest{zeros}{more}")
