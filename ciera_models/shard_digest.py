@@ -74,7 +74,12 @@ def _overlap(s: Index, d: Index) -> Index:
 
 
 def sha256(a: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(a).reshape(-1).view(np.uint8)).hexdigest()
+    return hashlib.sha256(_raw(a)).hexdigest()
+
+
+def _raw(a: np.ndarray) -> np.ndarray:
+    """``a``'s bytes, as a flat uint8 view (a copy only where ``a`` is not contiguous)."""
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
 
 
 def show(ix: Index) -> str:
@@ -288,8 +293,7 @@ def verify(tree, manifest: dict[str, dict]) -> tuple[int, int]:
     if bad:
         name, x, ix, _, saved_by = bad[0]
         # its bytes, not its values: a damaged float shard may hold NaNs
-        raw = np.frombuffer(np.ascontiguousarray(_cut(x, ix)).tobytes(), np.uint8)
-        zeros = " (it reads as all zeros)" if not raw.any() else ""
+        zeros = " (it reads as all zeros)" if not _raw(_cut(x, ix)).any() else ""
         more = f" (and {len(bad) - 1} more shard(s))" if len(bad) > 1 else ""
         raise Damaged(f"its shard {show(ix)} of {name}, saved by process {saved_by}, does not "
                       f"match its digest{zeros}{more}")
