@@ -358,7 +358,7 @@ def _run(compute, tensors: dict, held: tuple, regathered: tuple, n: int, plan: P
                 ct_fulls, ct_others, (ct_rest, (ct_x, *ct_args)) = vjp((ct_x, ct_y))
             # float0 cotangents (integer state, integer args) cannot ride in a scan
             return ct_x, (scatter(ct_fulls, at(shards, i)), ct_others,
-                          _drop_float0(ct_rest), _drop_float0(tuple(ct_args)))
+                          remat_lib.drop_float0(ct_rest), remat_lib.drop_float0(tuple(ct_args)))
 
         if not n:
             ct_x, (*grads, ct_args) = layer_bwd(None, x_in, ct_x, ct_ys, saved)
@@ -373,11 +373,11 @@ def _run(compute, tensors: dict, held: tuple, regathered: tuple, n: int, plan: P
                 return (ct_x, ct_args), (g_shards, g_others, g_rest)
 
             (ct_x, ct_args), grads = lax.scan(
-                body, (ct_x, _zero_cotangents(args)), (jnp.arange(n), x_in, ct_ys, saved),
+                body, (ct_x, remat_lib.zero_cotangents(args)), (jnp.arange(n), x_in, ct_ys, saved),
                 reverse=True)
         g_shards, g_others, g_rest = grads
-        return (g_shards, g_others, _with_float0(rest, g_rest), ct_x,
-                _with_float0(args, ct_args), _float0_like(inputs))
+        return (g_shards, g_others, remat_lib.with_float0(rest, g_rest), ct_x,
+                remat_lib.with_float0(args, ct_args), remat_lib.float0_like(inputs))
 
     run = jax.custom_vjp(lambda *a: forward(*a, keep=False)[0])
     run.defvjp(forward, backward)
@@ -425,32 +425,3 @@ def _typed_like_gather(full, shard, axis_name):
     want = (varying_axes(shard) | {axis_name}) & set(jax.sharding.get_abstract_mesh().manual_axes)
     missing = tuple(sorted(want - varying_axes(full)))
     return lax.pcast(full, missing, to="varying") if missing else full
-
-
-def _zero_cotangents(tree):
-    """Zero cotangents of ``tree`` as :func:`_drop_float0` leaves them: zeros for inexact
-    leaves, a bool scalar placeholder for the rest."""
-    return jax.tree.map(lambda a: jnp.zeros(jnp.shape(a), jnp.result_type(a))
-                        if jnp.issubdtype(jnp.result_type(a), jnp.inexact)
-                        else jnp.zeros((), jnp.bool_), tree)
-
-
-def _float0_like(tree):
-    def one(a):
-        a = jnp.asarray(a) if not hasattr(a, "dtype") else a
-        if jnp.issubdtype(a.dtype, jnp.inexact):
-            return jnp.zeros_like(a)
-        return np.zeros(a.shape, jax.dtypes.float0)
-    return jax.tree.map(one, tree)
-
-
-def _drop_float0(tree):
-    """float0 cotangent leaves as a bool scalar placeholder (:func:`_with_float0` undoes it)."""
-    return jax.tree.map(lambda c: jnp.zeros((), jnp.bool_)
-                        if getattr(c, "dtype", None) == jax.dtypes.float0 else c, tree)
-
-
-def _with_float0(primal, ct):
-    """Cotangents of ``primal``: ``ct``'s leaves for inexact leaves, float0 for the rest."""
-    return jax.tree.map(lambda p, c: c if jnp.issubdtype(jnp.result_type(p), jnp.inexact)
-                        else np.zeros(jnp.shape(p), jax.dtypes.float0), primal, ct)

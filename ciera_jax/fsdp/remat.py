@@ -17,7 +17,8 @@ Saving goes through ``jax.vjp``: the forward takes the layer's VJP, keeps its re
 the weights (found by identity among the residuals, as ``jax.vjp`` forwards its inputs), and
 the backward rebuilds the VJP from the residuals and the weights it got again. So no policy
 keeps a gathered weight across the layers: :func:`vjp_saving` raises if a residual could be
-one.
+one. The backward's cotangents through its layer scan (float0 leaves as placeholders) are here
+too: :func:`drop_float0` and its kin.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from ciera_jax.fsdp.state.plan import check_policy
 
@@ -98,3 +101,37 @@ def vjp_rebuilt(layout: Layout, weights, inputs, saved: list) -> Callable:
     pick = {"weight": w_leaves.__getitem__, "input": i_leaves.__getitem__,
             "saved": saved.__getitem__, "static": lambda v: v}
     return jax.tree.unflatten(layout.treedef, [pick[kind](k) for kind, k in layout.spec])
+
+
+# The backward's cotangents through its layer scan: float0 cotangents (integer state, integer
+# arguments) cannot ride in a scan, so they travel as bool placeholders and come back as float0.
+
+def zero_cotangents(tree):
+    """Zero cotangents of ``tree`` as :func:`drop_float0` leaves them: zeros for inexact
+    leaves, a bool scalar placeholder for the rest."""
+    return jax.tree.map(lambda a: jnp.zeros(jnp.shape(a), jnp.result_type(a))
+                        if jnp.issubdtype(jnp.result_type(a), jnp.inexact)
+                        else jnp.zeros((), jnp.bool_), tree)
+
+
+def float0_like(tree):
+    """Zero cotangents of ``tree`` as a custom VJP returns them: zeros for inexact leaves,
+    float0 for the rest (integer state, integer arguments)."""
+    def one(a):
+        a = jnp.asarray(a) if not hasattr(a, "dtype") else a
+        if jnp.issubdtype(a.dtype, jnp.inexact):
+            return jnp.zeros_like(a)
+        return np.zeros(a.shape, jax.dtypes.float0)
+    return jax.tree.map(one, tree)
+
+
+def drop_float0(tree):
+    """float0 cotangent leaves as a bool scalar placeholder (:func:`with_float0` undoes it)."""
+    return jax.tree.map(lambda c: jnp.zeros((), jnp.bool_)
+                        if getattr(c, "dtype", None) == jax.dtypes.float0 else c, tree)
+
+
+def with_float0(primal, ct):
+    """Cotangents of ``primal``: ``ct``'s leaves for inexact leaves, float0 for the rest."""
+    return jax.tree.map(lambda p, c: c if jnp.issubdtype(jnp.result_type(p), jnp.inexact)
+                        else np.zeros(jnp.shape(p), jax.dtypes.float0), primal, ct)
