@@ -100,7 +100,7 @@ class _Compiled:
 
 def _compile(lowered, options: dict) -> _Compiled:
     t, c = time.perf_counter(), time.process_time()
-    compiled = lowered.compile(compiler_options=options)
+    compiled = gpu_targets.compile_with(lowered, options)
     # CPU seconds as well as wall: on a shared machine the wall clock is mostly the load
     wall, cpu = time.perf_counter() - t, time.process_time() - c
     text = compiled.as_text()
@@ -132,7 +132,7 @@ def count_ptx_modules(lowered, options: dict) -> int:
     ``distinct_fusions``: ``docs/aot.md``). Counted in a compile of its own that dumps them
     (``xla_dump_to``: a ``*.ptx`` file each), since the dump's writing slows that compile."""
     with tempfile.TemporaryDirectory() as d:
-        lowered.compile(compiler_options={**options, "xla_dump_to": d})
+        gpu_targets.compile_with(lowered, {**options, "xla_dump_to": d})
         return len(list(Path(d).glob("*.ptx")))
 
 
@@ -154,7 +154,7 @@ def compile_phases(lowered, options: dict) -> dict:
     options = {**options, "xla_dump_hlo_pass_re": ""}
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
-            lowered.compile(compiler_options=options)
+            gpu_targets.compile_with(lowered, options)
         (trace,) = Path(d).rglob("perfetto_trace.json.gz")
         return phases_of(json.loads(gzip.decompress(trace.read_bytes())))
 
@@ -249,7 +249,7 @@ def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: i
         "config": tc.config, "gather": tc.gather, "cache": tc.cache, "plan": tc.plan,
         "program": program,
         "gpus": gpus, "gpu": target.name, "tokens_per_gpu": tokens_per_gpu,
-        "batch": [tc.batch_size, tc.length], "flags": kept.options,
+        "batch": [tc.batch_size, tc.length], "flags": gpu_targets.for_this_xla(kept.options),
         "scheduler_limit": _limit_row(kept, other, tc.memory_limit, plan.io_bytes, target),
         "lower_s": t_lower, "compile_s": kept.wall_s, "compile_cpu_s": kept.cpu_s,
         "hlo_bytes": len(text),

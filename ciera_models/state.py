@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 import ciera_jax
 from ciera_jax import fsdp
 from ciera_jax.codec.wire import PLAIN_RUNG
+from ciera_jax.collective.cache import EMPTY_SHAPE
 from ciera_jax.fsdp import AXIS
 from ciera_jax.planning import costmodel
 from ciera_jax.runtime import gpu_targets
@@ -70,11 +71,12 @@ def bytes_per_device(tree) -> int:
 
 def fresh_caches(abstract, tensors: dict, modes: dict):
     """Unprimed caches shaped like ``abstract`` (the cache state of ``fsdp.attach_caches`` on
-    the abstract model), each in its tensor's mode: a word or exponent cache, or an empty one
-    (no bytes) for every tensor ``modes`` says ``none`` (gathered plainly: a cache would be
-    memory for nothing); stacked tensors get one per layer. Only these are ever allocated."""
+    the abstract model), each in its tensor's mode: a word or exponent cache, or a one-byte
+    placeholder (``EMPTY_SHAPE``) for every tensor ``modes`` says ``none`` (gathered plainly: a
+    cache would be memory for nothing); stacked tensors get one per layer. Only these are ever
+    allocated."""
     def fresh(t, mode):
-        shape, mode = ((0,), "exponent") if mode == NO_CACHE else (t.shape, mode)
+        shape, mode = ((EMPTY_SHAPE, "exponent") if mode == NO_CACHE else (t.shape, mode))
         one = lambda _=None: ciera_jax.init_cache(shape, t.dtype, mode)  # noqa: E731
         return jax.vmap(one)(jnp.zeros(t.stack)) if t.stack else one()
 
@@ -194,11 +196,11 @@ class Trainer:
         device = self.mesh.devices.flat[0]
         target = gpu_targets.target_of(device) if gpu_targets.is_gpu(device.platform) else None
         if target is None:
-            return lowered.compile(compiler_options=self.compiler_options or None)
+            return gpu_targets.compile_with(lowered, self.compiler_options)
         tokens = self.tc.batch_size * self.tc.length // self.n
         plan = memory_limit.plan_for(self, args, target, tokens)
-        at = lambda slop: lowered.compile(  # noqa: E731
-            compiler_options=gpu_targets.compiler_options(self.tc.xla_flags, slop))
+        at = lambda slop: gpu_targets.compile_with(  # noqa: E731
+            lowered, gpu_targets.compiler_options(self.tc.xla_flags, slop))
         kept, _ = memory_limit.compile_within(
             plan, self.tc.memory_limit, at,
             lambda c: memory_limit.xla_total(c.memory_analysis()),
@@ -271,11 +273,11 @@ class Trainer:
         if traced is None:  # let go of already (a copy of a trainer that compiled it)
             traced = self.prepare_fn.trace(*self.encode_arguments())
         lowered = traced.lower()
-        options = self.compiler_options or None
+        options = self.compiler_options
 
         def compile_fn():
             with watchdog.compiling():
-                return lowered.compile(compiler_options=options)
+                return gpu_targets.compile_with(lowered, options)
         if self.beside:  # taken by a step once compiled on every process (until then, steps prime)
             self.beside_compiles.start(ENCODE, compile_fn)
         else:

@@ -31,7 +31,7 @@ def mesh8():
 
 
 def _compile(f, *args):
-    return jax.jit(f).lower(*args).compile(compiler_options=dict(gpu_targets.FSDP_XLA_FLAGS))
+    return gpu_targets.compile_with(jax.jit(f).lower(*args), gpu_targets.FSDP_XLA_FLAGS)
 
 
 def test_target_descriptions_compile_for_the_gpu_they_name(mesh8):
@@ -262,6 +262,60 @@ def test_compiler_options_carry_the_limit_only_when_given():
     assert gpu_targets.compiler_options("default") == {}
     with pytest.raises(ValueError, match="fsdp"):
         gpu_targets.compiler_options("fast")
+
+
+class _NewerXla:
+    """A lowered step whose XLA is jaxlib 0.11's as the first GPU run met it: the pipelined-
+    collective booleans are no compile options there (``xla_gpu_pipeline_*`` enums are), and
+    ``dropped`` is no option at all."""
+
+    def __init__(self):
+        self.tries: list[dict] = []
+
+    def compile(self, compiler_options=None):
+        opts = dict(compiler_options or {})
+        self.tries.append(opts)
+        for name, value in opts.items():
+            if name.startswith("xla_gpu_enable_pipelined_") or name == "dropped":
+                raise jax.errors.JaxRuntimeError(
+                    f"INVALID_ARGUMENT: No such compile option: '{name}'")
+            if name.startswith("xla_gpu_pipeline_") and not value.startswith("COLLECTIVE_"):
+                raise jax.errors.JaxRuntimeError(f"INVALID_ARGUMENT: While setting option "
+                                                 f"{name}, '{value}' is not a valid enum value.")
+        return opts
+
+
+def test_options_a_newer_xla_renamed_compile_under_their_new_names(monkeypatch):
+    """The FSDP set on jaxlib 0.11's XLA: each pipelined collective's boolean becomes its enum
+    (true: on), learned from the compile's own refusal, once per process; an option XLA does
+    not know at all is left out with a warning; any other failure is raised as it is."""
+    monkeypatch.setattr(gpu_targets, "_unknown_here", set())
+    xla = _NewerXla()
+    flags = {**gpu_targets.FSDP_XLA_FLAGS, "xla_gpu_enable_pipelined_reduce_scatter": False}
+    with pytest.warns(RuntimeWarning, match="XLA option dropped is not known"):
+        used = gpu_targets.compile_with(xla, {**flags, "dropped": 1})
+    assert used["xla_gpu_pipeline_all_gather"] == "COLLECTIVE_PIPELINING_MODE_ON"
+    assert used["xla_gpu_pipeline_reduce_scatter"] == "COLLECTIVE_PIPELINING_MODE_DEFAULT"
+    assert used["xla_gpu_pipeline_all_reduce"] == "COLLECTIVE_PIPELINING_MODE_ON"
+    assert not any("enable_pipelined" in k for k in used) and "dropped" not in used
+    assert used["xla_gpu_enable_latency_hiding_scheduler"] is True and len(used) == len(flags)
+    assert len(xla.tries) == 5  # one refusal per unknown name (3 renamed, 1 dropped), then done
+    again = _NewerXla()
+    assert gpu_targets.compile_with(again, flags) == used and len(again.tries) == 1  # learned
+    assert gpu_targets.for_this_xla(flags) == used
+    with pytest.raises(jax.errors.JaxRuntimeError, match="not a valid enum"):
+        gpu_targets.compile_with(_NewerXla(), {"xla_gpu_pipeline_all_gather": "on"})
+
+
+def test_the_fsdp_set_compiles_on_the_installed_xla(mesh8):
+    """Whatever the installed jaxlib calls them, the FSDP set compiles a step for the GPU, and
+    the names it compiled with are the ones the report shows (``for_this_xla``)."""
+    x = jax.ShapeDtypeStruct((8, 256), jnp.float32, sharding=NamedSharding(mesh8, P("fsdp")))
+    lowered = jax.jit(lambda a: a.sum(0)).lower(x)
+    gpu_targets.compile_with(lowered, gpu_targets.FSDP_XLA_FLAGS)
+    used = gpu_targets.for_this_xla(gpu_targets.FSDP_XLA_FLAGS)
+    assert len(used) == len(gpu_targets.FSDP_XLA_FLAGS)
+    assert gpu_targets.compile_with(lowered, used) is not None
 
 
 def test_the_trainer_compiles_gpu_steps_with_the_flags_the_report_names(mesh8):

@@ -28,9 +28,11 @@ def test_exponent_cache_is_the_default():
 
 
 @pytest.mark.parametrize("mode", ["exponent", "word"])
-def test_other_dtypes_get_empty_caches(mode):
+def test_other_dtypes_get_placeholder_caches(mode):
+    """One element, never zero-size: JAX 0.11 crashes compiling a shard_map that takes a
+    zero-size array."""
     c = ciera_jax.init_cache((16, 8), np.int32, mode=mode)
-    assert c.shape == (0,) and not c.compressible and c.mode == mode
+    assert c.shape == (1,) and not c.compressible and c.mode == mode
 
 
 def test_word_cache_is_a_pytree_with_static_dtype():

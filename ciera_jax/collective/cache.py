@@ -22,6 +22,10 @@ import numpy as np
 from ciera_jax.codec import bitfields
 
 MODES = ("exponent", "word")
+# The shape of a cache that serves no compressed gather (a dtype without a compressed format;
+# a trainer's tensor gathered plainly): one element, never zero. JAX 0.11's partitioner
+# (Shardy) crashes the process compiling a shard_map that takes a zero-size array.
+EMPTY_SHAPE = (1,)
 
 
 @jax.tree_util.register_dataclass
@@ -30,7 +34,7 @@ class ExponentCache:
     """``exp``: uint8 exponents of the full tensor; ``primed``: bool scalar.
 
     ``dtype`` (static) is the dtype the cache serves; for dtypes without a compressed format
-    (fp16, fp8, integers) ``exp`` is empty and gathers are plain.
+    (fp16, fp8, integers) ``exp`` is a placeholder (:data:`EMPTY_SHAPE`) and gathers are plain.
     """
 
     exp: jax.Array
@@ -55,7 +59,8 @@ class WordCache:
     uint32 for float32); ``primed``: bool scalar; ``dtype`` (static): the dtype it serves.
 
     After any gather through it, ``words`` is bitwise the gathered tensor (see
-    :func:`cached_full`). Empty for dtypes without a compressed format.
+    :func:`cached_full`). A placeholder (:data:`EMPTY_SHAPE`) for dtypes without a compressed
+    format.
     """
 
     words: jax.Array
@@ -89,7 +94,7 @@ def init_cache(global_shape, dtype, mode: str = "exponent"):
         raise ValueError(f"init_cache: unknown cache mode {mode!r}; choose one of {MODES}")
     dtype = np.dtype(dtype)
     compressible = bitfields.is_compressible(dtype)
-    shape = tuple(int(d) for d in global_shape) if compressible else (0,)
+    shape = tuple(int(d) for d in global_shape) if compressible else EMPTY_SHAPE
     primed = jnp.zeros((), jnp.bool_)
     if mode == "word":
         word = bitfields.word_format(dtype).word if compressible else np.dtype(np.uint8)

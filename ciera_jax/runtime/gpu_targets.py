@@ -15,6 +15,8 @@ import dataclasses
 import importlib.metadata
 import importlib.util
 import os
+import re
+import warnings
 
 # The XLA flags NVIDIA's JAX-Toolbox recommends for FSDP training on GPUs (rosetta/docs/
 # GPU_performance.md): the latency-hiding scheduler; pipelined (loop-hoisted) all-gather,
@@ -88,6 +90,51 @@ def compiler_options(flags: str, slop_percent: int | None = None) -> dict:
     if slop_percent is not None:
         opts[SLOP_FLAG] = slop_percent
     return opts
+
+
+# Options a newer XLA renamed, the old name no longer a compile option there: the new name and
+# the old value's meaning in it. jaxlib 0.11's XLA made each pipelined collective an enum
+# (DebugOptions.CollectivePipeliningMode); its flag parser maps the old booleans (true: on,
+# false: default), but compile options name proto fields, so the old names fail the compile
+# ("No such compile option"; found on the first GPU run of `ciera train`, an H100).
+_PIPELINE_MODE = {True: "COLLECTIVE_PIPELINING_MODE_ON", False: "COLLECTIVE_PIPELINING_MODE_DEFAULT"}
+RENAMED_OPTIONS: dict[str, tuple[str, dict]] = {
+    f"xla_gpu_enable_pipelined_{c}": (f"xla_gpu_pipeline_{c}", _PIPELINE_MODE)
+    for c in ("all_gather", "reduce_scatter", "all_reduce")}
+_UNKNOWN_OPTION = re.compile(r"No such compile option: '([^']+)'")
+_unknown_here: set[str] = set()  # options this process's XLA named unknown (one jaxlib each)
+
+
+def for_this_xla(options: dict) -> dict:
+    """``options`` in the names this process's XLA knows, as far as a compile has told:
+    renamed ones (:data:`RENAMED_OPTIONS`) under their new name, unknown ones left out."""
+    known = {}
+    for name, value in options.items():
+        if name in _unknown_here and name in RENAMED_OPTIONS:
+            new, values = RENAMED_OPTIONS[name]
+            name, value = new, values.get(value, value)
+        if name not in _unknown_here:
+            known[name] = value
+    return known
+
+
+def compile_with(lowered, options: dict | None):
+    """``lowered.compile`` with ``options`` (XLA compile options) in this XLA's names. A name
+    the compile refuses as unknown is learned (once per process): renamed if
+    :data:`RENAMED_OPTIONS` knows its new name, else left out with a warning, and the compile
+    runs again. Any other failure is raised as it is."""
+    while True:
+        opts = for_this_xla(options or {})
+        try:
+            return lowered.compile(compiler_options=opts or None)
+        except Exception as e:  # jax.errors.JaxRuntimeError; JAX is not imported here
+            unknown = _UNKNOWN_OPTION.search(str(e))
+            if unknown is None or unknown[1] not in opts or unknown[1] in _unknown_here:
+                raise
+            _unknown_here.add(unknown[1])
+            if unknown[1] not in RENAMED_OPTIONS:
+                warnings.warn(f"XLA option {unknown[1]} is not known to this jaxlib's XLA; "
+                              "compiling without it", RuntimeWarning, stacklevel=2)
 
 
 def plan_slop_percent(t: "GpuTarget", io_bytes: int, plan_bytes: int) -> int:
