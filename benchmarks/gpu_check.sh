@@ -13,8 +13,11 @@
 #   4. gpu_crossover: each mode's codec as a measured fraction of a copy (encode + decode at
 #      their counted bytes, from step 2) and the cost model's crossover bandwidth at that
 #      fraction against NVLink 4, NDR 400/200, RoCE 100 and 25 GbE (docs/results.md, "Where
-#      CIERA pays"). The links themselves need two or more GPUs: not measured here.
-# Step timeouts sum to 490 s (< 9 minutes). Exits non-zero if the kernel tests fail.
+#      CIERA pays"). The links themselves need two or more GPUs: not measured here;
+#   5. gpu_train_check.sh: `ciera train --devices 1`, plain twice and four compressed modes,
+#      params bitwise equal to plain's (its own header says what it checks).
+# Writes 8 files (what the device returns at most). On an H100: 157 s for steps 1-4 and about
+# 2 minutes for step 5 (2026-12-05). Exits non-zero if the kernel tests or the train check fail.
 #
 #   OUT=/tmp/out bash benchmarks/gpu_check.sh      # default OUT: results/gpu
 #   CIERA_CHECK_PLATFORMS=cpu CIERA_CHECK_QUICK=1 bash benchmarks/gpu_check.sh   # CPU dry run
@@ -36,8 +39,8 @@ step "install: pip install --no-deps -e . (no network: no build isolation)"
 if [[ -n "$QUICK" ]]; then
   echo "dry run: install skipped (PYTHONPATH)" | tee -a "$LOG"
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-elif ! timeout 45 python -m pip install --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1; then
-  echo "pip install -e . failed (see $OUT/pip.log); falling back to PYTHONPATH" | tee -a "$LOG"
+elif ! timeout 45 python -m pip install --no-deps --no-build-isolation -e . >>"$LOG" 2>&1; then
+  echo "pip install -e . failed (its output above); falling back to PYTHONPATH" | tee -a "$LOG"
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
@@ -95,5 +98,10 @@ timeout 20 python benchmarks/gpu_crossover.py --kernels "$OUT/kernel_throughput.
   --out "$OUT/gpu_crossover.json" 2>&1 | tee -a "$LOG"
 echo "crossover exit code: ${PIPESTATUS[0]}" | tee -a "$LOG"
 
-step "done: kernel tests exit code $TEST_RC; outputs in $OUT"
-exit "$TEST_RC"
+step "the training step on one GPU, every mode against plain (gpu_train_check.sh)"
+OUT="$OUT" bash benchmarks/gpu_train_check.sh 2>&1 | tail -12 | tee -a "$LOG"
+TRAIN_RC=${PIPESTATUS[0]}
+
+step "done: kernel tests exit code $TEST_RC, train check $TRAIN_RC; outputs in $OUT"
+[[ $TEST_RC -ne 0 ]] && exit "$TEST_RC"
+exit "$TRAIN_RC"
