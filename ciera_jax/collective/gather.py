@@ -56,7 +56,7 @@ from ciera_jax.collective.cache import ExponentCache, WordCache, is_cache
 from ciera_jax.collective.exponent_option import Encoded
 from ciera_jax.collective.gradient import attach_gather_grad
 from ciera_jax.codec.layout import full_index, gathered_shape, rows_to_full
-from ciera_jax.runtime.varying import varying_like
+from ciera_jax.runtime.varying import varying_like, varying_over
 from ciera_jax.codec.wire import AGREEMENT_BYTES, DEFAULT_CODE_BITS, agreement_bytes
 from ciera_jax.collective.word_option import WordEncoded
 
@@ -223,7 +223,7 @@ def agree(encoded, axis_name):
     mesh_axes = tuple(jax.sharding.get_abstract_mesh().manual_axes) or (axis_name,)
     shapes = [e.demand.shape for e in leaves]
     flat = jnp.concatenate([e.demand.reshape(-1) for e in leaves])
-    agreed = lax.pmax(flat, mesh_axes)
+    agreed = lax.pmax(varying_over(flat, mesh_axes), mesh_axes)
     ends = np.cumsum([math.prod(sh) for sh in shapes])
     out = [agreed[end - math.prod(sh):end].reshape(sh) for end, sh in zip(ends, shapes)]
     return jax.tree.unflatten(treedef, out)

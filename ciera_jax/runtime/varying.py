@@ -15,13 +15,19 @@ def vma(x) -> set:
     return set(mat.varying) if mat is not None else set(getattr(t, "vma", ()))
 
 
+def varying_over(x, axes) -> jax.Array:
+    """``x`` typed to vary over every one of ``axes`` (a cast, the values unchanged): what a
+    reduction over all of them takes. JAX 0.11 refuses ``pmax``/``psum`` over an axis its
+    input is invariant over; JAX 0.10 took it as the identity there."""
+    missing = tuple(sorted(set(axes) - vma(x)))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
 def varying_like(x, operands, axis_name) -> jax.Array:
     """``x`` typed to vary over every mesh axis ``operands`` vary over, but ``axis_name`` (None:
     every one): both sides of a conditional then return the same type, whatever the inputs
     vary over."""
-    want = set().union(*(vma(a) for a in jax.tree.leaves(operands))) - {axis_name}
-    missing = tuple(sorted(want - vma(x)))
-    return lax.pcast(x, missing, to="varying") if missing else x
+    return varying_over(x, set().union(*(vma(a) for a in jax.tree.leaves(operands))) - {axis_name})
 
 
 def same_types(a_tree, b_tree) -> bool:
