@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import ciera_jax
 from ciera_jax import kernels as K
-from test_cuda_lowering import ALL_CHECKS, kernel_calls
+from test_cuda_lowering import ALL_CHECKS, kernel_calls, lowerable
 from test_kernels import WORDS
 
 JAX_VERSION = tuple(int(v) for v in jax.__version__.split(".")[:2])
@@ -38,7 +38,7 @@ def deprecations_are_errors():
         yield
 
 
-@pytest.mark.parametrize("backend", K.available_backends())
+@pytest.mark.parametrize("backend", lowerable(K.available_backends()))
 @pytest.mark.parametrize("dtype", list(WORDS), ids=["bf16", "f32"])
 def test_kernels_trace_and_lower_without_deprecations(dtype, backend):
     jax.clear_caches()  # trace afresh, inside the filter

@@ -68,8 +68,8 @@ def gpu_texts():
                           ("one trip", rolled_scan, two)):
         sm = jax.shard_map(_layers(scan), mesh=mesh, in_specs=(P(), P(None, "fsdp")),
                            out_specs=P())
-        texts[name] = jax.jit(sm).lower(x, w).compile(
-            compiler_options=dict(gpu_targets.FSDP_XLA_FLAGS)).as_text()
+        texts[name] = gpu_targets.compile_with(jax.jit(sm).lower(x, w),
+                                               gpu_targets.FSDP_XLA_FLAGS).as_text()
     return texts
 
 
