@@ -97,7 +97,8 @@ def compiler_options(flags: str, slop_percent: int | None = None) -> dict:
 # (DebugOptions.CollectivePipeliningMode); its flag parser maps the old booleans (true: on,
 # false: default), but compile options name proto fields, so the old names fail the compile
 # ("No such compile option"; found on the first GPU run of `ciera train`, an H100).
-_PIPELINE_MODE = {True: "COLLECTIVE_PIPELINING_MODE_ON", False: "COLLECTIVE_PIPELINING_MODE_DEFAULT"}
+_PIPELINE_MODE = {True: "COLLECTIVE_PIPELINING_MODE_ON",
+                  False: "COLLECTIVE_PIPELINING_MODE_DEFAULT"}
 RENAMED_OPTIONS: dict[str, tuple[str, dict]] = {
     f"xla_gpu_enable_pipelined_{c}": (f"xla_gpu_pipeline_{c}", _PIPELINE_MODE)
     for c in ("all_gather", "reduce_scatter", "all_reduce")}
