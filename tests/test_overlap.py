@@ -104,6 +104,16 @@ def test_one_agreement_per_step(step_jaxpr):
             assert not _has(e.params["jaxpr"].jaxpr, {"pmax"})
 
 
+def _consts_and_carry(scan_params) -> tuple[int, int]:
+    """How many of a scan's inputs are constants and how many carry: JAX 0.10's ``num_consts``
+    and ``num_carry``, or JAX 0.11's flat trees (``ft_in``: constants, carry, scanned; a carry
+    passed through unchanged is moved to the constants there)."""
+    if "num_consts" in scan_params:
+        return scan_params["num_consts"], scan_params["num_carry"]
+    consts, carry, _ = scan_params["ft_in"].elts
+    return len(list(consts.vals)), len(list(carry.vals))
+
+
 def test_next_layer_gather_does_not_wait_for_this_layer(step_jaxpr):
     scans = [e for e in walk(step_jaxpr) if e.primitive.name == "scan"
              and _has(e.params["jaxpr"].jaxpr, GATHERS)
@@ -112,7 +122,7 @@ def test_next_layer_gather_does_not_wait_for_this_layer(step_jaxpr):
     checked = 0
     for e in scans:
         body = e.params["jaxpr"].jaxpr
-        nc, nk = e.params["num_consts"], e.params["num_carry"]
+        nc, nk = _consts_and_carry(e.params)
         # the activation carry: float32 (batch, seq, d_model); gathered weights travel as bf16
         acts = {i for i in range(nc, nc + nk)
                 if body.invars[i].aval.dtype == np.float32 and body.invars[i].aval.ndim == 3}
