@@ -10,6 +10,8 @@
 #      kernels), and a block-size sweep;
 #   3. a one-GPU gather_bench (the codec's overhead per gathered byte: 1 device, so the
 #      "all-gather" is a copy and everything else is codec);
+#   3b. gather_profile: the same gather's kernels under JAX's profiler (launches, kernel time,
+#      the wall time no kernel covers), exponent and word caches and plain;
 #   4. gpu_crossover: each mode's codec as a measured fraction of a copy (encode + decode at
 #      their counted bytes, from step 2) and the cost model's crossover bandwidth at that
 #      fraction against NVLink 4, NDR 400/200, RoCE 100 and 25 GbE (docs/results.md, "Where
@@ -65,7 +67,7 @@ if [[ -n "$QUICK" ]]; then TESTS=(tests/test_checksum_kernel.py); else
          tests/test_escape_kernels.py); fi
 timeout 170 python -m pytest "${TESTS[@]}" -q -rs --noconftest -p no:cacheprovider \
   -W "ignore:The Pallas Triton backend is deprecated:DeprecationWarning" --durations=10 \
-  --junitxml="$OUT/test_kernels.xml" 2>&1 | tee "$OUT/test_kernels.log" | tail -40 | tee -a "$LOG"
+  2>&1 | tee "$OUT/test_kernels.log" | tail -40 | tee -a "$LOG"
 TEST_RC=${PIPESTATUS[0]}
 echo "kernel tests exit code: $TEST_RC" | tee -a "$LOG"
 
@@ -82,6 +84,13 @@ if [[ -n "$QUICK" ]]; then GB=(--experts 1 --churn 0 --reps 2); else
 timeout 80 python benchmarks/gather_bench.py --devices 1 "${GB[@]}" \
   --out "$OUT/gather_bench.json" 2>&1 | tee -a "$LOG"
 echo "gather benchmark exit code: ${PIPESTATUS[0]}" | tee -a "$LOG"
+
+step "where the one-GPU gather's time goes: its kernels under JAX's profiler"
+if [[ -n "$QUICK" ]]; then GP=(--devices 1 --events host --shape 4 2048 1024 --reps 2); else
+  GP=(--reps 5); fi
+timeout 60 python benchmarks/gather_profile.py "${GP[@]}" --out "$OUT/gather_profile.json" \
+  2>&1 | tee -a "$LOG"
+echo "gather profile exit code: ${PIPESTATUS[0]}" | tee -a "$LOG"
 
 step "summary: Pallas kernels vs copy (targets on H200: decode >= 0.7, encode >= 0.5)"
 timeout 15 python - "$OUT/kernel_throughput.json" <<'PY' 2>&1 | tee -a "$LOG"
