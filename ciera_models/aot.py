@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from ciera_jax.collective import transfer
 from ciera_jax.fsdp import AXIS
 from ciera_jax.kernels.backend import lowering_for
-from ciera_jax.runtime import gpu_targets, schedule
+from ciera_jax.runtime import gpu_targets, hlo, schedule
 from ciera_models import memory_limit
 from ciera_models.build import build_trainer
 from ciera_models.state import placed_abstract
@@ -136,6 +136,20 @@ def count_ptx_modules(lowered, options: dict) -> int:
         return len(list(Path(d).glob("*.ptx")))
 
 
+def largest_temporaries(lowered, options: dict, n: int) -> list[dict]:
+    """The ``n`` largest slots of XLA:GPU's temporary buffer for ``lowered`` with ``options``
+    (:func:`ciera_jax.runtime.hlo.temp_slots`), from a compile of its own that dumps its
+    buffer assignment: what the memory count's temporaries are made of (the report's copies
+    miss a fusion that copies, such as a whole stack's transpose)."""
+    with tempfile.TemporaryDirectory() as d:
+        gpu_targets.compile_with(lowered, {**options, "xla_dump_to": d})
+        dumps = sorted(Path(d).glob("*gpu_after_optimizations-buffer-assignment.txt"))
+        if len(dumps) != 1:
+            raise RuntimeError(f"expected one XLA:GPU buffer assignment dumped, found "
+                               f"{len(dumps)}")
+        return hlo.temp_slots(dumps[0].read_text())[:n]
+
+
 # XLA's own trace events for the phases of a GPU compile (JAX's profiler, XLA 0.10's names):
 # the HLO passes, priority fusion among them, the backend (LLVM and PTX), and one event per
 # kernel module compiled
@@ -176,7 +190,7 @@ def phases_of(trace: dict) -> dict:
 def compile_repeated(tcs: list, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: int,
                      repeat: int, hlo_out: str | None = None, log=None,
                      program: str = "steady", modules: bool = False,
-                     phases: bool = False) -> list[dict]:
+                     phases: bool = False, temporaries: int = 0) -> list[dict]:
     """:func:`compile_step` of each of ``tcs``, ``repeat`` times, alternating between them so
     the machine's other load falls on all alike. Each report is its first compile's, with
     ``compile_runs`` (every compile's ``wall_s`` and ``cpu_s``) and ``compile_s`` /
@@ -184,13 +198,15 @@ def compile_repeated(tcs: list, target: gpu_targets.GpuTarget, gpus: int, tokens
     ever adds. XLA's program is the same each time (each compile lowers again: JAX would
     otherwise hand back the executable it already has). ``modules``: the first compile's
     report also counts its PTX modules (:func:`count_ptx_modules`); ``phases``: and times its
-    compile's phases (:func:`compile_phases`)."""
+    compile's phases (:func:`compile_phases`); ``temporaries``: and lists that many of its
+    largest temporaries (:func:`largest_temporaries`)."""
     reports: list[dict] = []
     for attempt in range(repeat):
         for i, tc in enumerate(tcs):
             rep = compile_step(tc, target, gpus, tokens_per_gpu, hlo_out, log, program,
                                modules=modules and attempt == 0,
-                               phases=phases and attempt == 0)
+                               phases=phases and attempt == 0,
+                               temporaries=temporaries if attempt == 0 else 0)
             if attempt == 0:
                 reports.append({**rep, "compile_runs": []})
             elif rep["distinct_fusions"] != reports[i]["distinct_fusions"]:
@@ -207,7 +223,7 @@ def compile_repeated(tcs: list, target: gpu_targets.GpuTarget, gpus: int, tokens
 
 def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: int,
                  hlo_out: str | None = None, log=None, program: str = "steady",
-                 modules: bool = False, phases: bool = False) -> dict:
+                 modules: bool = False, phases: bool = False, temporaries: int = 0) -> dict:
     """Compile ``tc``'s train step for ``gpus`` x ``target`` and report the program
     (``program``: which of the trainer's programs, ``steady`` or ``priming``:
     :meth:`~ciera_models.state.Trainer.at_rungs`; XLA's scheduler limit as ``tc.memory_limit``
@@ -272,5 +288,7 @@ def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: i
         report["ptx_modules"] = count_ptx_modules(lowered, kept.options)
     if phases:
         report["compile_phases"] = compile_phases(lowered, kept.options)
+    if temporaries:
+        report["temporaries"] = largest_temporaries(lowered, kept.options, temporaries)
     report["encode"] = encode_report(lowered_encode, kept.options, modules)
     return report

@@ -73,6 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also time the XLA:GPU compile's phases (HLO passes, priority fusion, "
                    "LLVM and PTX) from XLA's own trace events, in one more compile of each "
                    "program under JAX's profiler")
+    g.add_argument("--temporaries", type=int, default=0, metavar="N",
+                   help="also list the N largest of XLA's temporaries (slots of its "
+                   "preallocated temp buffer, with the instructions that share each), from one "
+                   "more compile of each program that dumps its buffer assignment (default: 0)")
     g.add_argument("--program", choices=("steady", "priming"), default="steady",
                    help="which of the trainer's programs: steady (every compressed gather's "
                    "escape section fixed at the rung that holds the steady-state demand: 1/8 "
@@ -97,6 +101,8 @@ def run(args) -> int:
     gpu_targets.check_cluster(args.gpus)
     if args.repeat < 1:
         raise ValueError(f"--repeat {args.repeat}: compile each program at least once")
+    if args.temporaries < 0:
+        raise ValueError(f"--temporaries {args.temporaries}: list none (0) or more")
     if args.json:
         outputs.check_output_file(args.json, "--json")
     tc = from_args(TrainConfig, args)
@@ -113,7 +119,7 @@ def run(args) -> int:
     runs = [tc] + ([dataclasses.replace(tc, gather="plain")] if args.compare else [])
     reports = compile_repeated(runs, target, args.gpus, args.tokens_per_gpu, args.repeat,
                                args.hlo_out, log, program=args.program, modules=args.modules,
-                               phases=args.phases)
+                               phases=args.phases, temporaries=args.temporaries)
     print(render(reports, target, show_collectives=args.collectives))
     if args.json:
         with open(args.json, "w") as f:
@@ -208,6 +214,20 @@ def ratio_line(a: dict, b: dict) -> str:
             f"memory {a['memory']['total'] / b['memory']['total']:.2f}x")
 
 
+def _temporary_lines(r: dict) -> list[str]:
+    """``--temporaries``: the largest slots of XLA's temporary buffer, one line each."""
+    if not r.get("temporaries"):
+        return []
+    lines = [f"largest temporaries ({r['gather']}): size, offset in the buffer, shape, the "
+             "instructions that hold it"]
+    for t in r["temporaries"]:
+        held = ", ".join(t["values"][:3]) + (f" (+{len(t['values']) - 3})"
+                                             if len(t["values"]) > 3 else "")
+        lines.append(f"{_size(t['size']):>10} @{t['offset'] / GB:7.2f} GB  "
+                     f"{t['shape'][:48]:<48}  {held}")
+    return lines
+
+
 def render(reports: list[dict], target, show_collectives: bool = False) -> str:
     from ciera_jax.runtime import gpu_targets
 
@@ -230,6 +250,7 @@ def render(reports: list[dict], target, show_collectives: bool = False) -> str:
         lines += ["", ratio_line(*reports)]
     for r in reports:
         lines += ["", f"plan ({r['gather']}): {r['trainer']['plan']}"]
+        lines += _temporary_lines(r)
         if show_collectives:
             lines.append(f"{'kind':<16}{'MB':>9}{'runs':>6}  {'branch':<7}{'overlap':<9}source")
             for c in r["collectives"]:

@@ -19,7 +19,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ciera_jax.runtime import gpu_targets, schedule
+from ciera_jax.runtime import gpu_targets, hlo, schedule
 
 H100 = gpu_targets.get_target("h100-80gb")
 TOKENS = 128  # per GPU: tiny's 64-token sequences, 2 per GPU (batch 16 on 8 GPUs)
@@ -465,3 +465,50 @@ def test_the_trainer_compiles_gpu_steps_within_the_limit_the_report_names(monkey
         "fsdp", plan.slop if limit == "plan" else None))]
     assert len(options) <= 1 + len(gpu_targets.RENAMED_OPTIONS)  # one compile, or each refusal
     assert memory_limit.xla_total(compiled.memory_analysis()) > plan.io_bytes
+
+
+BUFFER_ASSIGNMENT = """\
+allocation 0: size 1024, parameter 0, shape |f32[256]| at ShapeIndex {}:
+ value: <0 p0 @0> (size=1024,offset=0): f32[256]{0}
+allocation 5: size 41943056, preallocated-temp:
+ value: <11 all-gather-start{} @0> (size=16,offset=41943040): (f32[1,1024,256]{2,1,0}, f32[8,1024,256]{2,1,0})
+ value: <12 all-gather-start{1} @0> (size=8388608,offset=33554432): f32[8,1024,256]{2,1,0}
+ value: <13 gemm_fusion_dot @0> (size=33554432,offset=0): f32[8192,1024]{1,0}
+ value: <14 loop_add_fusion @0> (phi) (size=33554432,offset=0): f32[8192,1024]{1,0}
+ value: <15 gemm_fusion_dot @0> (size=33554432,offset=0): f32[8192,1024]{1,0}
+allocation 6: size 4, output shape is |f32[]|, maybe-live-out:
+ value: <16 reduce @0> (size=4,offset=0): f32[]
+"""
+
+
+def test_temp_slots_read_the_preallocated_temp_buffer_largest_first():
+    """One slot per (offset, size) of the temporary buffer, the values that reuse it named once
+    each in dump order; other allocations are not temporaries."""
+    slots = hlo.temp_slots(BUFFER_ASSIGNMENT)
+    assert [(s["size"], s["offset"]) for s in slots] == [
+        (33554432, 0), (8388608, 33554432), (16, 41943040)]
+    assert slots[0]["values"] == ["gemm_fusion_dot", "loop_add_fusion"]
+    assert slots[0]["shape"] == "f32[8192,1024]{1,0}" and slots[1]["values"] == [
+        "all-gather-start"]
+    assert hlo.temp_slots("allocation 0: size 4, parameter 0:\n") == []
+
+
+def test_largest_temporaries_are_xla_gpus_own(mesh8):
+    """``ciera aot --temporaries``: a gathered weight's matmul, compiled for 8 H100s; the
+    largest temporary is the product (8192 x 1024 f32, 32 MiB), and no slot is larger than the
+    temporaries XLA's memory count gives."""
+    from ciera_models import aot
+
+    x = jax.ShapeDtypeStruct((8, 1024, 256), jnp.float32, sharding=NamedSharding(mesh8, P("fsdp")))
+
+    def f(a):
+        full = lax.all_gather(a, "fsdp", tiled=True)  # (8, 1024, 256) on every GPU
+        return jnp.tanh(full.reshape(8192, 256) @ a[0].T).sum(0)[None]
+
+    lowered = jax.jit(jax.shard_map(f, mesh=mesh8, in_specs=P("fsdp"),
+                                    out_specs=P("fsdp"))).lower(x)
+    slots = aot.largest_temporaries(lowered, gpu_targets.FSDP_XLA_FLAGS, 2)
+    temp = gpu_targets.compile_with(lowered, gpu_targets.FSDP_XLA_FLAGS).memory_analysis()
+    assert len(slots) == 2 and slots[0]["size"] >= slots[1]["size"]
+    assert slots[0]["size"] == 8192 * 1024 * 4 and slots[0]["shape"].startswith("f32[8192,1024]")
+    assert slots[0]["size"] <= temp.temp_size_in_bytes

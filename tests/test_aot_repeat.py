@@ -147,3 +147,17 @@ def test_the_ratio_line_gives_modules_only_when_both_reports_counted_them():
     encodes = aot_cli.ratio_line({**ciera, "encode": {"compile_s": 15.0}},
                                  {**plain, "encode": {"compile_s": 0.0}})
     assert "compile 1.50x (2.00x CPU; step + encode program 2.25x)" in encodes
+
+
+def test_temporary_lines_name_each_slot_and_its_instructions():
+    """``--temporaries``: a line per slot (size, offset, shape, the first three instructions
+    and how many more); none without the option."""
+    slots = [{"size": 2 * 1024**3, "offset": 0, "shape": "u8[4096,32,8,14336]{3,2,1,0}",
+              "values": ["transpose_fusion", "a", "b", "c", "d"]},
+             {"size": 5 * 10**6, "offset": 3 * 10**9, "shape": "bf16[2560]{0}",
+              "values": ["gemm_fusion_dot.3"]}]
+    lines = aot_cli._temporary_lines({"gather": "ciera", "temporaries": slots})
+    assert len(lines) == 3 and lines[0].startswith("largest temporaries (ciera)")
+    assert "u8[4096,32,8,14336]" in lines[1] and lines[1].endswith("transpose_fusion, a, b (+2)")
+    assert "@   3.00 GB" in lines[2] and lines[2].endswith("gemm_fusion_dot.3")
+    assert aot_cli._temporary_lines({"gather": "plain"}) == []

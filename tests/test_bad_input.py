@@ -78,6 +78,7 @@ ROWS = [
     (["aot", "--config", "tiny", "--tokens-per-gpu", "100"],
      "--tokens-per-gpu 100 must be a multiple of the sequence length 64"),
     (["aot", "--repeat", "0"], "--repeat 0: compile each program at least once"),
+    (["aot", "--temporaries", "-1"], "--temporaries -1: list none (0) or more"),
     (["aot", "--json", "{tmp}"], "--json {tmp} is a directory"),
 ]
 

@@ -164,3 +164,31 @@ def scoped_trip_count(instruction: str) -> int | None:
     text's ``op_name``: :data:`TRIPS_SCOPE`), else None."""
     m = _TRIPS.search(instruction)
     return int(m.group(1)) if m else None
+
+
+_TEMP_VALUE = re.compile(r" value: <\d+ (\S+?)(?:\{[^}]*\})? @\d+>(?: \(phi\))? "
+                         r"\(size=(\d+),offset=(\d+)\): (.*)")
+
+
+def temp_slots(buffer_assignment: str) -> list[dict]:
+    """XLA's temporaries from a buffer-assignment dump (``*-buffer-assignment.txt``): its
+    ``preallocated-temp`` allocation's slots, largest first. A slot is one (offset, size) of
+    that buffer, reused by values whose lives do not overlap: ``{"size", "offset", "shape"
+    (the first value's), "values" (the instructions that hold it, in dump order)}``."""
+    lines = buffer_assignment.splitlines()
+    start = next((i for i, line in enumerate(lines)
+                  if line.startswith("allocation ") and "preallocated-temp" in line), None)
+    if start is None:
+        return []
+    slots: dict[tuple[int, int], dict] = {}
+    for line in lines[start + 1:]:
+        if line.startswith("allocation "):
+            break
+        m = _TEMP_VALUE.match(line)
+        if m:
+            name, size, offset, shape = m[1], int(m[2]), int(m[3]), m[4].strip()
+            slot = slots.setdefault((offset, size), {"size": size, "offset": offset,
+                                                     "shape": shape, "values": []})
+            if name not in slot["values"]:
+                slot["values"].append(name)
+    return sorted(slots.values(), key=lambda s: (-s["size"], s["offset"]))
