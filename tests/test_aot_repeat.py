@@ -26,8 +26,9 @@ def _fake_compiles(monkeypatch, walls: dict, distinct: dict | None = None):
     calls = []
 
     def compile_step(tc, target, gpus, tokens_per_gpu, hlo_out=None, log=None,
-                     program="steady", modules=False, phases=False):
-        calls.append(tc.gather + (" modules" if modules else "") + (" phases" if phases else ""))
+                     program="steady", modules=False, phases=False, temporaries=0):
+        calls.append(tc.gather + (" modules" if modules else "") + (" phases" if phases else "")
+                     + (" temporaries" if temporaries else ""))
         wall = walls[tc.gather].pop(0)
         kernels = (distinct or {}).get(tc.gather)
         return {"gather": tc.gather, "compile_s": wall, "compile_cpu_s": wall + 0.5,
@@ -71,11 +72,12 @@ def test_the_report_row_lists_every_compile():
         "  each of 3 compiles (fastest above)": "30.0, 24.0, 27.5 s"}
 
 
-@pytest.mark.parametrize("flag", ["modules", "phases"])
-def test_modules_and_phases_are_counted_in_the_first_round_only(monkeypatch, flag):
+@pytest.mark.parametrize("flag,value", [("modules", True), ("phases", True),
+                                        ("temporaries", 3)])
+def test_modules_and_phases_are_counted_in_the_first_round_only(monkeypatch, flag, value):
     calls = _fake_compiles(monkeypatch, {"ciera": [30.0, 24.0], "plain": [15.0, 12.0]})
     tcs = [TrainConfig(), dataclasses.replace(TrainConfig(), gather="plain")]
-    aot.compile_repeated(tcs, H100, 8, 128, repeat=2, **{flag: True})
+    aot.compile_repeated(tcs, H100, 8, 128, repeat=2, **{flag: value})
     assert calls == [f"ciera {flag}", f"plain {flag}", "ciera", "plain"]
 
 
