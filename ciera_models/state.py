@@ -76,7 +76,7 @@ def fresh_caches(abstract, tensors: dict, modes: dict):
     cache would be memory for nothing); stacked tensors get one per layer. Only these are ever
     allocated."""
     def fresh(t, mode):
-        shape, mode = ((EMPTY_SHAPE, "exponent") if mode == NO_CACHE else (t.shape, mode))
+        shape, mode = (EMPTY_SHAPE, "exponent") if mode == NO_CACHE else (t.shape, mode)
         one = lambda _=None: ciera_jax.init_cache(shape, t.dtype, mode)  # noqa: E731
         return jax.vmap(one)(jnp.zeros(t.stack)) if t.stack else one()
 

@@ -39,7 +39,7 @@ from ciera_jax.fsdp.regather import regather
 from ciera_jax.fsdp.state.stacking import stack_size
 from ciera_jax.fsdp.state.stats import GatherStats, layer_stats, record, stats_by_key
 from ciera_jax.runtime.hlo import TRIPS_SCOPE
-from ciera_jax.runtime.varying import vma
+from ciera_jax.runtime.varying import varying_over, vma
 
 INPUTS_ATTR = "ciera_gather_inputs"
 
@@ -401,8 +401,7 @@ def rolled_scan(body, init, xs_N: jax.Array):
 
     def empty(s):
         z = jnp.zeros((length,) + s.shape, s.dtype)
-        missing = tuple(sorted(vma(s) - vma(z)))  # typed as the trips' outputs are
-        return lax.pcast(z, missing, to="varying") if missing else z
+        return varying_over(z, vma(s))  # typed as the trips' outputs are
 
     def trip(state):
         i, carry, outs = state
@@ -423,5 +422,4 @@ def _typed_like_gather(full, shard, axis_name):
     """A full tensor read from a cache, typed like a gather's result: varying over the gather
     axis (as ``lax.all_gather`` types it) and over every other axis the shard varies over."""
     want = (varying_axes(shard) | {axis_name}) & set(jax.sharding.get_abstract_mesh().manual_axes)
-    missing = tuple(sorted(want - varying_axes(full)))
-    return lax.pcast(full, missing, to="varying") if missing else full
+    return varying_over(full, want)
