@@ -49,20 +49,20 @@ for name in "${NAMES[@]}"; do
     --metrics-out "$TMP/$name.jsonl" >"$TMP/$name.log" 2>&1
   rc=$?
   cat "$TMP/$name.log" >>"$LOG"
-  grep -o 'params_sha256=[0-9a-f]*' "$TMP/$name.log" | cut -d= -f2 >"$TMP/$name.sha"
   echo "exit code: $rc" | tee -a "$LOG"
   [[ $rc -ne 0 ]] && RC=1
 done
 
-timeout 20 python - "$OUT" "$TMP" <<'PY' 2>&1 | tee -a "$LOG"
-import json, pathlib, statistics, sys
+timeout 20 python - "$OUT" "$TMP" "${NAMES[@]}" <<'PY' 2>&1 | tee -a "$LOG"
+import json, pathlib, re, statistics, sys
 out, tmp = map(pathlib.Path, sys.argv[1:3])
 table, plain_sha = [], None
-for name in ["plain", "plain_again", "defaults", "word_all", "exponent_all", "word_regather"]:
-    path = tmp / f"{name}.jsonl"
+for name in sys.argv[3:]:  # the runs in order, plain first
+    path, log = tmp / f"{name}.jsonl", tmp / f"{name}.log"
     rows = [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []
     steps = [r for r in rows if "step" in r]
-    sha = ((tmp / f"{name}.sha").read_text().strip() or None) if (tmp / f"{name}.sha").exists() else None
+    found = re.search(r"params_sha256=([0-9a-f]+)", log.read_text()) if log.exists() else None
+    sha = found[1] if found else None
     plain_sha = sha if name == "plain" else plain_sha
     steady = [r["step_time_s"] for r in steps[len(steps) // 2:]]
     table.append({"run": name, "steps": len(steps), "params_sha256": sha,
