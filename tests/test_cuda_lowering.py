@@ -34,8 +34,8 @@ from conftest import TINY_PROGRAMS
 SHAPE = (3, BLOCK + 7)  # ragged: padding and unpadding are part of what lowers
 # JAX 0.11 lowers a Pallas Triton kernel for CUDA only where a GPU is ("No supported GPU devices
 # found"); there gpu_check.sh compiles them on one. Mosaic GPU lowers without one on both.
-TRITON_LOWERS_HERE = ("triton" in K.available_backends()
-                      and tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 11))
+JAX_VERSION = tuple(int(v) for v in jax.__version__.split(".")[:2])
+TRITON_LOWERS_HERE = "triton" in K.available_backends() and JAX_VERSION < (0, 11)
 NO_TRITON_LOWERING = "no Pallas Triton, or a JAX (>= 0.11) that lowers it only with a GPU"
 
 

@@ -22,10 +22,9 @@ from jax.sharding import PartitionSpec as P
 
 import ciera_jax
 from ciera_jax import kernels as K
-from test_cuda_lowering import ALL_CHECKS, kernel_calls, lowerable
+from test_cuda_lowering import ALL_CHECKS, JAX_VERSION, kernel_calls, lowerable
 from test_kernels import WORDS
 
-JAX_VERSION = tuple(int(v) for v in jax.__version__.split(".")[:2])
 TRITON_DEPRECATED = JAX_VERSION >= (0, 11)
 
 
