@@ -131,9 +131,7 @@ def count_ptx_modules(lowered, options: dict) -> int:
     assembly each, which is what its compile time follows (not the fusions XLA names alike,
     ``distinct_fusions``: ``docs/aot.md``). Counted in a compile of its own that dumps them
     (``xla_dump_to``: a ``*.ptx`` file each), since the dump's writing slows that compile."""
-    with tempfile.TemporaryDirectory() as d:
-        gpu_targets.compile_with(lowered, {**options, "xla_dump_to": d})
-        return len(list(Path(d).glob("*.ptx")))
+    return _dumped(lowered, options, lambda d: len(list(d.glob("*.ptx"))))
 
 
 def largest_temporaries(lowered, options: dict, n: int) -> list[dict]:
@@ -141,13 +139,21 @@ def largest_temporaries(lowered, options: dict, n: int) -> list[dict]:
     (:func:`ciera_jax.runtime.hlo.temp_slots`), from a compile of its own that dumps its
     buffer assignment: what the memory count's temporaries are made of (the report's copies
     miss a fusion that copies, such as a whole stack's transpose)."""
-    with tempfile.TemporaryDirectory() as d:
-        gpu_targets.compile_with(lowered, {**options, "xla_dump_to": d})
-        dumps = sorted(Path(d).glob("*gpu_after_optimizations-buffer-assignment.txt"))
+    def read(d: Path) -> list[dict]:
+        dumps = sorted(d.glob("*gpu_after_optimizations-buffer-assignment.txt"))
         if len(dumps) != 1:
             raise RuntimeError(f"expected one XLA:GPU buffer assignment dumped, found "
                                f"{len(dumps)}")
         return hlo.temp_slots(dumps[0].read_text())[:n]
+    return _dumped(lowered, options, read)
+
+
+def _dumped(lowered, options: dict, read):
+    """``read`` (a folder) of what one more compile of ``lowered`` with ``options`` dumped
+    (``xla_dump_to``), in a folder removed after."""
+    with tempfile.TemporaryDirectory() as d:
+        gpu_targets.compile_with(lowered, {**options, "xla_dump_to": d})
+        return read(Path(d))
 
 
 # XLA's own trace events for the phases of a GPU compile (JAX's profiler, XLA 0.10's names):
