@@ -276,6 +276,12 @@ def _run(compute, tensors: dict, held: tuple, regathered: tuple, n: int, plan: P
                       {k: g[1] for k, g in ready.items() if g[1] is not None}, plan, axis_name,
                       prepared={k: (g[0], g[2]) for k, g in ready.items() if g[0] is not None})
 
+    # the forward's gathers, traced once: the first layer's (peeled off the loop) and the loop
+    # body's have the same shapes, so the second call reuses the first's trace and lowering
+    # (tiny, word caches: 0.70 -> 0.62 MB of StableHLO, about 0.3 s less to trace and lower;
+    # XLA inlines the call: the compiled step is the same, 781 fusions against 782)
+    gather_layer_once = jax.jit(gather_layer)
+
     from_exponents = tuple(k for g in regathered for k in g)
     from_cache = held + from_exponents
 
@@ -303,7 +309,7 @@ def _run(compute, tensors: dict, held: tuple, regathered: tuple, n: int, plan: P
             inputs_i = {k: at(gin, i) for k, gin in inputs.items()}
             for k in carried:  # this layer's old cache from the carried stack
                 inputs_i[k] = (inputs_i[k][0], at(stacks[k], i), inputs_i[k][2])
-            fulls, new, stats = gather_layer(at(frozen, i), inputs_i)
+            fulls, new, stats = gather_layer_once(at(frozen, i), inputs_i)
             stacks = {**stacks, **{k: put(stacks[k], i, new[k]) for k in carried if k in new}}
             return (fulls, {k: c for k, c in new.items() if k not in carried},
                     layer_stats(stats), stacks)
