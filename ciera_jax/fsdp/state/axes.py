@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ciera_jax.runtime import partition
+from ciera_jax.runtime.varying import vma
 
 AXIS = partition.AXIS  # the gather axis: the fsdp modules take it from here
 MANUAL, REGION, UNSHARDED = "manual", "region", "unsharded"
@@ -52,12 +53,8 @@ def axis_size(axis_name: str) -> int:
 
 
 def varying_axes(x) -> frozenset:
-    """Mesh axes over which ``x`` varies (JAX's varying-manual-axes type)."""
-    t = jax.typeof(x)
-    mat = getattr(t, "manual_axis_type", None)
-    if mat is not None:
-        return frozenset(mat.varying)
-    return frozenset(getattr(t, "vma", ()))
+    """Mesh axes over which ``x`` varies (JAX's varying-manual-axes type), frozen."""
+    return frozenset(vma(x))
 
 
 def invariant(x, axis_name: str, reduce=lax.pmax):
