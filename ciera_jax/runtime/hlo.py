@@ -145,18 +145,28 @@ def ir_sources(hlo: str, kernel_bytes: dict[str, int], package: str = "ciera_jax
 def cpu_kernel_ir(dump_dir: str) -> tuple[str, dict[str, int]]:
     """What an XLA:CPU compile dumped (``compiler_options={"xla_dump_to": dump_dir}``, one
     module): its optimized HLO text and ``{kernel (fusion) name: bytes of its optimized LLVM
-    IR}``, for :func:`ir_sources`."""
+    IR}``, for :func:`ir_sources`. Where the dump holds no IR (JAX 0.11's XLA:CPU writes each
+    kernel's object file instead), the bytes are the object files': the same kernels, and
+    what LLVM's unrolling makes large shows there too."""
     texts = sorted(Path(dump_dir).glob("*cpu_after_optimizations.txt"))
     if len(texts) != 1:
         raise ValueError(f"expected one XLA:CPU module dumped in {dump_dir}, found "
                          f"{len(texts)}: compile one program with xla_dump_to")
     module = texts[0].name[:-len("cpu_after_optimizations.txt")]  # "module_N.jit_f."
     kernels: dict[str, int] = {}
-    for f in Path(dump_dir).glob(f"{module}*.ir-with-opt.ll"):
-        name = f.name[len(module):-len(".ir-with-opt.ll")]
-        name = name.removeprefix("__compute_module_").removesuffix("_kernel_module")
-        kernels[name] = kernels.get(name, 0) + f.stat().st_size
+    for prefix, suffix in CPU_KERNEL_FILES:
+        for f in Path(dump_dir).glob(f"{module}{prefix}*{suffix}"):
+            name = f.name[len(module) + len(prefix):-len(suffix)]
+            name = name.removeprefix("__compute_module_").removesuffix("_kernel_module")
+            kernels[name] = kernels.get(name, 0) + f.stat().st_size
+        if kernels:
+            break
     return texts[0].read_text(), kernels
+
+
+# a kernel's file in an XLA:CPU dump, (after the module's name, before the kernel's; after it),
+# in the order read: the optimized LLVM IR (JAX 0.10), else the object file (JAX 0.11)
+CPU_KERNEL_FILES = (("", ".ir-with-opt.ll"), ("obj-file.", ".o"))
 
 
 def scoped_trip_count(instruction: str) -> int | None:
