@@ -11,7 +11,8 @@ aborts too: its ``absl::Status`` argument has no Python conversion, ``std::bad_c
 
 So the processes keep a heartbeat of their own, in the coordination service's key-value store:
 a thread in each process bumps ``ciera/beat/<id>`` every second and reads every beat in one
-call. A peer whose beat stands still for half of ``--peer-timeout`` is lost; a coordinator that
+call; the watchdog's progress mark travels in the same value (:func:`publish_with_beats`), so
+the service answers two calls a second per process, not four. A peer whose beat stands still for half of ``--peer-timeout`` is lost; a coordinator that
 stops answering is lost process 0. The watcher prints one line (which process, the last step,
 the newest checkpoint complete on disk, a save that was in flight) and ends the process with
 ``os._exit``, before JAX's own timeout (the full ``--peer-timeout``) would abort it. A
@@ -38,6 +39,8 @@ BEATS = "ciera/beat/"  # + the process id: its heartbeat, in the coordination se
 # supervisor) the full log's path, for the line
 progress: dict = {"step": None, "checkpoint_dir": None, "log": None}
 _said = threading.Lock()  # taken by the path that says the process's last words
+# what travels with this process's beat (the watchdog's mark), and every process's, as last read
+_beside: dict = {"mark": lambda: "", "marks": {}}
 WRITE_LIMIT_S = 20.0  # how long an ending process's last writes may take
 
 
@@ -207,6 +210,29 @@ def _never_joined(process_id: int, num_processes: int, coordinator: str,
         "was trained", file=sys.stderr))
 
 
+def publish_with_beats(mark: Callable[[], str]) -> None:
+    """Send ``mark()`` with each of this process's beats (the watchdog's progress mark): one
+    thread talks to the coordination service for both."""
+    _beside["mark"] = mark
+
+
+def marks() -> dict[int, str]:
+    """Every process's mark (:func:`publish_with_beats`) as the last beats read carried them
+    (``{process: mark}``; a process not read yet is absent)."""
+    return dict(_beside["marks"])
+
+
+def beat_value(beat: int, mark: str) -> str:
+    """A beat as published: the counter (it changes every second) and the mark after it."""
+    return f"{beat}|{mark}"
+
+
+def marks_of(beats: dict) -> dict[int, str]:
+    """``{process: mark}`` from the beats read (``{key: value}``, :func:`beat_value`'s)."""
+    return {int(key.rsplit("/", 1)[-1]): value.split("|", 1)[1]
+            for key, value in beats.items() if "|" in value}
+
+
 def stop_watching() -> None:
     """The run is over: processes now leave one by one; that is not a loss."""
     _stopped.set()
@@ -249,9 +275,11 @@ def _watch(client, process_id: int, num_processes: int, timeout_s: int) -> None:
     while not _stopped.wait(1.0):
         try:
             beat += 1
-            client.key_value_set(f"{BEATS}{process_id}", str(beat), allow_overwrite=True)
+            client.key_value_set(f"{BEATS}{process_id}", beat_value(beat, _beside["mark"]()),
+                                 allow_overwrite=True)
             # every beat in one call, not one per peer (127 a second each on 128 processes)
             beats = dict(client.key_value_dir_get(BEATS))
+            _beside["marks"] = marks_of(beats)
             unreachable_since = None
         except Exception as e:  # noqa: BLE001 - the coordination service is gone
             now = time.monotonic()

@@ -192,14 +192,11 @@ def run(args) -> int:
 
 def _start_watchdog(jax, timeout_s: float) -> None:
     """``--hang-timeout``: every process watches every process's progress (through the
-    coordination service when there are several); the stacks go to the supervisor's log."""
-    from jax._src import distributed
-
+    coordination service, with the beats, when there are several); the stacks go to the
+    supervisor's log."""
     from ciera_models import peers, watchdog
 
-    multi = jax.process_count() > 1
-    watchdog.start(timeout_s, jax.process_index(), jax.process_count(),
-                   distributed.global_state.client if multi else None, peers.progress["log"])
+    watchdog.start(timeout_s, jax.process_index(), jax.process_count(), peers.progress["log"])
 
 
 def _stacks_on_sigusr1() -> None:

@@ -11,8 +11,9 @@ compiling (a compile marks nothing for minutes at scale: :func:`compiling`; for 
 one line that says where each process was and what to restart from, and ends with
 :data:`~ciera_models.failures.EXIT_HUNG` (70).
 
-In a multi-process run each process publishes its mark in the coordination service's key-value
-store, beside the peer watcher's beats, and reads the others': a process waiting in a
+In a multi-process run each process's mark travels with its heartbeat in the coordination
+service's key-value store (the peer watcher's one thread sends and reads both:
+:func:`ciera_models.peers.publish_with_beats`), and each reads the others': a process waiting in a
 collective for a peer that is still compiling does not give up, and the line names the process
 that stopped (say ``process 1 before step 3``) next to the ones waiting for it.
 """
@@ -31,7 +32,6 @@ from ciera_models import peers
 from ciera_models.failures import EXIT_HUNG
 
 DEFAULT_TIMEOUT_S = 1800  # torch.distributed's default_pg_timeout: far longer than a step
-KEY = "ciera/progress/"  # + the process id
 # A compile holds every process off for this many timeouts, and at least an hour (a GPU
 # compile at scale takes minutes, whatever a step takes): longer, it is stuck too.
 COMPILE_TIMEOUTS, COMPILE_FLOOR_S = 4, 3600.0
@@ -126,15 +126,18 @@ def stuck_line(process_id: int, watch: Watch, advice: str, stacks: str) -> str:
             f"the stacks of every thread: {stacks}")
 
 
-def start(timeout_s: float, process_id: int = 0, num_processes: int = 1, client=None,
+def start(timeout_s: float, process_id: int = 0, num_processes: int = 1,
           log: str | None = None) -> None:
-    """Watch from a daemon thread (``timeout_s`` 0: not at all). ``client``: JAX's
-    distributed-runtime client, for a multi-process run; ``log``: where the stacks go (the
-    supervisor's log of this process), else stderr, above the line."""
+    """Watch from a daemon thread (``timeout_s`` 0: not at all). Several processes: the marks
+    travel with the peer watcher's beats (:func:`ciera_models.peers.publish_with_beats`);
+    ``log``: where the stacks go (the supervisor's log of this process), else stderr, above
+    the line."""
     if not timeout_s:
         return
     _stopped.clear()
-    threading.Thread(target=_watch, args=(timeout_s, process_id, num_processes, client, log),
+    if num_processes > 1:
+        peers.publish_with_beats(own)
+    threading.Thread(target=_watch, args=(timeout_s, process_id, num_processes, log),
                      name="ciera-watchdog", daemon=True).start()
 
 
@@ -143,21 +146,24 @@ def stop() -> None:
     _stopped.set()
 
 
-def _watch(timeout_s, process_id, num_processes, client, log) -> None:
+def _watch(timeout_s, process_id, num_processes, log) -> None:
     watch = Watch(num_processes, timeout_s, time.monotonic())
     while not _stopped.wait(1.0):
-        now, value = time.monotonic(), own()
-        watch.update(process_id, value, now)
-        if client is not None:
-            with contextlib.suppress(Exception):  # the service gone: the peer watcher's case
-                client.key_value_set(KEY + str(process_id), value, allow_overwrite=True)
-                # every process's mark in one call (not one per process: 128 of them a second)
-                for key, theirs in client.key_value_dir_get(KEY):
-                    i = int(key.rsplit("/", 1)[-1])
-                    if i != process_id and 0 <= i < num_processes:
-                        watch.update(i, theirs, now)
+        now = time.monotonic()
+        look(watch, process_id, now)
         if watch.stuck(now) and not _stopped.is_set():
             _end(process_id, watch, log)
+
+
+def look(watch: Watch, process_id: int, now: float) -> None:
+    """One round's look at every process's mark: this process's own, the others' as their last
+    beats carried them (:func:`ciera_models.peers.marks`; with the coordination service gone,
+    the peer watcher's case, they stand still until it ends the process)."""
+    watch.update(process_id, own(), now)
+    if len(watch.seen) > 1:
+        for i, theirs in peers.marks().items():
+            if i != process_id and 0 <= i < len(watch.seen):
+                watch.update(i, theirs, now)
 
 
 def _end(process_id: int, watch: Watch, log: str | None) -> NoReturn:

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from ciera_models import watchdog
+from ciera_models import peers, watchdog
 from ciera_models.failures import EXIT_HUNG
 from ciera_models.watchdog import Watch
 
@@ -83,6 +83,74 @@ def test_the_line_names_each_process_and_what_to_restart_from(tmp_path):
                     "in step 3, process 1 before step 3 (--inject-hang); stopped; nothing was "
                     "saved (no --checkpoint-dir): restart all processes; the stacks of every "
                     "thread: in /x/ciera-train-process-1.log")
+
+
+class FakeService:
+    """The coordination service's key-value calls the peer watcher makes, counted."""
+
+    def __init__(self, store: dict):
+        self.store, self.calls = store, []
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        self.calls.append("set")
+        self.store[key] = value
+
+    def key_value_dir_get(self, prefix):
+        self.calls.append("dir_get")
+        return [(k, v) for k, v in self.store.items() if k.startswith(prefix)]
+
+
+def test_the_marks_travel_with_the_beats_in_one_thread_s_two_calls(monkeypatch):
+    """Several processes: the peer watcher's thread sends this process's mark inside its beat
+    and reads every process's beat and mark in one call; nothing else talks to the service."""
+    monkeypatch.setattr(peers, "_beside", {"mark": lambda: "", "marks": {}})
+    theirs = _value(3, "before step 5")
+    service = FakeService({f"{peers.BEATS}1": peers.beat_value(1, theirs)})
+    watchdog.mark("in step 5")
+    peers.publish_with_beats(watchdog.own)
+    t = threading.Thread(target=peers._watch, args=(service, 0, 2, 600), daemon=True)
+    t.start()
+    try:
+        for _ in range(60):  # the first round comes after a second
+            if service.calls:
+                break
+            t.join(0.1)
+        t.join(0.5)
+    finally:
+        peers.stop_watching()
+        t.join(5)
+        peers._stopped.clear()
+    rounds = service.calls.count("set")
+    assert rounds >= 1 and service.calls[:2 * rounds] == ["set", "dir_get"] * rounds
+    mine = service.store[f"{peers.BEATS}0"]
+    assert mine.split("|", 1)[1] == watchdog.own()
+    assert peers.marks() == {0: watchdog.own(), 1: theirs}
+
+
+def test_a_beat_carries_its_mark_and_changes_every_second_when_the_mark_does_not():
+    marks = [_value(7, "in step 2 | odd"), _value(7, "in step 2 | odd")]
+    beats = {f"{peers.BEATS}{i}": peers.beat_value(i + 10, m) for i, m in enumerate(marks)}
+    beats[f"{peers.BEATS}2"] = "5"  # a beat without a mark: not a mark of process 2
+    assert peers.marks_of(beats) == {0: marks[0], 1: marks[1]}
+    watch = peers.PeerBeats([1], limit=2.0, now=0.0)
+    for second in range(1, 6):  # the mark stands still, the counter moves: alive
+        value = peers.beat_value(second, marks[1])
+        assert watch.round({f"{peers.BEATS}1": value}, float(second)) == []
+    assert watch.round({f"{peers.BEATS}1": value}, 7.0) == []  # the beat stopped: 2 s
+    assert watch.round({f"{peers.BEATS}1": value}, 8.0) == [1]  # 3 s > the limit
+
+
+def test_the_watchdog_sees_the_others_marks_as_the_beats_brought_them(monkeypatch):
+    w = Watch(3, timeout_s=5, now=0.0)
+    read = {1: _value(1, "in step 1"), 2: _value(1, "before step 1"), 7: _value(1, "nobody")}
+    monkeypatch.setattr(peers, "marks", lambda: dict(read))
+    watchdog.look(w, 0, now=1.0)
+    assert [s.since for s in w.seen] == [1.0, 1.0, 1.0]
+    assert w.seen[0].value == watchdog.own() and w.seen[2].where == "before step 1"
+    read[1] = _value(2, "in step 2")  # process 1 moved on; 2 stood still
+    watchdog.look(w, 0, now=3.0)
+    assert [s.since for s in w.seen] == [1.0, 3.0, 1.0]
+    assert not w.stuck(7.9) and w.stuck(8.0)
 
 
 @pytest.mark.slow
