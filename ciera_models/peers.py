@@ -12,13 +12,14 @@ aborts too: its ``absl::Status`` argument has no Python conversion, ``std::bad_c
 So the processes keep a heartbeat of their own, in the coordination service's key-value store:
 a thread in each process bumps ``ciera/beat/<id>`` every second and reads every beat in one
 call; the watchdog's progress mark travels in the same value (:func:`publish_with_beats`), so
-the service answers two calls a second per process, not four. A peer whose beat stands still for half of ``--peer-timeout`` is lost; a coordinator that
-stops answering is lost process 0. The watcher prints one line (which process, the last step,
-the newest checkpoint complete on disk, a save that was in flight) and ends the process with
-``os._exit``, before JAX's own timeout (the full ``--peer-timeout``) would abort it. A
-collective that fails in the step (:func:`lost_peer`) waits for that line. A peer that never
-starts: ``initialization_timeout`` bounds the join. A peer that stops while alive (its beats go
-on) is the watchdog's (:mod:`ciera_models.watchdog`, ``--hang-timeout``).
+the service answers two calls a second per process, not four. A peer whose beat stands still
+for half of ``--peer-timeout`` is lost; a coordinator that stops answering is lost process 0.
+The watcher prints one line (which process, the last step, the newest checkpoint complete on
+disk, a save that was in flight) and ends the process with ``os._exit``, before JAX's own
+timeout (the full ``--peer-timeout``) would abort it. A collective that fails in the step
+(:func:`lost_peer`) waits for that line. A peer that never starts: ``initialization_timeout``
+bounds the join. A peer that stops while alive (its beats go on) is the watchdog's
+(:mod:`ciera_models.watchdog`, ``--hang-timeout``).
 """
 
 from __future__ import annotations
