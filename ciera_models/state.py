@@ -405,13 +405,9 @@ class Trainer:
         m["program"] = list(self.programs).index(key)
         m["beside_compile_s"] = beside_s  # programs taken now, compiled beside earlier steps
         m["stand_in"] = int(key != wanted)  # this step ran a stand-in while ``wanted`` compiled
-        m["overflows"] = sum(int(np.sum(np.asarray(needed[k]) > r)) for k, r in rungs.items()
-                             if r != PLAIN_RUNG)
-        # of those, the ones still sent as words, at an overflow rung (the rest went plainly)
-        m["overflow_words"] = sum(
-            int(np.sum(np.isin(needed[k],
-                               policy.wires[k].overflow_rungs(r, policy.exits_of(k)))))
-            for k, r in rungs.items())
+        # tensor-layers above their program's rungs; of those, the ones still sent as words,
+        # at an overflow rung (the rest went plainly)
+        m["overflows"], m["overflow_words"] = policy.overflows(rungs, needed)
         m["padding_bytes"] = policy.padding(rungs, needed)  # one rank's, as sent_bytes
         # A failed self-check left params and optimizer state as they were: same step again.
         done = 0 if int(m["verify_failed"]) else 1

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ciera_jax.codec.wire import PLAIN_RUNG, ExponentWire, WordWire
 from ciera_jax.planning.capacities import (EXIT_SHARE, RungPolicy, exits_for, rungs_holding,
@@ -240,3 +242,54 @@ def test_fix_rungs_takes_each_units_exits():
     fixed = fsdp.fix_rungs(agreed, {"a": 1, "b": 2}, exits={"a": 3})
     assert (fixed["a"].rung, fixed["a"].exits, fixed["b"].rung, fixed["b"].exits) == (1, 3, 2, 0)
     assert fsdp.fix_rungs(agreed, {"a": 1, "b": 2}, exits=2)["b"].exits == 2
+
+
+def _layer_needs(wire):
+    return st.lists(st.integers(0, wire.rungs), min_size=1, max_size=6).map(np.array)
+
+
+@settings(max_examples=60, deadline=None)
+@given(word=_layer_needs(WIRES["experts"]), exponent=_layer_needs(WIRES["attn"]),
+       word_rung=st.integers(PLAIN_RUNG, WIRES["experts"].rungs - 1),
+       exponent_rung=st.integers(PLAIN_RUNG, WIRES["attn"].rungs - 1),
+       exits=st.integers(0, 4))
+def test_the_policys_prices_are_the_wires_layer_by_layer(word, exponent, word_rung,
+                                                         exponent_rung, exits):
+    """The policy prices a step from each wire's table of bytes (a row per rung, a column per
+    demand) times how many layers need each rung: the same bytes, choices and overflows as
+    asking the wire of every layer."""
+    policy = RungPolicy(WIRES, SLOW, exits={"experts": exits})
+    needed = {"experts": word, "attn": exponent}
+    rungs = {"experts": word_rung, "attn": exponent_rung}
+    layer_exits = {"experts": exits, "attn": 0}
+
+    def sent(key, rung, need):
+        return sum(WIRES[key].bytes_at(rung, int(n), layer_exits[key]) for n in need)
+
+    for key, need in needed.items():
+        assert policy.tensor_bytes(key, rungs[key], need) == sent(key, rungs[key], need)
+    for key, need in needed.items():  # the fewest bytes, then the fewest overflows, then lowest
+        options = (PLAIN_RUNG, *range(WIRES[key].rungs))
+        best = min(options, key=lambda r: (sent(key, r, need),
+                                           0 if r == PLAIN_RUNG else int(np.sum(need > r)), r))
+        assert policy.best_for([needed])[key] == best
+    assert policy.padding(rungs, needed) == (
+        sum(sent(k, rungs[k], n) for k, n in needed.items())
+        - sum(sent(k, r, needed[k]) for k, r in policy.best_for([needed]).items()))
+    over = sum(int(np.sum(n > rungs[k])) for k, n in needed.items() if rungs[k] != PLAIN_RUNG)
+    words = sum(int(np.sum(np.isin(n, WIRES[k].overflow_rungs(rungs[k], layer_exits[k]))))
+                for k, n in needed.items())
+    assert policy.overflows(rungs, needed) == (over, words)
+
+
+def test_a_demand_or_rung_off_the_ladder_is_refused():
+    policy = RungPolicy(WIRES, SLOW)
+    top = WIRES["experts"].rungs
+    with pytest.raises(ValueError, match="needed rungs of 'experts' must be in 0.."):
+        policy.tensor_bytes("experts", 0, np.array([top + 1]))
+    with pytest.raises(ValueError, match="needed rungs"):
+        policy.choose(needs(-1, 0))
+    with pytest.raises(ValueError, match="outside"):
+        policy.tensor_bytes("experts", top, np.array([0]))
+    with pytest.raises(ValueError, match="outside"):
+        policy.tensor_bytes("experts", PLAIN_RUNG - 1, np.array([0]))
