@@ -142,6 +142,11 @@ def ir_sources(hlo: str, kernel_bytes: dict[str, int], package: str = "ciera_jax
     return out
 
 
+# a kernel's file in an XLA:CPU dump, (after the module's name, before the kernel's; after it),
+# in the order read: the optimized LLVM IR (JAX 0.10), else the object file (JAX 0.11)
+CPU_KERNEL_FILES = (("", ".ir-with-opt.ll"), ("obj-file.", ".o"))
+
+
 def cpu_kernel_ir(dump_dir: str) -> tuple[str, dict[str, int]]:
     """What an XLA:CPU compile dumped (``compiler_options={"xla_dump_to": dump_dir}``, one
     module): its optimized HLO text and ``{kernel (fusion) name: bytes of its optimized LLVM
@@ -162,11 +167,6 @@ def cpu_kernel_ir(dump_dir: str) -> tuple[str, dict[str, int]]:
         if kernels:
             break
     return texts[0].read_text(), kernels
-
-
-# a kernel's file in an XLA:CPU dump, (after the module's name, before the kernel's; after it),
-# in the order read: the optimized LLVM IR (JAX 0.10), else the object file (JAX 0.11)
-CPU_KERNEL_FILES = (("", ".ir-with-opt.ll"), ("obj-file.", ".o"))
 
 
 def scoped_trip_count(instruction: str) -> int | None:
