@@ -280,6 +280,7 @@ def test_the_policys_prices_are_the_wires_layer_by_layer(word, exponent, word_ru
     words = sum(int(np.sum(np.isin(n, WIRES[k].overflow_rungs(rungs[k], layer_exits[k]))))
                 for k, n in needed.items())
     assert policy.overflows(rungs, needed) == (over, words)
+    assert policy.best_for([]) == {k: PLAIN_RUNG for k in WIRES}  # no demand seen: plain
 
 
 def test_a_demand_or_rung_off_the_ladder_is_refused():

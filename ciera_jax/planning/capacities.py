@@ -233,7 +233,7 @@ class RungPolicy:
     def _best(self, demands: list) -> dict:
         out = {}
         for key, table in self._tables.items():
-            count = sum(d[key] for d in demands)
+            count = sum((d[key] for d in demands), np.zeros(table.shape[1], np.int64))
             sent = table @ count  # per option: PLAIN_RUNG, then each rung
             above = np.cumsum(count[::-1])[::-1]  # above[n]: layers needing rung n or more
             over = (0, *above[1:].tolist())  # a fixed rung r overflows those needing > r
