@@ -132,15 +132,15 @@ class RungPolicy:
         if not self.programs:
             return self._compile(dict(self.first))
         best = self._cheapest(self.programs, demand)
-        self._regret_s += self.seconds(self._cost(best, demand) - self._cost(ideal, demand))
+        best_bytes = self._cost(best, demand)
+        self._regret_s += self.seconds(best_bytes - self._cost(ideal, demand))
         price = self.compile_price_s
         if self._regret_s <= price or len(self.programs) >= self.max_programs:
             return best, False
         new = self._best(list(self._history))
-        if (program_key(new) in self.programs
-                or self._cost(new, demand) >= self._cost(best, demand)):
+        if program_key(new) in self.programs or self._cost(new, demand) >= best_bytes:
             new = ideal  # the window's program does not help this step: this step's does
-        saving_s = self.seconds(self._cost(best, demand) - self._cost(new, demand))
+        saving_s = self.seconds(best_bytes - self._cost(new, demand))
         if saving_s <= 0 or (steps_left is not None and saving_s * steps_left < price):
             return best, False  # nothing to gain, or too late in the run to pay for itself
         return self._compile(new)
