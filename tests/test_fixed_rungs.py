@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 import ciera_jax
 from bitdata import BF16, F32, adversarial, bits_of, special_words
 from ciera_jax.collective import capacity, faults
+from ciera_jax.runtime import target
 from ciera_jax.collective import gather as G
 from ciera_jax.codec.wire import OVERFLOW_RUNGS, ExponentWire, WordWire
 from jaxprs import outside, subjaxprs, walk
@@ -49,7 +50,7 @@ _RUNS: dict = {}
 
 
 def _run(rung, x, cache, exits=0):
-    key = (rung, exits, x.dtype, type(cache).__name__)
+    key = (rung, exits, x.dtype, type(cache).__name__, G.fills_in_branch())
     if key not in _RUNS:
         _RUNS[key] = jax.jit(jax.shard_map(_body(rung, exits), mesh=_mesh(),
                                            in_specs=(P("fsdp"), P()), out_specs=P(),
@@ -86,13 +87,18 @@ def _trajectory(rng, dtype):
 
 
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("mode,exits", [("exponent", 0), ("word", 0), ("word", OVERFLOW_RUNGS)],
-                         ids=["exponent", "word", "word-exits"])
-def test_every_fixed_rung_is_bitwise_a_plain_gather(mode, exits, dtype):
+@pytest.mark.parametrize("mode,exits,fill_in_branch", [
+    ("exponent", 0, True), ("word", 0, True), ("word", OVERFLOW_RUNGS, True),
+    ("word", OVERFLOW_RUNGS, False)], ids=["exponent", "word", "word-exits",
+                                           "word-exits-fill-before"])
+def test_every_fixed_rung_is_bitwise_a_plain_gather(mode, exits, fill_in_branch, dtype,
+                                                    monkeypatch):
     """Each step runs at PLAIN_RUNG, the needed rung, the rungs below it down to one past the
     overflow ladder (word mode: each overflow exit, then the plain fallback; exponent mode: the
     fallback) and the top; all give the plain gather's bits, price their bytes as the wire
-    table says, and leave the same cache (carried on)."""
+    table says, and leave the same cache (carried on). With overflow rungs, the escapes' fill
+    in the fallback's steady branch (as on a CPU) and before the conditional (as on a GPU)."""
+    monkeypatch.setattr(G, "fills_in_branch", lambda: fill_in_branch)
     rng = np.random.default_rng(7)
     cache = ciera_jax.init_cache(SHAPE, dtype, mode)
     wire = _wire(mode, np.dtype(dtype).itemsize)
@@ -163,6 +169,25 @@ def test_a_fixed_rung_sends_its_section_in_the_main_transfer(mode, exits):
     assert [e.invars[0].aval.size for e in rest] == [
         *(wire.section_bytes(r) - wire.section_bytes(rung) for r in ladder),
         wire.plain_bytes - (wire.main_bytes - 4 + wire.section_bytes(rung))]
+
+
+@pytest.mark.parametrize("in_branch", [True, False], ids=["cpu", "gpu"])
+def test_with_overflow_rungs_a_cpu_fills_the_escapes_in_the_steady_branch(in_branch,
+                                                                          monkeypatch):
+    """An overflow's exit fills every escape itself, so on a CPU the section's fill runs in the
+    fallback's steady branch (not thrown away on an overflow); on a GPU before the conditional,
+    where XLA fuses it with the self-check, and that branch passes the words through."""
+    assert G.fills_in_branch()  # tracing for this CPU
+    with target.tracing_for_gpu((9, 0)):
+        assert not G.fills_in_branch()
+    monkeypatch.setattr(G, "fills_in_branch", lambda: in_branch)
+    jaxpr = _jaxpr("word", _wire("word").rungs // 2, OVERFLOW_RUNGS)
+    conds = [c for c in outside(jaxpr, "cond") if c.primitive.name == "cond"
+             and any(e.primitive.name in GATHERS for b in subjaxprs(c) for e in walk(b))]
+    steady = subjaxprs(conds[0])[0]  # the rung held the demand
+    takes = [e for e in walk(steady) if e.primitive.name == "gather"]  # the levels read
+    assert len(takes) == (2 if in_branch else 0)
+    assert bool(steady.eqns) == in_branch
 
 
 @pytest.mark.parametrize("mode", ["exponent", "word"])

@@ -56,6 +56,7 @@ from ciera_jax.collective.cache import ExponentCache, WordCache, is_cache
 from ciera_jax.collective.exponent_option import Encoded
 from ciera_jax.collective.gradient import attach_gather_grad
 from ciera_jax.codec.layout import full_index, gathered_shape, rows_to_full
+from ciera_jax.runtime import target
 from ciera_jax.runtime.varying import varying_like, varying_over
 from ciera_jax.codec.wire import AGREEMENT_BYTES, DEFAULT_CODE_BITS, agreement_bytes
 from ciera_jax.collective.word_option import WordEncoded
@@ -229,6 +230,13 @@ def agree(encoded, axis_name):
     return jax.tree.unflatten(treedef, out)
 
 
+def fills_in_branch() -> bool:
+    """Whether a word gather with overflow rungs fills its escapes in the fallback
+    conditional's steady branch (tracing for a CPU), not before the conditional (for a GPU):
+    see :func:`exchange`."""
+    return target.traced_backend() == "cpu"
+
+
 def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "auto"):
     """Phase 3: gather at the agreed rungs and rebuild; returns ``(full, new_cache, stats)``.
 
@@ -265,13 +273,20 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
     # (the tensor is their bits): in the branch its compile took 1.60x plain's instead of
     # 1.55x on the CPU, its steps without an overflow 1.14x instead of 1.03x, and XLA:GPU
     # launched 10% more kernels (docs/results.md, "Round 4, twenty-third stop").
+    # Its fill of the escapes, with overflow rungs on a CPU: in the branch that ends the steady
+    # path, since an overflow's exit fills every escape itself and the fill before the
+    # conditional was thrown away (tiny --plan all, 131 of 180 steps overflow: steady step
+    # 1.09x -> 1.03-1.05x plain's). On a GPU before it, fused with the self-check (in the
+    # branch: OLMoE-1B-7B on 16 H100s, 20 more fusions, 160 more launches a step).
     decoded = ()
-    finish = failed = None
+    finish = failed = fill_section = None
     if word:
         got = word_option.receive(e, sent, cached, impl)
-        decoded = (word_option.fill(e, got, *got.levels,
-                                    jnp.asarray(wire.caps1, jnp.int32)[rung], impl),)
         finish = word_option.overflow_exit(e, sent, got, impl, axis_name)
+        fill_section = functools.partial(word_option.fill, e, got, *got.levels,
+                                         jnp.asarray(wire.caps1, jnp.int32)[rung], impl)
+        if not (finish and fills_in_branch()):
+            decoded = (fill_section(),)
         # With overflow rungs, the check takes the conditional's words, whichever way they
         # came (an exit fills the escapes past the fixed prefix in its branch); without, the
         # decode's, fused with it before the conditional.
@@ -291,7 +306,7 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
 
     def compressed(_, __, decoded):
         if word:
-            return typed(*decoded)
+            return typed(*(decoded or (fill_section(),)))
         return typed(*exponent_option.decode(e, sent, cached, dtype, impl))
 
     def overflow(*_):
