@@ -276,8 +276,9 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
     # Its fill of the escapes, with overflow rungs on a CPU: in the branch that ends the steady
     # path, since an overflow's exit fills every escape itself and the fill before the
     # conditional was thrown away (tiny --plan all, 131 of 180 steps overflow: steady step
-    # 1.09x -> 1.03-1.05x plain's). On a GPU before it, fused with the self-check (in the
-    # branch: OLMoE-1B-7B on 16 H100s, 20 more fusions, 160 more launches a step).
+    # 1.09-1.10x -> 1.06x plain's, side by side). On a GPU before it, fused with the
+    # self-check (in the branch: OLMoE-1B-7B on 16 H100s, 20 more fusions, 160 more launches
+    # a step).
     decoded = ()
     finish = failed = fill_section = None
     if word:
