@@ -138,6 +138,12 @@ def _jaxpr(mode, rung, exits=0):
     return jax.make_jaxpr(fn)(x, cache).jaxpr
 
 
+def _conds_with_gathers(jaxpr) -> list:
+    """The conditionals (outside any other) whose branches hold an all-gather."""
+    return [c for c in outside(jaxpr, "cond") if c.primitive.name == "cond"
+            and any(e.primitive.name in GATHERS for b in subjaxprs(c) for e in walk(b))]
+
+
 def _wire(mode, word_bytes=2):
     n = SHAPE[0] * SHAPE[1] // N
     return ExponentWire(n, word_bytes) if mode == "exponent" else WordWire(n, word_bytes)
@@ -158,8 +164,7 @@ def test_a_fixed_rung_sends_its_section_in_the_main_transfer(mode, exits):
     sizes = sorted(e.invars[0].aval.size * e.invars[0].aval.dtype.itemsize for e in gathers)
     assert wire.main_bytes + wire.section_bytes(rung) in sizes, sizes
     assert len(gathers) == 2, sizes
-    conds = [c for c in outside(jaxpr, "cond") if c.primitive.name == "cond"
-             and any(e.primitive.name in GATHERS for b in subjaxprs(c) for e in walk(b))]
+    conds = _conds_with_gathers(jaxpr)
     assert len(conds) == 1, "the fallback only: no rung switch"
     branches = subjaxprs(conds[0])
     assert not [e for e in walk(branches[0]) if e.primitive.name in GATHERS]  # the rung held
@@ -182,8 +187,7 @@ def test_with_overflow_rungs_a_cpu_fills_the_escapes_in_the_steady_branch(in_bra
         assert not G.fills_in_branch()
     monkeypatch.setattr(G, "fills_in_branch", lambda: in_branch)
     jaxpr = _jaxpr("word", _wire("word").rungs // 2, OVERFLOW_RUNGS)
-    conds = [c for c in outside(jaxpr, "cond") if c.primitive.name == "cond"
-             and any(e.primitive.name in GATHERS for b in subjaxprs(c) for e in walk(b))]
+    conds = _conds_with_gathers(jaxpr)
     steady = subjaxprs(conds[0])[0]  # the rung held the demand
     takes = [e for e in walk(steady) if e.primitive.name == "gather"]  # the levels read
     assert len(takes) == (2 if in_branch else 0)
