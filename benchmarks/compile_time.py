@@ -93,7 +93,7 @@ def worker(args) -> dict:
     import jax
 
     from ciera_jax.runtime.devices import make_mesh
-    from ciera_models.data import load_dataset
+    from ciera_models.train.data import load_dataset
     from ciera_models.train import TrainConfig, build_trainer
 
     gather, cache = ("plain", "exponent") if args.worker == "plain" else ("ciera", args.worker)

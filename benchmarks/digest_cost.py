@@ -11,7 +11,7 @@ did it (copy + hash), gives the rate, and the state's byte count (``ciera_jax.pl
 float32 params + AdamW's two float32 moments, whole) over the rate is the time. The
 device-to-host transfer and the cross-process gather came on top and are not timed here.
 
-After (format 2, models/shard_digest.py): each process copies the shards it holds to host
+After (format 2, ciera_models/checkpoint/shard_digest.py): each process copies the shards it holds to host
 memory (``take``: the only part the loop waits for) and hashes them in ``workers()`` threads in
 orbax's background commit (``record``). Both are timed here on a float32 state of
 ``--buffer-mb`` sharded over ``--devices`` emulated devices, as the save runs them, and scaled
@@ -62,7 +62,7 @@ def shard_path(nbytes: int, devices: int, reps: int) -> dict:
     from jax.sharding import NamedSharding, PartitionSpec
 
     from ciera_jax.runtime.devices import make_mesh
-    from ciera_models import shard_digest
+    from ciera_models.checkpoint import shard_digest
 
     split = NamedSharding(make_mesh(devices), PartitionSpec("fsdp"))
     rows = nbytes // 4 // 1024 // devices * devices

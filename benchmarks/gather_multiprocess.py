@@ -14,7 +14,7 @@ timed interleaved in the same run:
 
 Links: ``loopback`` (processes on 127.0.0.1, no limit), or tc rates (default the sweep
 50mbit..10gbit): every process in its own network namespace, joined by veth links to a bridge,
-each link shaped with ``tc tbf`` in both directions (``ciera_jax.runtime.netns``). One launch per
+each link shaped with ``tc tbf`` in both directions (``ciera_harness.netns``). One launch per
 process count serves every rate: each process reshapes its own link, all wait for each other,
 then time. Needs root, iproute2 and tc; where they are missing it says why and skips them.
 
@@ -188,8 +188,8 @@ def parse_results(outs: list[str]) -> list[dict]:
 def launch(link_names: list[str], procs: int, spec: dict, args, env) -> list[dict]:
     """One process group for every link of ``link_names``: shaped ones in namespaces (each
     process reshapes its own link between rates), or loopback."""
-    from ciera_jax.runtime import netns
-    from ciera_jax.runtime.launch import run_local
+    from ciera_harness import netns
+    from ciera_harness.launch import run_local
 
     spec = json.dumps(dict(spec, links=link_names))
     timeout = args.timeout * (len(link_names) + (2 if args.calibrate else 0))
@@ -229,7 +229,7 @@ def main(argv=None) -> int:
         return reprice_file(args)
     # SIGTERM unwinds like Ctrl-C: the workers are killed and the namespaces torn down.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    from ciera_jax.runtime import netns
+    from ciera_harness import netns
     from sweep_report import report  # benchmarks/, beside this script
 
     churn = "churn" in args.series
@@ -285,7 +285,7 @@ def main(argv=None) -> int:
         notes=["time_ratio = ciera / plain bits; wire_ratio = bytes one rank sends, "
                "ciera / plain",
                "shaped links: per-process namespace, veth to a bridge, tc tbf at the "
-               "rate in both directions (ciera_jax.runtime.netns); one launch per process "
+               "rate in both directions (ciera_harness.netns); one launch per process "
                "count serves every rate, each process reshaping its own link",
                "times are the slowest process's median per method",
                "points: every (series, link, procs, mode) measured next to the cost model's "

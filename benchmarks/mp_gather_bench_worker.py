@@ -1,6 +1,6 @@
 """One process of benchmarks/gather_multiprocess.py: times plain-bits and CIERA gathers.
 
-Started by the launcher (``ciera_jax.runtime.launch.run_local`` or ``ciera_jax.runtime.netns.run_in_namespaces``)
+Started by the launcher (``ciera_harness.launch.run_local`` or ``ciera_harness.netns.run_in_namespaces``)
 as ``python -m mp_gather_bench_worker SPEC_JSON`` with ``benchmarks/`` on PYTHONPATH. SPEC_JSON:
 ``{"shapes": [[E, 2048, 1024], ...], "axis": 1, "churn": [0.0, 0.01], "reps": 5, "warmup": 2,
 "methods": ["plain", "ciera", "checksum", "ciera_checked"], "word_shapes": [[4, 2048, 1024]],
@@ -172,10 +172,10 @@ def calibration(mesh, pid: int, reps: int) -> dict:
 
 
 def main(spec: dict) -> None:
-    from ciera_jax.runtime import netns
+    from ciera_harness import netns
 
     netns.apply_gloo_hostname()  # only in a namespace run; before the CPU backend starts
-    from ciera_jax.runtime.launch import init_from_env
+    from ciera_harness.launch import init_from_env
 
     t0 = time.perf_counter()
     pid = init_from_env()

@@ -21,8 +21,8 @@ from common import parser, write_results  # benchmarks/common.py, beside this sc
 
 
 def measure(config: str, steps: int, every: int, devices: int) -> dict:
-    from ciera_models import checkpoint as ckpt
-    from ciera_models.state import bytes_per_device
+    from ciera_models.checkpoint import store as ckpt
+    from ciera_models.train.state import bytes_per_device
     from ciera_models.train import TrainConfig, make_mesh, train
 
     blocked: list[tuple[int, float]] = []

@@ -8,7 +8,7 @@ without a GPU: the CUDA plugin, ``CUDA_VISIBLE_DEVICES=-1``) and prints
 ``compiled.memory_analysis()`` per GPU: arguments, outputs, temporaries. ``--layers`` shrinks
 the model's layer count, so the per-layer share of the temporaries can be read off two runs.
 The experts' matmul is the trainer's (``--set experts_matmul=...``; on GPU meshes ``blocked``,
-``ciera_models.grouped_matmul``). With ``--set experts_matmul=ragged``, XLA:GPU (jaxlib 0.10.2)
+``ciera_models.model.grouped_matmul``). With ``--set experts_matmul=ragged``, XLA:GPU (jaxlib 0.10.2)
 rewrites ``lax.ragged_dot`` into a dense dot over every expert (OLMoE: f32 [64, 32768, 2048]
 buffers, 17 GB each); ``--dense-free-experts`` then swaps it, for the measurement only, for
 one dot of the same operand and output shapes against expert 0 (a floor for any grouped
@@ -56,9 +56,9 @@ def abstract_args(trainer, batch: int, length: int):
     import jax.numpy as jnp
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from ciera_models.model import Transformer
-    from ciera_models.state import fresh_caches, is_spec
-    from ciera_models.step import all_words
+    from ciera_models.model.transformer import Transformer
+    from ciera_models.train.state import fresh_caches, is_spec
+    from ciera_models.train.step import all_words
 
     mesh = trainer.mesh
 
@@ -84,7 +84,7 @@ def abstract_args(trainer, batch: int, length: int):
 
 
 def measure(tc, n: int) -> dict:
-    from ciera_models.build import build_trainer
+    from ciera_models.train.build import build_trainer
     trainer = build_trainer(tc, gpu_mesh(n))
     args = abstract_args(trainer, tc.batch_size, tc.length)
     t0 = time.perf_counter()
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
         jax.lax.ragged_dot = lambda x, w, sizes, **kw: jax.lax.dot(  # noqa: E731
             x, w[0], preferred_element_type=kw.get("preferred_element_type"))
     from ciera_jax.planning import shapes
-    from ciera_models.train_config import TrainConfig
+    from ciera_models.train.config import TrainConfig
     if args.layers is not None:  # a registered copy with fewer layers
         cfg = dataclasses.replace(shapes.get_config(args.config), n_layers=args.layers,
                                   name=f"{args.config}-L{args.layers}")

@@ -80,7 +80,7 @@ def time_config(name: str, args, mesh) -> list[dict]:
     # Imported here: JAX must start after main() has set the device count.
     import jax
 
-    from ciera_models.data import load_dataset
+    from ciera_models.train.data import load_dataset
     from ciera_models.train import TrainConfig, build_trainer
 
     trainers, states = {}, {}

@@ -27,7 +27,7 @@ from ciera_jax.calibrate import host as host_info
 from ciera_jax.calibrate.fit import clean, fit_alpha_beta, fit_host_rates, with_spill
 from ciera_jax.planning import costmodel as cm
 from ciera_jax.planning import crossover as xo
-from ciera_jax.runtime.netns import rate_bits
+from ciera_harness.netns import rate_bits
 
 MODE_OF = {"plain": "plain", "ciera": "exponent", "exponent": "exponent", "word": "word"}
 

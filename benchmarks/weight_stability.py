@@ -182,7 +182,7 @@ def train_and_count(name: str, args) -> dict:
 
     from ciera_jax import fsdp
     from ciera_models import train as train_mod
-    from ciera_models.data import load_dataset
+    from ciera_models.train.data import load_dataset
 
     steps = args.steps or DEFAULT_STEPS.get(name, 300)
     warmup = args.warmup if args.warmup is not None else max(10, steps // 20)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from ciera_jax.runtime.launch import init_from_env
+from ciera_harness.launch import init_from_env
 
 
 def main(n_steps: int, mode: str = "exponent") -> None:

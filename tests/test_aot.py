@@ -19,7 +19,8 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ciera_jax.runtime import gpu_targets, hlo, schedule
+from ciera_jax.runtime import gpu_targets, hlo
+from ciera_models.aot import schedule
 
 H100 = gpu_targets.get_target("h100-80gb")
 TOKENS = 128  # per GPU: tiny's 64-token sequences, 2 per GPU (batch 16 on 8 GPUs)
@@ -131,8 +132,8 @@ def test_hlo_type_bytes(type_text, expect):
 @pytest.fixture(scope="module")
 def tiny_reports():
     """``ciera aot --config tiny --gpus 8`` in each gather / cache mode, compiled once."""
-    from ciera_models.aot import compile_step
-    from ciera_models.train_config import TrainConfig
+    from ciera_models.aot.compile import compile_step
+    from ciera_models.train.config import TrainConfig
 
     runs = {"plain": TrainConfig(gather="plain"), "exponent": TrainConfig(cache="exponent"),
             "word": TrainConfig(cache="word")}
@@ -344,7 +345,7 @@ def test_the_trainer_compiles_gpu_steps_with_the_flags_the_report_names(mesh8):
 ])
 def test_auto_limit_compiles_again_only_when_xla_exceeds_the_room(limit, first, second, kept,
                                                                    compiles):
-    from ciera_models import memory_limit
+    from ciera_models.train import memory_limit
 
     io = int(5.2e9)
     plan = memory_limit.LimitPlan(H100, io, int(20e9), memory_limit.room_bytes(H100, 34.0))
@@ -381,7 +382,7 @@ def test_a_step_that_will_not_fit_says_so_and_the_memory_gb_that_plans_it_smalle
     """XLA's count of the kept schedule above the memory the step has (the room and the
     planner's headroom: --memory-gb 34 here) is one line, whatever the limit; a step that
     fits says nothing."""
-    from ciera_models import memory_limit
+    from ciera_models.train import memory_limit
 
     plan = memory_limit.LimitPlan(H100, int(5.2e9), int(20e9), memory_limit.room_bytes(H100, 34.0))
     assert plan.memory_bytes == 34e9
@@ -419,7 +420,8 @@ def test_the_room_on_a_gpu_is_what_this_process_s_allocator_may_hold(monkeypatch
     ``jax.devices()[0]`` is process 0's on a pod, and its stats are not this process's."""
     import types
 
-    from ciera_models import memory_limit, plan_policy
+    from ciera_models.train import memory_limit
+    from ciera_models.train import plan_policy
     from ciera_models.train import TrainConfig
 
     local = types.SimpleNamespace(memory_stats=lambda: {"bytes_limit": int(60e9)})
@@ -442,7 +444,8 @@ def test_the_trainer_compiles_gpu_steps_within_the_limit_the_report_names(monkey
     import jax.stages
 
     from ciera_jax.kernels.backend import lowering_for
-    from ciera_models import aot, memory_limit
+    from ciera_models.aot import compile as aot
+    from ciera_models.train import memory_limit
     from ciera_models.train import TrainConfig, build_trainer
 
     assert gpu_targets.target_of(mesh8.devices.flat[0]) == H100
@@ -497,7 +500,7 @@ def test_largest_temporaries_are_xla_gpus_own(mesh8):
     """``ciera aot --temporaries``: a gathered weight's matmul, compiled for 8 H100s; the
     largest temporary is the product (8192 x 1024 f32, 32 MiB), and no slot is larger than the
     temporaries XLA's memory count gives."""
-    from ciera_models import aot
+    from ciera_models.aot import compile as aot
 
     x = jax.ShapeDtypeStruct((8, 1024, 256), jnp.float32, sharding=NamedSharding(mesh8, P("fsdp")))
 

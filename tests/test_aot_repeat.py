@@ -14,8 +14,9 @@ import pathlib
 import pytest
 
 from ciera_jax.runtime import gpu_targets
-from ciera_models import aot, aot_cli
-from ciera_models.train_config import TrainConfig
+from ciera_models.aot import compile as aot
+from ciera_models.cli import aot as aot_cli
+from ciera_models.train.config import TrainConfig
 
 H100 = gpu_targets.get_target("h100-80gb")
 

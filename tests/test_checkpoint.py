@@ -9,8 +9,8 @@ import shutil
 import numpy as np
 import pytest
 
-from ciera_models import checkpoint as ckpt
-from ciera_models import checkpoint_meta
+from ciera_models.checkpoint import store as ckpt
+from ciera_models.checkpoint import meta as checkpoint_meta
 from ciera_models.train import TrainConfig, make_mesh, train
 from conftest import TINY_PROGRAMS
 

@@ -20,7 +20,7 @@ from ciera_jax.runtime.devices import setup_devices
 setup_devices(8)
 import hashlib, jax
 from ciera_jax.runtime.devices import make_mesh
-from ciera_models.data import load_dataset
+from ciera_models.train.data import load_dataset
 from ciera_models.train import TrainConfig, build_trainer
 tr = build_trainer(TrainConfig(schedule_steps=4), make_mesh(8))
 state = tr.prepare(tr.init_state(0))

@@ -6,13 +6,13 @@ import threading
 
 import pytest
 
-from ciera_models import beside
-from ciera_models.beside import CompilesBeside
-from ciera_models.data import load_dataset
-from ciera_models.params_hash import params_sha256
+from ciera_models.train import beside
+from ciera_models.train.beside import CompilesBeside
+from ciera_models.train.data import load_dataset
+from ciera_models.checkpoint.params_hash import params_sha256
 from ciera_models.train import TrainConfig, build_trainer, make_mesh
 from ciera_jax.codec.wire import PLAIN_RUNG
-from ciera_jax.planning.capacities import program_key
+from ciera_models.train.rung_policy import program_key
 
 
 def _done(compiles: CompilesBeside) -> None:
@@ -113,7 +113,7 @@ def test_the_priming_program_stands_in_until_the_policys_has_compiled_and_all_is
 
 
 def test_the_summary_counts_the_stand_in_steps_and_the_programs_compiled_beside():
-    from ciera_models import metrics
+    from ciera_models.train import metrics
 
     def row(step, **kw):
         return {"step": step, "loss": 1.0, "sent_bytes": 10, "plain_bytes": 10,

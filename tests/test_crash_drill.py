@@ -3,9 +3,9 @@ in test_lost_peer.py): its format, its checks, and the step it raises before."""
 
 import pytest
 
-from ciera_models import crash_drill
-from ciera_models.crash_drill import CrashDrill, InjectedCrash
-from ciera_models.failures import raised_by_all, raised_everywhere
+from ciera_models.resilience import crash_drill
+from ciera_models.resilience.crash_drill import CrashDrill, InjectedCrash
+from ciera_models.resilience.failures import raised_by_all, raised_everywhere
 from ciera_models.train import TrainConfig, make_mesh, train
 from conftest import TINY_PROGRAMS
 

@@ -202,7 +202,7 @@ def test_train_step_lowers_for_cuda():
     ``impl="auto"`` resolved as on an H100/H200: Mosaic GPU decode kernels in the step's
     gathers, encode kernels in the encode program that runs after it (exponent or word mode,
     whichever the plan gives the tensors)."""
-    from ciera_models import data
+    from ciera_models.train import data
     from ciera_models.train import TrainConfig, build_trainer, make_mesh
 
     tc = TrainConfig(config="tiny", schedule_steps=20, **TINY_PROGRAMS)  # test_train's

@@ -13,8 +13,9 @@ import threading
 import jax
 import jax.stages
 
-from ciera_models import data, loop
-from ciera_models import state as state_lib
+from ciera_models.train import data
+from ciera_models.train import loop
+from ciera_models.train import state as state_lib
 from ciera_models.train import TrainConfig, build_trainer, make_mesh
 from conftest import TINY_PROGRAMS
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ciera_jax.codec import escapes
-from ciera_jax.collective import word_option
+from ciera_jax.collective import word_mode
 from ciera_jax import kernels as K
 from ciera_jax.codec.word_ladder import LEVEL2
 
@@ -100,8 +100,8 @@ def test_pack_matches_loop(dtype, capacities):
 
 
 def word_values_at(level1_NxC, level2_NxC, escape_offset):
-    """word_option.exchange's rule for an escape's word (the jnp path's ``values_at``)."""
-    return word_option.escape_words(level1_NxC, level2_NxC, escape_offset)
+    """word_mode.exchange's rule for an escape's word (the jnp path's ``values_at``)."""
+    return word_mode.escape_words(level1_NxC, level2_NxC, escape_offset)
 
 
 @pytest.mark.parametrize("word", [np.uint16, np.uint32], ids=["bf16", "f32"])

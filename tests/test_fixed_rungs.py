@@ -14,7 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 import ciera_jax
 from bitdata import BF16, F32, adversarial, bits_of, special_words
-from ciera_jax.collective import capacity, faults
+from ciera_jax.collective import capacity
+from ciera_models.resilience import corrupt as faults
 from ciera_jax.runtime import target
 from ciera_jax.collective import gather as G
 from ciera_jax.codec.wire import OVERFLOW_RUNGS, ExponentWire, WordWire

@@ -114,7 +114,7 @@ def test_missing_caches_is_a_clear_error(mesh):
 
 
 def test_rule_table_and_divisibility():
-    from ciera_models.sharding import RULES
+    from ciera_models.model.sharding import RULES
 
     assert fsdp.rule_axis("w_gate_ExDxF", RULES) == 1
     assert fsdp.rule_axis("w_down_ExFxD", RULES) == 2
@@ -267,8 +267,8 @@ def test_attach_caches_on_an_abstract_model_makes_no_arrays():
     """A model from ``nnx.eval_shape`` gets abstract caches: the inventory and specs of a
     47B-parameter model without allocating its 47 GB of exponent caches (which killed this
     machine before)."""
-    from ciera_models.configs import get_config
-    from ciera_models.model import abstract_model
+    from ciera_models.model.configs import get_config
+    from ciera_models.model.transformer import abstract_model
 
     model = fsdp.attach_caches(abstract_model(get_config("mixtral-8x7b")))
     leaves = jax.tree.leaves(nnx.state(model, fsdp.GatherCacheVar))

@@ -123,7 +123,7 @@ def test_compiled_gather_keeps_the_main_plane_out_of_branches(mode):
 @pytest.mark.slow  # compiles the tiny train step twice (about a minute each on 2 cores)
 @pytest.mark.parametrize("cache", ["exponent", "word"])
 def test_train_step_hlo_keeps_main_transfers_out_of_branches(cache):
-    from ciera_models import data
+    from ciera_models.train import data
     from ciera_models.train import TrainConfig, build_trainer, make_mesh
 
     tc = TrainConfig(config="tiny", schedule_steps=4, plan="all", cache=cache)

@@ -1,4 +1,4 @@
-"""The experts' blocked grouped matmul (``ciera_models.grouped_matmul``, ``ciera train
+"""The experts' blocked grouped matmul (``ciera_models.model.grouped_matmul``, ``ciera train
 --experts-matmul blocked``): ``lax.ragged_dot``'s numbers and gradients, any block size, empty
 and partial groups; every remat policy trains bitwise plain FSDP with it; and compiled for
 H100s it needs no ``groups x rows`` buffer, where ``ragged_dot`` does."""
@@ -10,7 +10,7 @@ import pytest
 from jax import lax
 
 from ciera_jax import fsdp
-from ciera_models.grouped_matmul import grouped_matmul
+from ciera_models.model.grouped_matmul import grouped_matmul
 from ciera_models.train import TrainConfig, make_mesh, train
 
 SIZES = (0, 37, 100, 0, 1, 129, 30, 3)  # empty groups, one row, a group over a block of 128

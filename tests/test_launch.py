@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from ciera_jax.runtime import launch
+from ciera_harness import launch
 
 
 def test_free_port_is_bindable():

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from ciera_jax.runtime.launch import free_port
-from ciera_models import peers
-from ciera_models.failures import EXIT_HUNG, EXIT_PEER_LOST
+from ciera_harness.launch import free_port
+from ciera_models.resilience import peers
+from ciera_models.resilience.failures import EXIT_HUNG, EXIT_PEER_LOST
 from processes import finish, kill_all, log_tails  # tests/processes.py
 
 TRAIN = [sys.executable, "-m", "ciera_jax.cli.main", "train", "--schedule-steps", "40",
@@ -252,7 +252,7 @@ def test_a_crash_on_one_process_ends_it_and_the_other_sees_a_lost_peer(crashed, 
     (rc_c, _, err_c), (rc_s, out_s, err_s) = results[crashed], results[1 - crashed]
     assert rc_c == 1, err_c[-3000:]
     assert err_c.strip().splitlines()[-1] == (
-        "ciera_models.crash_drill.InjectedCrash: injected crash (--inject-crash) before step 3 "
+        "ciera_models.resilience.crash_drill.InjectedCrash: injected crash (--inject-crash) before step 3 "
         f"on process {crashed}"), err_c[-3000:]
     assert "Traceback (most recent call last)" in err_c
     s = 1 - crashed

@@ -17,7 +17,7 @@ from ciera_jax.planning import memory
 from ciera_jax.planning.planner import (cache_budget, check_budget, choose_modes, mode_options,
                                         modes_summary, plan_model_modes, plan_modes)
 from ciera_jax.planning.shapes import get_config, tensor_inventory
-from ciera_models.model import Transformer
+from ciera_models.model.transformer import Transformer
 
 N = 8
 

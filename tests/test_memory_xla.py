@@ -24,8 +24,8 @@ BOUND = 0.10  # |model / XLA - 1|: the issue's target
 
 @pytest.fixture(scope="module")
 def memtest_reports():
-    from ciera_models.aot import compile_step
-    from ciera_models.train_config import TrainConfig
+    from ciera_models.aot.compile import compile_step
+    from ciera_models.train.config import TrainConfig
 
     shapes.CONFIGS[MEMTEST.name] = MEMTEST  # registered for the compile only
     try:

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ciera_models import configs, data
-from ciera_models.model import (MoE, Transformer, abstract_model, attention, param_count,
+from ciera_models.model import configs
+from ciera_models.train import data
+from ciera_models.model.transformer import (MoE, Transformer, abstract_model, attention, param_count,
                                 rms_norm, swiglu)
 
 BIG = [n for n, c in configs.CONFIGS.items() if c.published_total_params]

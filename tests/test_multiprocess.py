@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ciera_jax.runtime.launch import run_local
+from ciera_harness.launch import run_local
 
 
 def test_two_processes_over_sockets_are_bitwise_exact():

@@ -15,8 +15,8 @@ from jaxprs import outside, subjaxprs, walk
 
 from ciera_jax.fsdp import buckets
 from ciera_jax.fsdp.state.stats import VECTOR_KEYS
-from ciera_models import data
-from ciera_models.step import all_words
+from ciera_models.train import data
+from ciera_models.train.step import all_words
 from ciera_models.train import TrainConfig, build_trainer, make_mesh
 from conftest import TINY_PROGRAMS
 

@@ -16,9 +16,9 @@ import time
 import pytest
 
 from ciera_jax.cli import main as cli
-from ciera_jax.runtime.launch import free_port
-from ciera_models import train_cli
-from ciera_models.preemption import EXIT_PREEMPTED, PreemptionGuard
+from ciera_harness.launch import free_port
+from ciera_models.cli import train as train_cli
+from ciera_models.resilience.preemption import EXIT_PREEMPTED, PreemptionGuard
 from ciera_models.train import TrainConfig
 from conftest import TINY_PROGRAMS
 from processes import finish  # tests/processes.py
@@ -110,7 +110,7 @@ def test_first_signal_asks_second_exits_at_once():
         assert guard.signal_name == "SIGINT"
     assert {s: signal.getsignal(s) for s in before} == before  # handlers restored
     code = ("import os, signal, time\n"
-            "from ciera_models.preemption import PreemptionGuard\n"
+            "from ciera_models.resilience.preemption import PreemptionGuard\n"
             "with PreemptionGuard() as g:\n"
             "    os.kill(os.getpid(), signal.SIGTERM)\n"
             "    print('asked', g.signal_name, flush=True)\n"

@@ -5,7 +5,7 @@ import subprocess
 import sys
 import types
 
-from ciera_models import checkpoint
+from ciera_models.checkpoint import store as checkpoint
 from processes import finish  # tests/processes.py
 
 WAITER = """

@@ -22,13 +22,13 @@ import orbax.checkpoint as ocp
 import pytest
 
 from ciera_jax.cli import main as cli
-from ciera_models import checkpoint as ckpt
-from ciera_models import loop
-from ciera_models import checkpoint_meta
-from ciera_models import peers
-from ciera_models import run_lock
-from ciera_models.failures import EXIT_NO_GOOD_CHECKPOINT, EXIT_WRITE_FAILED, NoGoodCheckpoint, WriteFailed
-from ciera_models.failures import raised_everywhere
+from ciera_models.checkpoint import store as ckpt
+from ciera_models.train import loop
+from ciera_models.checkpoint import meta as checkpoint_meta
+from ciera_models.resilience import peers
+from ciera_models.resilience import run_lock
+from ciera_models.resilience.failures import EXIT_NO_GOOD_CHECKPOINT, EXIT_WRITE_FAILED, NoGoodCheckpoint, WriteFailed
+from ciera_models.resilience.failures import raised_everywhere
 from ciera_models.train import TrainConfig, make_mesh, train
 from conftest import TINY_PROGRAMS
 
@@ -318,7 +318,7 @@ def test_resume_at_or_past_steps_says_nothing_to_do(saved, tmp_path, capsys):
 
 def test_resume_with_nothing_to_do_compiles_nothing(saved, tmp_path, monkeypatch):
     """Nor does it start the encode program's compile, which Python would wait for at exit."""
-    from ciera_models.state import Trainer
+    from ciera_models.train.state import Trainer
 
     started = []
     monkeypatch.setattr(Trainer, "start_encode_compile", lambda self: started.append(self))

@@ -13,7 +13,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ciera_jax.fsdp.prepared import rolled_scan
-from ciera_jax.runtime import gpu_targets, hlo, schedule
+from ciera_jax.runtime import gpu_targets, hlo
+from ciera_models.aot import schedule
 
 LAYERS = 6
 

@@ -22,11 +22,12 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ciera_jax.runtime.devices import make_mesh
-from ciera_models import checkpoint as ckpt
-from ciera_models import checkpoint_meta
-from ciera_models import peers, shard_digest
-from ciera_models.failures import WriteFailed
-from ciera_models.params_hash import params_sha256
+from ciera_models.checkpoint import store as ckpt
+from ciera_models.checkpoint import meta as checkpoint_meta
+from ciera_models.resilience import peers
+from ciera_models.checkpoint import shard_digest
+from ciera_models.resilience.failures import WriteFailed
+from ciera_models.checkpoint.params_hash import params_sha256
 from processes import kill_all  # tests/processes.py
 
 
@@ -284,7 +285,8 @@ INTERRUPTED = textwrap.dedent("""
     sys.path[:0] = [{tests!r}]
     import conftest  # 8 emulated devices, before JAX starts
     from test_shard_digest import _state
-    from ciera_models import checkpoint as ckpt, shard_digest
+    from ciera_models.checkpoint import store as ckpt
+    from ciera_models.checkpoint import shard_digest
     with ckpt.Checkpointer({ck!r}) as ck:
         ck.save(1, *_state(bump=1), {{}}, wait=True)
         def stuck(snap):

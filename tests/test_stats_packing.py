@@ -6,7 +6,7 @@ import pytest
 
 from ciera_jax import fsdp
 from ciera_jax.fsdp.state import stats as stats_lib
-from ciera_models.step import STEP_STAT_KEYS, per_layer_stats
+from ciera_models.train.step import STEP_STAT_KEYS, per_layer_stats
 
 
 def _named(layers: int) -> dict:

@@ -1,4 +1,4 @@
-"""The supervising parent of a multi-process ``ciera train`` (models/supervisor.py), fast: a
+"""The supervising parent of a multi-process ``ciera train`` (ciera_models/resilience/supervisor.py), fast: a
 stand-in child that aborts like JAX's client ends in the lost-peer line and 69; other exits and
 signals pass through; the child's whole output is kept in the log. The real drills (a killed
 coordinator or worker) are in test_lost_peer.py's slow lane."""
@@ -12,9 +12,11 @@ import time
 
 import pytest
 
-from ciera_models import peers, supervisor, train_cli
-from ciera_models.failures import EXIT_PEER_LOST
-from ciera_models.train_config import RunConfig, TrainConfig, to_argv
+from ciera_models.resilience import peers
+from ciera_models.resilience import supervisor
+from ciera_models.cli import train as train_cli
+from ciera_models.resilience.failures import EXIT_PEER_LOST
+from ciera_models.train.config import RunConfig, TrainConfig, to_argv
 
 # what process 1 printed when process 0 was killed (jaxlib 0.10.2), abridged
 ABORT = textwrap.dedent("""\
@@ -56,7 +58,7 @@ def _supervise(tmp_path, code: str, process_id: int = 1, timeout: float = 60, si
                signum=signal.SIGTERM):
     """Run the supervisor in a fresh Python over a stand-in child, sending it ``signum``
     ``signal_at`` seconds after the child's first line; (rc, stdout, stderr)."""
-    driver = (f"import sys; from ciera_models import supervisor as s; "
+    driver = (f"import sys; from ciera_models.resilience import supervisor as s; "
               f"sys.exit(s.supervise({_child(code)!r}, {process_id}, 2, {str(tmp_path)!r}, "
               f"None))")
     p = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE,
@@ -73,7 +75,7 @@ def _supervise(tmp_path, code: str, process_id: int = 1, timeout: float = 60, si
 def test_the_coordination_abort_is_the_lost_peer_line_and_69(tmp_path):
     rc, out, err = _supervise(tmp_path, f"""
         import os, sys
-        from ciera_models import supervisor
+        from ciera_models.resilience import supervisor
         print("step line", flush=True)
         supervisor.report_step(7)
         sys.stderr.write({ABORT!r}); sys.stderr.flush()
@@ -99,7 +101,7 @@ def test_the_service_hosts_abort_is_one_line_too(tmp_path):
         "\nF1205", "\n\0F1205").split("\0")
     rc, out, err = _supervise(tmp_path, f"""
         import os, sys, time
-        from ciera_models import supervisor
+        from ciera_models.resilience import supervisor
         supervisor.report_step(5)
         for message in {messages!r}:
             sys.stderr.write(message); sys.stderr.flush(); time.sleep(0.01)
@@ -156,7 +158,7 @@ def test_sigusr1_reaches_the_child_whose_stacks_go_to_the_log(tmp_path):
     """How a run that seems stuck shows where it is: ``kill -USR1`` on ``ciera train``."""
     rc, _, err = _supervise(tmp_path, """
         import sys, time
-        from ciera_models import train_cli
+        from ciera_models.cli import train as train_cli
         train_cli._stacks_on_sigusr1()
         print("ready", flush=True)
         def waiting_here():

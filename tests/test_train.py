@@ -16,12 +16,12 @@ import ciera_jax
 import ciera_jax.collective.cache as cache_lib
 from ciera_jax import fsdp
 from ciera_jax.cli import main as cli
-from ciera_models import data
-from ciera_models.model import Transformer, abstract_model
-from ciera_models.plan_policy import NO_CACHE, cache_modes
-from ciera_models.state import bytes_per_device
+from ciera_models.train import data
+from ciera_models.model.transformer import Transformer, abstract_model
+from ciera_models.train.plan_policy import NO_CACHE, cache_modes
+from ciera_models.train.state import bytes_per_device
 from ciera_models.train import TrainConfig, build_trainer, make_mesh, make_plan, train
-from ciera_jax.planning.capacities import program_key
+from ciera_models.train.rung_policy import program_key
 from conftest import TINY_PROGRAMS
 
 STEPS = 20

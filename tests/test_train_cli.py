@@ -14,10 +14,10 @@ import pytest
 from ciera_jax import fsdp
 from ciera_jax.collective import cache
 from ciera_jax.cli import main as cli
-from ciera_models import checkpoint as ckpt
-from ciera_models import train_cli
-from ciera_models.data import TOKEN_DTYPES
-from ciera_models.train_config import PLANS, RunConfig, TrainConfig, from_args
+from ciera_models.checkpoint import store as ckpt
+from ciera_models.cli import train as train_cli
+from ciera_models.train.data import TOKEN_DTYPES
+from ciera_models.train.config import PLANS, RunConfig, TrainConfig, from_args
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from ciera_jax.runtime.launch import free_port
+from ciera_harness.launch import free_port
 from processes import finish, log_tails  # tests/processes.py
 
 pytestmark = pytest.mark.slow  # 2 processes x 2 trainings

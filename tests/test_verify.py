@@ -15,7 +15,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ciera_jax
-from ciera_jax.collective import faults, heal
+from ciera_jax.collective import heal
+from ciera_models.resilience import corrupt as faults
 from bitdata import BF16, adversarial, bits_of, churn, from_bits, moved, weights, word_deltas
 from harness import mesh_of
 

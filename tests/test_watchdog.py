@@ -9,9 +9,10 @@ import threading
 
 import pytest
 
-from ciera_models import peers, watchdog
-from ciera_models.failures import EXIT_HUNG
-from ciera_models.watchdog import Watch
+from ciera_models.resilience import peers
+from ciera_models.resilience import watchdog
+from ciera_models.resilience.failures import EXIT_HUNG
+from ciera_models.resilience.watchdog import Watch
 
 
 def _value(count: int, where: str, compiling: bool = False) -> str:
@@ -177,7 +178,8 @@ def test_one_process_stuck_ends_with_its_stacks_above_one_line(tmp_path):
 
 BLOCKED_STDERR = """
 import fcntl, os, sys
-from ciera_models import peers, watchdog
+from ciera_models.resilience import peers
+from ciera_models.resilience import watchdog
 peers.WRITE_LIMIT_S = 1.0
 unread, w = os.pipe()  # a stderr pipe nobody drains (its read end open), already full
 fcntl.fcntl(w, fcntl.F_SETFL, os.O_NONBLOCK)
@@ -194,7 +196,7 @@ sys.stderr = open(w, "w")
 
 RACE = """
 import sys, threading, time
-from ciera_models import peers
+from ciera_models.resilience import peers
 first = threading.Thread(target=peers.last_words, args=(5, lambda: (
     time.sleep(0.5), print("the first path's line", file=sys.stderr))))
 first.start()
@@ -216,7 +218,7 @@ def test_of_two_paths_ending_a_process_the_first_says_its_line_and_the_other_wai
     ("peers._never_joined(1, 2, 'localhost:1', 5)", 69),
     ("peers.end_alone(3, lambda: print('a traceback', file=sys.stderr))", 3),
     ("peers.end_alone(4, lambda: 1 / 0)", 4),  # words that fail to be said end it too
-    ("from ciera_models import preemption; g = preemption.PreemptionGuard(log=lambda s: None)"
+    ("from ciera_models.resilience import preemption; g = preemption.PreemptionGuard(log=lambda s: None)"
      "; g._handle(15, None); g._handle(15, None)", 128 + 15)])  # a second SIGTERM
 def test_a_last_line_that_cannot_be_written_still_ends_the_process(call, code):
     """Every path that ends a process (:func:`peers.last_words`): the line's write blocks on a

@@ -20,11 +20,11 @@ from flax import nnx
 from ciera_jax import fsdp
 from ciera_jax.planning import memory
 from ciera_jax.fsdp import buckets
-from ciera_jax.planning.capacities import program_key, rungs_holding
+from ciera_models.train.rung_policy import program_key, rungs_holding
 from flax_nets import LM, MLP, batches, make_mesh, same_bits, train_jit, train_shard_map
-from ciera_models import data
-from ciera_models.build import build_trainer
-from ciera_models.state import bytes_per_device
+from ciera_models.train import data
+from ciera_models.train.build import build_trainer
+from ciera_models.train.state import bytes_per_device
 from ciera_models.train import TrainConfig, train
 from ciera_models.train import make_mesh as train_mesh
 from test_flax_transforms import REMATS, D, F, call, compressed, fit_jit

@@ -70,7 +70,7 @@ LEVEL2_SHARES = ((1 / 4, 1 / 16), (1.0, 1 / 8))
 # each step's own rung would, up to padding (small's policy replay at one program: steady
 # state 0.553 -> 0.284 of plain; 1 or 2 rungs: 0.389 / 0.324), for a fill and a small switch
 # in the fallback, off the steady path, of the units carrying most of the word bytes
-# (``planning.capacities.EXIT_SHARE``): OLMoE-1B-7B's step on 16 H100s compiles 1.43x plain
+# (``ciera_models.train.rung_policy.EXIT_SHARE``): OLMoE-1B-7B's step on 16 H100s compiles 1.43x plain
 # with them on its 3 expert tensors, 1.17x without (the fastest of 2 compiles each), 1.80x
 # with them on all 10 tensors.
 OVERFLOW_RUNGS = 3

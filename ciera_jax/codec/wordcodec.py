@@ -10,7 +10,7 @@ only ever makes a far move look near, which is still exact.
 
 The code plane: ``b``-bit codes (``d + code_limit(b)``, or the escape code) packed 8 codes per
 ``b`` bytes and cut to ``ceil(n*b/8)`` bytes. The escapes travel out of line
-(:mod:`ciera_jax.collective.word_option`, :mod:`ciera_jax.codec.escapes`).
+(:mod:`ciera_jax.collective.word_mode`, :mod:`ciera_jax.codec.escapes`).
 """
 
 from __future__ import annotations

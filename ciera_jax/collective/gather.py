@@ -2,9 +2,9 @@
 
 Call inside ``jax.shard_map``. The cache picks the mode (see :mod:`ciera_jax.collective.cache`):
 
-- exponent mode (:class:`ExponentCache`, :mod:`ciera_jax.collective.exponent_option`): sign + mantissa
+- exponent mode (:class:`ExponentCache`, :mod:`ciera_jax.collective.exponent_mode`): sign + mantissa
   travel, exponents that changed since the cache travel as a bitmap and a list;
-- word mode (:class:`WordCache`, :mod:`ciera_jax.collective.word_option`): a ``b``-bit code of each word's
+- word mode (:class:`WordCache`, :mod:`ciera_jax.collective.word_mode`): a ``b``-bit code of each word's
   move since the cached word, with escapes out of line.
 
 Phases, per tensor:
@@ -24,7 +24,7 @@ transfer) or fixed when the step is compiled (a :class:`~ciera_jax.collective.ca
 from a host that knew the demand before the step: the section rides in the main transfer, and
 the fallback's conditional is the only one with collectives; with overflow rungs
 (``FixedRung.exits``) it also finishes a word tensor a few rungs above its fixed one as words,
-:func:`ciera_jax.collective.word_option.overflow_exit`). A train step fixes it
+:func:`ciera_jax.collective.word_mode.overflow_exit`). A train step fixes it
 (:mod:`ciera_jax.fsdp.phases`); a lone :func:`all_gather` cannot know its demand in advance.
 
 Each compressed tensor thus has one codec in the compiled step, and its main transfer is
@@ -50,16 +50,16 @@ import numpy as np
 from jax import lax
 
 from ciera_jax.codec import bitfields
-from ciera_jax.collective import (capacity, exponent_option, selfcheck, transfer, validation,
-                                  word_option)
+from ciera_jax.collective import (capacity, exponent_mode, selfcheck, transfer, validation,
+                                  word_mode)
 from ciera_jax.collective.cache import ExponentCache, WordCache, is_cache
-from ciera_jax.collective.exponent_option import Encoded
+from ciera_jax.collective.exponent_mode import Encoded
 from ciera_jax.collective.gradient import attach_gather_grad
 from ciera_jax.codec.layout import full_index, gathered_shape, rows_to_full
 from ciera_jax.runtime import target
 from ciera_jax.runtime.varying import varying_like, varying_over
 from ciera_jax.codec.wire import AGREEMENT_BYTES, DEFAULT_CODE_BITS, agreement_bytes
-from ciera_jax.collective.word_option import WordEncoded
+from ciera_jax.collective.word_mode import WordEncoded
 
 __all__ = ["AGREEMENT_BYTES", "Encoded", "IMPLS", "MODE_EXPONENT", "MODE_PLAIN", "MODE_WORD",
            "WordEncoded", "agree", "all_gather", "all_gather_tree", "attach_gather_grad",
@@ -160,9 +160,9 @@ def encode(x: jax.Array, cache, axis_name, *, axis: int = 0, impl: str = "auto",
         def cached_at(i):  # read in place: the escapes need a few cached words, not the slice
             return words_flat[full_index(i, v.x.shape, v.axis, v.n_ranks, v.offset)]
 
-        return word_option.encode(v.x, v.cached, cache.primed, v.axis, v.n_ranks, v.checksum,
+        return word_mode.encode(v.x, v.cached, cache.primed, v.axis, v.n_ranks, v.checksum,
                                   impl, code_bits, cached_at)
-    return exponent_option.encode(v.x, v.cached, cache.primed, v.axis, v.n_ranks, v.checksum,
+    return exponent_mode.encode(v.x, v.cached, cache.primed, v.axis, v.n_ranks, v.checksum,
                                   impl)
 
 
@@ -259,7 +259,7 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
     # The shard itself, not its bits, goes in: a bits copy of it would be made whole (an
     # operand of the fallback's cond) though only the head travels on most steps.
     shard = lax.stop_gradient(x)
-    option, cached = ((word_option, cache.words) if word else (exponent_option, cache.exp))
+    option, cached = ((word_mode, cache.words) if word else (exponent_mode, cache.exp))
     sent = option.send(e, agreed, shard, axis_name)
     fallback, rung, section = sent.overflow, sent.rung, sent.section_bytes
     wire = e.wire
@@ -282,16 +282,16 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
     decoded = ()
     finish = failed = fill_section = None
     if word:
-        got = word_option.receive(e, sent, cached, impl)
-        finish = word_option.overflow_exit(e, sent, got, impl, axis_name)
-        fill_section = functools.partial(word_option.fill, e, got, *got.levels,
+        got = word_mode.receive(e, sent, cached, impl)
+        finish = word_mode.overflow_exit(e, sent, got, impl, axis_name)
+        fill_section = functools.partial(word_mode.fill, e, got, *got.levels,
                                          jnp.asarray(wire.caps1, jnp.int32)[rung], impl)
         if not (finish and fills_in_branch()):
             decoded = (fill_section(),)
         # With overflow rungs, the check takes the conditional's words, whichever way they
         # came (an exit fills the escapes past the fixed prefix in its branch); without, the
         # decode's, fused with it before the conditional.
-        failed = None if finish else word_option.check(e, got, decoded[0], dtype)
+        failed = None if finish else word_mode.check(e, got, decoded[0], dtype)
     operands = (shard, sent.rows, decoded)
 
     def typed(*arrays):  # every branch's outputs typed alike
@@ -308,7 +308,7 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
     def compressed(_, __, decoded):
         if word:
             return typed(*(decoded or (fill_section(),)))
-        return typed(*exponent_option.decode(e, sent, cached, dtype, impl))
+        return typed(*exponent_mode.decode(e, sent, cached, dtype, impl))
 
     def overflow(*_):
         return typed(finish())
@@ -327,7 +327,7 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
     if word:
         (new_cached,) = out
         if failed is None:
-            failed = word_option.check(e, got, new_cached, dtype)
+            failed = word_mode.check(e, got, new_cached, dtype)
         full = bitfields.from_bits(new_cached, dtype)
     else:
         full, new_cached, failed = out
@@ -339,7 +339,7 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
                     ).astype(jnp.int32),
         plain_bytes=jnp.int32(wire.n * dtype.itemsize),
         changed=e.count,
-        agreed_changed=jnp.minimum(demand[word_option.EXP_CHANGED] if word else demand,
+        agreed_changed=jnp.minimum(demand[word_mode.EXP_CHANGED] if word else demand,
                                    wire.n).astype(jnp.int32),
         tier=jnp.where(fallback, len(caps), taken).astype(jnp.int32),
         capacity=jnp.where(fallback, wire.n, jnp.asarray(caps, jnp.int32)[taken]),
@@ -372,7 +372,7 @@ def _fixed_plain(x, e, cache, agreed, axis_name):
         sent_bytes=jnp.int32(wire.plain_bytes + agreement_bytes("word" if word else "exponent")),
         plain_bytes=jnp.int32(wire.plain_bytes),
         changed=e.count,
-        agreed_changed=jnp.minimum(agreed.demand[word_option.EXP_CHANGED] if word
+        agreed_changed=jnp.minimum(agreed.demand[word_mode.EXP_CHANGED] if word
                                    else agreed.demand, wire.n).astype(jnp.int32),
         tier=jnp.int32(len(caps)), capacity=jnp.int32(wire.n), bitmap=jnp.bool_(False),
         fallback=jnp.bool_(True), mode=jnp.int32(MODE_PLAIN), code_bits=jnp.int32(0),

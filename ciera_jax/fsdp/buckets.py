@@ -27,7 +27,7 @@ import numpy as np
 from jax import lax
 
 from ciera_jax.collective import cache as cache_lib
-from ciera_jax.codec import bitfields, layout
+from ciera_jax.collective import bitfields, layout
 from ciera_jax.collective.gradient import attach_gather_grad
 from ciera_jax.fsdp.state.inventory import GatheredTensor
 from ciera_jax.runtime.partition import kept_axes

@@ -18,10 +18,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ciera_jax.codec import bitfields
-from ciera_jax.codec.wire import DEFAULT_CODE_BITS
+from ciera_jax.collective import bitfields
+from ciera_jax.collective import DEFAULT_CODE_BITS
 import ciera_jax.collective.gather as collective
-from ciera_jax.collective import exponent_option, validation, word_option
+from ciera_jax.collective import validation
+from ciera_jax.collective import exponent_mode
+from ciera_jax.collective import word_mode
 from ciera_jax.collective.cache import WordCache
 
 
@@ -68,9 +70,9 @@ def encode_same_size(xs: list, caches: list, axis_name, *, axes: list, lead: int
         bits_n, cached_n, primed, csum = row
         x_n = bitfields.from_bits(bits_n, dtype)
         if word:
-            return word_option.encode(x_n, cached_n, primed, 0, n_ranks, csum, impl, code_bits,
+            return word_mode.encode(x_n, cached_n, primed, 0, n_ranks, csum, impl, code_bits,
                                       lambda i: cached_n[i])
-        return exponent_option.encode(x_n, cached_n, primed, 0, n_ranks, csum, impl)
+        return exponent_mode.encode(x_n, cached_n, primed, 0, n_ranks, csum, impl)
 
     encoded = lax.map(body, stacked)
     out = []
@@ -84,7 +86,7 @@ def encode_same_size(xs: list, caches: list, axis_name, *, axes: list, lead: int
 
 def _shaped(e, shard_shape: tuple, axis: int):
     """A flat shard's Encoded -> the shard's own (its shape and gather axis): the same bytes."""
-    if isinstance(e, word_option.WordEncoded):
+    if isinstance(e, word_mode.WordEncoded):
         return dataclasses.replace(e, axis=axis, shard_shape=tuple(shard_shape))
     payload = e.payload.reshape(e.payload.shape[:-1] + tuple(shard_shape))
     return dataclasses.replace(e, payload=payload, axis=axis)

@@ -12,7 +12,7 @@ import jax
 from flax import nnx
 
 import ciera_jax.collective.cache as cache_lib
-from ciera_jax.codec import bitfields
+from ciera_jax.collective import bitfields
 from ciera_jax.fsdp.state.axes import MANUAL, REGION, UNSHARDED, axis_size, placement
 from ciera_jax.fsdp.state.caches import PLAIN_ATTR, GatherCacheVar, cache_attr
 from ciera_jax.fsdp.state.discovery import GatherSpec, module_name, module_path, sharded_params

@@ -5,7 +5,7 @@ exchange each at its agreed tier.
 
 When the agreement also runs at the end of the previous step, the host reads each tensor's
 needed rung (:func:`needed_rungs`) before the step and fixes the rungs the step is compiled at
-(:func:`fix_rungs`; a policy such as :class:`~ciera_jax.planning.capacities.RungPolicy` picks
+(:func:`fix_rungs`; a policy such as :class:`~ciera_models.train.rung_policy.RungPolicy` picks
 them): the step then holds no agreement collective and no collective in a conditional but the
 fallback's (:mod:`ciera_jax.collective.capacity`)."""
 
@@ -20,8 +20,8 @@ import numpy as np
 from jax import lax
 
 import ciera_jax.collective.gather as collective
-from ciera_jax.codec import bitfields
-from ciera_jax.codec.wire import ExponentWire, WordWire
+from ciera_jax.collective import bitfields
+from ciera_jax.collective import ExponentWire, WordWire
 from ciera_jax.collective import capacity
 from ciera_jax.fsdp import buckets, encode_group
 from ciera_jax.fsdp.state.axes import AXIS, axis_size

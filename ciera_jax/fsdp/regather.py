@@ -20,7 +20,7 @@ try:  # experimental in jax 0.10; where a JAX has moved it, XLA picks the layout
 except ImportError:  # pragma: no cover - not in the JAX this project pins for CI
     Layout = with_layout_constraint = None
 
-from ciera_jax.codec import bitfields
+from ciera_jax.collective import bitfields
 from ciera_jax.fsdp import buckets
 
 

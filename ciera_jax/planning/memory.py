@@ -34,7 +34,7 @@ stays under its memory limit (95% of 80% of the GPU less the inputs), so the sam
 model's total as its limit (``gpu_targets.plan_slop_percent``) XLA's count is within 10% of this
 one on every paper-scale row (docs/results.md, "XLA's scheduler within the plan"); ``ciera
 train`` and ``ciera aot`` set that limit only where XLA's own schedule would not fit the GPU
-(``ciera_models.memory_limit``): this model counts what a step needs, not the room XLA takes.
+(``ciera_models.train.memory_limit``): this model counts what a step needs, not the room XLA takes.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """Process and platform plumbing, below everything else in the library.
 
 devices.py    emulated CPU devices, make_mesh; XLA flags on GPU
-launch.py     local multi-process runs over gloo sockets
-netns.py      shaped links between local processes (network namespaces, tc)
 partition.py  which tensor is split on which mesh axis: rule tables, one-axis PartitionSpecs
 varying.py    JAX's varying-manual-axes typing across versions
 lazy.py       package names that load their module on first use

@@ -45,7 +45,7 @@ GPUS_PER_HOST = 8
 SCHEDULER_BASE_SHARE = 0.8
 SLOP_FLAG = "xla_gpu_memory_limit_slop_factor"
 DEFAULT_SLOP_PERCENT = 95  # XLA's default
-# Where a train step sets that limit (ciera_models.memory_limit): auto, the plan's, XLA's own.
+# Where a train step sets that limit (ciera_models.train.memory_limit): auto, the plan's, XLA's own.
 MEMORY_LIMITS = ("auto", "plan", "gpu")
 # The share of a GPU's memory JAX's allocator may hold when the environment names none: the GPU
 # client's default, preallocated or not (XLA's BFC allocator is sized to it and only grows to it).

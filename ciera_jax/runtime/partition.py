@@ -2,7 +2,7 @@
 PartitionSpecs of one split axis, what a parameter's own spec keeps after the gather (its other
 mesh axes), and the divisibility check. Pure Python below every user of it: the memory model,
 calibration and :mod:`ciera_jax.fsdp` read it. The library ships no table naming a model's
-weights: a model passes its own to :func:`~ciera_jax.fsdp.gathered` (``ciera_models/sharding.py``
+weights: a model passes its own to :func:`~ciera_jax.fsdp.gathered` (``ciera_models/model/sharding.py``
 is ours)."""
 
 from __future__ import annotations

@@ -13,11 +13,11 @@ if os.environ.get("CIERA_TEST_COMPILE_DONE_LATE"):
     import concurrent.futures
     import time
 
-    from ciera_models import beside
+    from ciera_models.train import beside
 
     class _DoneLate(concurrent.futures.Future):
         """Done from the (``asks``+1)-th time :meth:`done` is asked (once a step, in
-        :meth:`~ciera_models.beside.CompilesBeside.take_ready`'s agreement)."""
+        :meth:`~ciera_models.train.beside.CompilesBeside.take_ready`'s agreement)."""
 
         def __init__(self, result, asks: int):
             super().__init__()

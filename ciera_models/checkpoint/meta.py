@@ -1,8 +1,8 @@
 """What a checkpoint's metadata says and promises: whether a run may resume from it, on which
 layout it was saved, its format, and the digests that let a restore trust it (format 2: of the
-metadata itself, the shards' own are in :mod:`ciera_models.shard_digest`; format 1: of the
+metadata itself, the shards' own are in :mod:`ciera_models.checkpoint.shard_digest`; format 1: of the
 whole params and optimizer state). Pure functions of the metadata and the arrays; orbax and the
-folder are :mod:`ciera_models.checkpoint`'s.
+folder are :mod:`ciera_models.checkpoint.store`'s.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import json
 import jax
 import numpy as np
 
-from ciera_models.params_hash import host_array
-from ciera_models.shard_digest import Damaged
+from ciera_models.checkpoint.params_hash import host_array
+from ciera_models.checkpoint.shard_digest import Damaged
 
 # A resumed run must agree on these, or the checkpoint does not fit (shapes, data) or is not
 # the run it claims to continue.

@@ -18,7 +18,7 @@ import sys
 import jax
 
 from ciera_jax.planning import memory, planner
-from ciera_models.train_config import PLANS
+from ciera_models.train.config import PLANS
 EXPERT_WEIGHT = re.compile(r"w_(gate|up|down)_Ex\w+")
 
 

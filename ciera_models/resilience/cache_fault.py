@@ -12,7 +12,7 @@ import dataclasses
 import math
 
 from ciera_jax import fsdp
-from ciera_jax.collective import faults
+from ciera_models.resilience import corrupt as faults
 
 FLIPPED_BITS = 8  # several, so one landing on an element whose exponent moves anyway still
                   # leaves others that the check must see

@@ -3,7 +3,7 @@
 The trainer is built on a compile-only mesh of the target cluster (``ciera_jax.runtime.
 gpu_targets``), its step lowered from abstract state (``ShapeDtypeStruct`` with the trainer's
 shardings: nothing is allocated) and compiled by XLA:GPU with the FSDP flags GPU users run.
-The report reads the scheduled program (``ciera_jax.runtime.schedule``): kernels, conditionals,
+The report reads the scheduled program (``ciera_models.aot.schedule``): kernels, conditionals,
 every collective with what overlaps it, and XLA's memory count against the GPU's memory, beside
 what the trainer's plan and the memory model said.
 """
@@ -28,12 +28,13 @@ from jax.sharding import PartitionSpec as P
 
 from ciera_jax.collective import transfer
 from ciera_jax.fsdp import AXIS
-from ciera_jax.kernels.backend import lowering_for
-from ciera_jax.runtime import gpu_targets, hlo, schedule
-from ciera_models import memory_limit
-from ciera_models.build import build_trainer
-from ciera_models.state import placed_abstract
-from ciera_models.step import AHEAD_SPECS
+from ciera_jax.collective import lowering_for
+from ciera_jax.runtime import gpu_targets, hlo
+from ciera_models.aot import schedule
+from ciera_models.train import memory_limit
+from ciera_models.train.build import build_trainer
+from ciera_models.train.state import placed_abstract
+from ciera_models.train.step import AHEAD_SPECS
 
 
 def batch_for(tc, gpus: int, tokens_per_gpu: int):
@@ -232,8 +233,8 @@ def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: i
                  modules: bool = False, phases: bool = False, temporaries: int = 0) -> dict:
     """Compile ``tc``'s train step for ``gpus`` x ``target`` and report the program
     (``program``: which of the trainer's programs, ``steady`` or ``priming``:
-    :meth:`~ciera_models.state.Trainer.at_rungs`; XLA's scheduler limit as ``tc.memory_limit``
-    says: :func:`ciera_models.memory_limit.compile_within`, as ``ciera train`` compiles)."""
+    :meth:`~ciera_models.train.state.Trainer.at_rungs`; XLA's scheduler limit as ``tc.memory_limit``
+    says: :func:`ciera_models.train.memory_limit.compile_within`, as ``ciera train`` compiles)."""
     tc = batch_for(tc, gpus, tokens_per_gpu)
     # Plan within what JAX's allocator may hold of the target (this environment's share, as a
     # pod run's memory_stats report it), never a CPU device's memory.

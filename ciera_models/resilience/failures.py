@@ -55,7 +55,7 @@ def everywhere(e: BaseException) -> BaseException:
     """``e``, marked as raised by every process at the same point (after an agreement, or
     from values every process holds alike). Such a run ends through JAX's exit-time shutdown,
     which every process reaches; any other failure of a multi-process run ends its process at
-    once (:func:`ciera_models.peers.end_alone`)."""
+    once (:func:`ciera_models.resilience.peers.end_alone`)."""
     e.ciera_everywhere = True
     return e
 

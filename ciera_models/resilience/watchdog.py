@@ -2,18 +2,18 @@
 
 A process can get stuck while alive: a collective whose peer never arrives, a checkpoint read
 that never returns, a deadlock inside a library. Its heartbeat keeps flowing, so the peer
-watcher (:mod:`ciera_models.peers`) sees nothing wrong, and every other process waits for it in
+watcher (:mod:`ciera_models.resilience.peers`) sees nothing wrong, and every other process waits for it in
 its next collective. So the loop marks its progress (:func:`mark`: each step, the agreement
 after it, each phase of a checkpoint's check, a save it waits for), and a thread watches the
 marks. When no process has marked anything for ``--hang-timeout`` seconds and none is
 compiling (a compile marks nothing for minutes at scale: :func:`compiling`; for at most
 :attr:`Watch.compile_limit_s`), every process writes each thread's stack to its log, prints
 one line that says where each process was and what to restart from, and ends with
-:data:`~ciera_models.failures.EXIT_HUNG` (70).
+:data:`~ciera_models.resilience.failures.EXIT_HUNG` (70).
 
 In a multi-process run each process's mark travels with its heartbeat in the coordination
 service's key-value store (the peer watcher's one thread sends and reads both:
-:func:`ciera_models.peers.publish_with_beats`), and each reads the others': a process waiting in a
+:func:`ciera_models.resilience.peers.publish_with_beats`), and each reads the others': a process waiting in a
 collective for a peer that is still compiling does not give up, and the line names the process
 that stopped (say ``process 1 before step 3``) next to the ones waiting for it.
 """
@@ -28,8 +28,8 @@ import time
 import traceback
 from typing import NoReturn
 
-from ciera_models import peers
-from ciera_models.failures import EXIT_HUNG
+from ciera_models.resilience import peers
+from ciera_models.resilience.failures import EXIT_HUNG
 
 DEFAULT_TIMEOUT_S = 1800  # torch.distributed's default_pg_timeout: far longer than a step
 # A compile holds every process off for this many timeouts, and at least an hour (a GPU
@@ -115,7 +115,7 @@ class Watch:
 
 
 def stuck_line(process_id: int, watch: Watch, advice: str, stacks: str) -> str:
-    """The one line each process prints (``advice``: :func:`ciera_models.peers.restart_advice`)."""
+    """The one line each process prints (``advice``: :func:`ciera_models.resilience.peers.restart_advice`)."""
     who = f" (process {process_id})" if len(watch.seen) > 1 else ""
     if any(s.compiling for s in watch.seen):  # held off until the compile's limit
         waited = (f"{watch.compile_limit_s:g} s (a compile's limit: {COMPILE_TIMEOUTS} x "
@@ -129,7 +129,7 @@ def stuck_line(process_id: int, watch: Watch, advice: str, stacks: str) -> str:
 def start(timeout_s: float, process_id: int = 0, num_processes: int = 1,
           log: str | None = None) -> None:
     """Watch from a daemon thread (``timeout_s`` 0: not at all). Several processes: the marks
-    travel with the peer watcher's beats (:func:`ciera_models.peers.publish_with_beats`);
+    travel with the peer watcher's beats (:func:`ciera_models.resilience.peers.publish_with_beats`);
     ``log``: where the stacks go (the supervisor's log of this process), else stderr, above
     the line."""
     if not timeout_s:
@@ -157,7 +157,7 @@ def _watch(timeout_s, process_id, num_processes, log) -> None:
 
 def look(watch: Watch, process_id: int, now: float) -> None:
     """One round's look at every process's mark: this process's own, the others' as their last
-    beats carried them (:func:`ciera_models.peers.marks`; with the coordination service gone,
+    beats carried them (:func:`ciera_models.resilience.peers.marks`; with the coordination service gone,
     the peer watcher's case, they stand still until it ends the process)."""
     watch.update(process_id, own(), now)
     if len(watch.seen) > 1:

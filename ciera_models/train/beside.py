@@ -20,7 +20,7 @@ from typing import Callable
 
 import jax
 
-from ciera_models.preemption import agree
+from ciera_models.resilience.preemption import agree
 
 
 def abstract_like(tree):

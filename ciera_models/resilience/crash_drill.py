@@ -10,7 +10,7 @@ they wait for it in the step's collectives (docs/training.md, "Multi-process: a 
 
 ``--inject-hang STEP[:PROCESS]``: before step STEP, process PROCESS stops where it is, alive, as
 one stuck in a library would (its heartbeats go on); the others wait for it in the step. The
-watchdog (``--hang-timeout``, :mod:`ciera_models.watchdog`) then ends every process in one line,
+watchdog (``--hang-timeout``, :mod:`ciera_models.resilience.watchdog`) then ends every process in one line,
 exit 70.
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-from ciera_models import watchdog
+from ciera_models.resilience import watchdog
 
 
 class InjectedCrash(RuntimeError):

@@ -1,6 +1,6 @@
 """The training state, and the trainer that owns its shapes, shardings and compiled step.
 
-:func:`ciera_models.build.build_trainer` makes the trainer for a config, memoized.
+:func:`ciera_models.train.build.build_trainer` makes the trainer for a config, memoized.
 """
 
 from __future__ import annotations
@@ -23,19 +23,20 @@ from jax.sharding import PartitionSpec as P
 
 import ciera_jax
 from ciera_jax import fsdp
-from ciera_jax.codec.wire import PLAIN_RUNG
+from ciera_jax.collective import PLAIN_RUNG
 from ciera_jax.collective.cache import EMPTY_SHAPE
 from ciera_jax.fsdp import AXIS
 from ciera_jax.planning import costmodel
 from ciera_jax.runtime import gpu_targets
-from ciera_jax.planning.capacities import (RungPolicy, exits_for, program_key, rungs_holding,
+from ciera_models.train.rung_policy import (RungPolicy, exits_for, program_key, rungs_holding,
                                            seconds_per_byte)
-from ciera_models import memory_limit, watchdog
-from ciera_models.beside import CompilesBeside, abstract_like, in_thread
-from ciera_models.data import Dataset
-from ciera_models.model import Transformer
-from ciera_models.plan_policy import NO_CACHE, default_profile
-from ciera_models.step import AHEAD_SPECS, all_words, per_layer_stats
+from ciera_models.train import memory_limit
+from ciera_models.resilience import watchdog
+from ciera_models.train.beside import CompilesBeside, abstract_like, in_thread
+from ciera_models.train.data import Dataset
+from ciera_models.model.transformer import Transformer
+from ciera_models.train.plan_policy import NO_CACHE, default_profile
+from ciera_models.train.step import AHEAD_SPECS, all_words, per_layer_stats
 
 INT32_MAX = np.iinfo(np.int32).max
 PROGRAMS = ("steady", "priming")  # the programs Trainer.at_rungs names
@@ -185,7 +186,7 @@ class Trainer:
     def compile(self, args: tuple, log=None, lowered=None):
         """The step compiled for ``args`` (one rung vector's program; ``lowered``: the step
         lowered for them already). On GPUs: with :attr:`compiler_options`, and XLA's scheduler
-        memory limit as ``--memory-limit`` says (:func:`ciera_models.memory_limit.compile_within`,
+        memory limit as ``--memory-limit`` says (:func:`ciera_models.train.memory_limit.compile_within`,
         the policy ``ciera aot`` reports with; a GPU model not in ``gpu_targets.TARGETS`` keeps
         XLA's own limit)."""
         with watchdog.compiling():
@@ -316,7 +317,7 @@ class Trainer:
 
     def unit_exits(self, encoded) -> dict:
         """``{key: overflow rungs}`` of every compressed tensor and bucket: ``--overflow-rungs``
-        where the unit carries enough of the word bytes (:func:`capacities.exits_for`), none
+        where the unit carries enough of the word bytes (:func:`rung_policy.exits_for`), none
         elsewhere. ``encoded``: ahead's, arrays or shapes."""
         return exits_for(fsdp.wires(self.tensors, encoded, self.n),
                          fsdp.unit_layers(self.tensors, encoded), self.tc.overflow_rungs)
@@ -325,7 +326,7 @@ class Trainer:
         """The step's ``(params, caches, opt_state, ahead, tokens)`` with every compressed
         gather's rung fixed (the ahead's ``agreed``): ``rungs`` is ``{key: rung}``,
         ``"steady"`` (each tensor at the rung holding the steady-state demand,
-        ``capacities.rungs_holding``: the first step's program) or ``"priming"`` (every one
+        ``rung_policy.rungs_holding``: the first step's program) or ``"priming"`` (every one
         plain). Abstract arguments work too (``ciera aot``)."""
         params, caches, opt_state, ahead, tokens = args
         if isinstance(rungs, str):

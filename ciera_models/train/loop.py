@@ -21,16 +21,22 @@ from typing import Callable
 
 from ciera_jax.runtime.devices import make_mesh
 from ciera_jax.runtime.outputs import check_output_file
-from ciera_models import checkpoint as ckpt
-from ciera_models import checkpoint_meta
-from ciera_models import crash_drill, faults, metrics, peers, run_lock, supervisor, watchdog
-from ciera_models.failures import WriteFailed, describe_os_error, everywhere, raised_by_all
-from ciera_models.data import load_dataset
-from ciera_models.params_hash import params_sha256
-from ciera_models.preemption import PreemptionGuard, agree
-from ciera_models.build import build_trainer
-from ciera_models.state import TrainState, bytes_per_device
-from ciera_models.train_config import CACHE_MODES, RunConfig, TrainConfig
+from ciera_models.checkpoint import store as ckpt
+from ciera_models.checkpoint import meta as checkpoint_meta
+from ciera_models.resilience import crash_drill
+from ciera_models.resilience import cache_fault as faults
+from ciera_models.train import metrics
+from ciera_models.resilience import peers
+from ciera_models.resilience import run_lock
+from ciera_models.resilience import supervisor
+from ciera_models.resilience import watchdog
+from ciera_models.resilience.failures import WriteFailed, describe_os_error, everywhere, raised_by_all
+from ciera_models.train.data import load_dataset
+from ciera_models.checkpoint.params_hash import params_sha256
+from ciera_models.resilience.preemption import PreemptionGuard, agree
+from ciera_models.train.build import build_trainer
+from ciera_models.train.state import TrainState, bytes_per_device
+from ciera_models.train.config import CACHE_MODES, RunConfig, TrainConfig
 
 
 @dataclasses.dataclass

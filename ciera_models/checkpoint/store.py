@@ -40,14 +40,16 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
-from ciera_models import peers, shard_digest, watchdog
-from ciera_models.checkpoint_meta import (FORMAT, check_meta, checkpoint_format, meta_sha256,
+from ciera_models.resilience import peers
+from ciera_models.checkpoint import shard_digest
+from ciera_models.resilience import watchdog
+from ciera_models.checkpoint.meta import (FORMAT, check_meta, checkpoint_format, meta_sha256,
                                          tree_sha256)
-from ciera_models.failures import (NoGoodCheckpoint, RunFailure, WriteFailed,
+from ciera_models.resilience.failures import (NoGoodCheckpoint, RunFailure, WriteFailed,
                                    describe_os_error, everywhere)
-from ciera_models.params_hash import params_sha256
-from ciera_models.preemption import agree, agree_steps
-from ciera_models.shard_digest import Damaged
+from ciera_models.checkpoint.params_hash import params_sha256
+from ciera_models.resilience.preemption import agree, agree_steps
+from ciera_models.checkpoint.shard_digest import Damaged
 
 DAMAGED = "damaged"  # damaged checkpoints are moved to <dir>/damaged/<step>
 

@@ -32,8 +32,8 @@ import threading
 import time
 from pathlib import Path
 
-from ciera_models import peers
-from ciera_models.failures import EXIT_PEER_LOST
+from ciera_models.resilience import peers
+from ciera_models.resilience.failures import EXIT_PEER_LOST
 
 CHILD_ENV = "CIERA_TRAIN_CHILD"  # set in the child: it runs the job itself
 LOG_ENV = "CIERA_TRAIN_LOG"  # the log file's path, for the child's own lost-peer line

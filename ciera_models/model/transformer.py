@@ -27,9 +27,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ciera_jax import fsdp
 from ciera_jax.fsdp import gathered
-from ciera_models.configs import ModelConfig
-from ciera_models.grouped_matmul import grouped_matmul
-from ciera_models.sharding import RULES
+from ciera_models.model.configs import ModelConfig
+from ciera_models.model.grouped_matmul import grouped_matmul
+from ciera_models.model.sharding import RULES
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 INIT_STD = 0.02
@@ -37,7 +37,7 @@ INIT_STD = 0.02
 # B x H x L x L scores) or cuDNN's fused flash attention (GPU only).
 ATTENTIONS = ("xla", "cudnn")
 # The experts' grouped matmul: lax.ragged_dot (XLA:GPU densifies it over every expert: 25.8 GB
-# per OLMoE layer) or ciera_models.grouped_matmul's loop over blocks of rows (bounded on GPU).
+# per OLMoE layer) or ciera_models.model.grouped_matmul's loop over blocks of rows (bounded on GPU).
 EXPERTS_MATMULS = ("ragged", "blocked")
 
 

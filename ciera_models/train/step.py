@@ -48,10 +48,10 @@ from jax.sharding import PartitionSpec as P
 
 import ciera_jax
 from ciera_jax import fsdp
-from ciera_jax.codec import bitfields
+from ciera_jax.collective import bitfields
 from ciera_jax.collective import heal
 from ciera_jax.fsdp import AXIS
-from ciera_jax.codec.wire import agreement_bytes
+from ciera_jax.collective import agreement_bytes
 
 # ``ahead``: per rank Encoded (a leading rank axis outside shard_map); replicated counts,
 # agreed demands and the rungs they need.

@@ -32,7 +32,7 @@ import math
 
 import numpy as np
 
-from ciera_jax.codec.wire import PLAIN_RUNG, WordWire, rung_for
+from ciera_jax.collective import PLAIN_RUNG, WordWire, rung_for
 from ciera_jax.planning import costmodel
 
 # Steady-state demands, as shares of a shard's elements, for a program compiled before any

@@ -18,11 +18,11 @@ import dataclasses
 import importlib
 import typing
 
-from ciera_jax.codec.wire import OVERFLOW_RUNGS
+from ciera_jax.collective import OVERFLOW_RUNGS
 from ciera_jax.runtime.gpu_targets import is_gpu
-from ciera_models import configs
-from ciera_models.data import TOKEN_DTYPES
-from ciera_models.watchdog import DEFAULT_TIMEOUT_S as DEFAULT_HANG_TIMEOUT_S
+from ciera_models.model import configs
+from ciera_models.train.data import TOKEN_DTYPES
+from ciera_models.resilience.watchdog import DEFAULT_TIMEOUT_S as DEFAULT_HANG_TIMEOUT_S
 
 
 class LazyChoices(collections.abc.Sequence):
@@ -140,7 +140,7 @@ class TrainConfig:
     experts_matmul: str = option(
         "auto", "the experts' grouped matmul: auto (blocked when the mesh's devices are GPUs, "
         "ragged otherwise), ragged (lax.ragged_dot; XLA:GPU turns it into a dense matmul over "
-        "every expert), blocked (a loop over blocks of 128 rows, ciera_models.grouped_matmul)",
+        "every expert), blocked (a loop over blocks of 128 rows, ciera_models.model.grouped_matmul)",
         choices=("auto", "ragged", "blocked"))
     xla_flags: str = option(
         "fsdp", "XLA:GPU's flags for the step (ignored on other devices): fsdp (NVIDIA "
@@ -155,7 +155,7 @@ class TrainConfig:
         choices=LazyChoices("ciera_jax.runtime.gpu_targets", "MEMORY_LIMITS"))
 
     def rung_policy_options(self) -> dict:
-        """Keyword arguments of :class:`ciera_jax.planning.capacities.RungPolicy`."""
+        """Keyword arguments of :class:`ciera_models.train.rung_policy.RungPolicy`."""
         return {"max_programs": self.max_programs, "patience": self.program_patience}
 
     @property

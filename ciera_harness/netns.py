@@ -8,7 +8,7 @@ on the veths only, inside namespaces this module creates; nothing outside them i
 
 Needs root, ``ip`` (iproute2) with netns/veth/bridge support and ``tc``. :func:`available`
 says whether it works here (and why not). :func:`run_in_namespaces` is the counterpart of
-:func:`ciera_jax.runtime.launch.run_local`: it runs ``python -m MODULE`` once per namespace with the
+:func:`ciera_harness.launch.run_local`: it runs ``python -m MODULE`` once per namespace with the
 same ``CIERA_*`` environment, the coordinator on process 0's veth address, and
 ``CIERA_GLOO_HOSTNAME`` set so gloo binds to the veth address (the hostname of the machine
 resolves to 127.0.0.1 in every namespace, which peers in other namespaces cannot reach); the
@@ -26,7 +26,7 @@ import shutil
 import subprocess
 import sys
 
-from ciera_jax.runtime.launch import child_env, collect, failure_report
+from ciera_harness.launch import child_env, collect, failure_report
 
 MTU = 9000  # jumbo frames, as on datacenter links
 

@@ -22,7 +22,7 @@ import jax
 
 from ciera_jax.planning import memory, planner
 from ciera_jax.runtime import gpu_targets
-from ciera_models import plan_policy
+from ciera_models.train import plan_policy
 
 MEMORY_LIMITS = gpu_targets.MEMORY_LIMITS
 Compiled = TypeVar("Compiled")

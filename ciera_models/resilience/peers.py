@@ -19,7 +19,7 @@ disk, a save that was in flight) and ends the process with ``os._exit``, before 
 timeout (the full ``--peer-timeout``) would abort it. A collective that fails in the step
 (:func:`lost_peer`) waits for that line. A peer that never starts: ``initialization_timeout``
 bounds the join. A peer that stops while alive (its beats go on) is the watchdog's
-(:mod:`ciera_models.watchdog`, ``--hang-timeout``).
+(:mod:`ciera_models.resilience.watchdog`, ``--hang-timeout``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Callable, NoReturn
 
-from ciera_models.failures import EXIT_PEER_LOST, PeerLost
+from ciera_models.resilience.failures import EXIT_PEER_LOST, PeerLost
 
 DEFAULT_TIMEOUT_S = 60
 BEATS = "ciera/beat/"  # + the process id: its heartbeat, in the coordination service

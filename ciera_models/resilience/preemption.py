@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from ciera_models import peers
+from ciera_models.resilience import peers
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later" -- rerun (with --resume if it saved)
 SIGNALS = (signal.SIGTERM, signal.SIGINT)

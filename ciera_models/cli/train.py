@@ -18,7 +18,7 @@ import signal
 import sys
 import traceback
 
-from ciera_models.train_config import (RunConfig, TrainConfig, add_fields, from_args, option,
+from ciera_models.train.config import (RunConfig, TrainConfig, add_fields, from_args, option,
                                        to_argv)
 
 
@@ -89,7 +89,7 @@ def _init_distributed(launch: LaunchConfig) -> None:
     if launch.coordinator:
         # CPU processes exchange collectives over gloo sockets (GPUs use NCCL regardless).
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        from ciera_models import peers
+        from ciera_models.resilience import peers
 
         peers.initialize(launch.coordinator, launch.num_processes, launch.process_id,
                          launch.peer_timeout)
@@ -100,7 +100,7 @@ def _schedule_steps(tc: TrainConfig, run: RunConfig) -> int:
     if tc.schedule_steps is not None:
         return tc.schedule_steps
     if run.resume and run.checkpoint_dir:
-        from ciera_models import checkpoint  # imports orbax: only when resuming
+        from ciera_models.checkpoint import store as checkpoint  # imports orbax: only when resuming
 
         meta = checkpoint.latest_meta(run.checkpoint_dir) or {}
         saved = meta.get("train_config", meta)  # older checkpoints: top-level keys
@@ -111,8 +111,8 @@ def _schedule_steps(tc: TrainConfig, run: RunConfig) -> int:
 
 def run(args) -> int:
     from ciera_jax.runtime.devices import setup_devices
-    from ciera_models import configs
-    from ciera_models.loop import check_inputs
+    from ciera_models.model import configs
+    from ciera_models.train.loop import check_inputs
 
     tc, run_cfg = from_args(TrainConfig, args), from_args(RunConfig, args)
     configs.get_config(tc.config)  # unknown config -> KeyError with the choices
@@ -121,9 +121,11 @@ def run(args) -> int:
     _check_launch(launch)
     vars(args).update(coordinator=launch.coordinator, num_processes=launch.num_processes,
                       process_id=launch.process_id)  # for the child's flags
-    from ciera_models import peers, supervisor, watchdog
+    from ciera_models.resilience import peers
+    from ciera_models.resilience import supervisor
+    from ciera_models.resilience import watchdog
     from ciera_jax.cli.main import BAD_INPUT, EXIT_BAD_INPUT, bad_input_line
-    from ciera_models.failures import PeerLost, RunFailure, raised_everywhere
+    from ciera_models.resilience.failures import PeerLost, RunFailure, raised_everywhere
 
     if (launch.num_processes or 1) > 1 and launch.coordinator and not supervisor.is_child():
         # the job runs in a child, so that a lost coordinator's C++ abort is one line here
@@ -143,8 +145,8 @@ def run(args) -> int:
 
     import jax
 
-    from ciera_models.loop import train
-    from ciera_models.preemption import EXIT_PREEMPTED
+    from ciera_models.train.loop import train
+    from ciera_models.resilience.preemption import EXIT_PREEMPTED
     from ciera_jax.runtime.devices import make_mesh
 
     _without_persistent_cache(jax)
@@ -194,7 +196,8 @@ def _start_watchdog(jax, timeout_s: float) -> None:
     """``--hang-timeout``: every process watches every process's progress (through the
     coordination service, with the beats, when there are several); the stacks go to the
     supervisor's log."""
-    from ciera_models import peers, watchdog
+    from ciera_models.resilience import peers
+    from ciera_models.resilience import watchdog
 
     watchdog.start(timeout_s, jax.process_index(), jax.process_count(), peers.progress["log"])
 

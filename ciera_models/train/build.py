@@ -16,12 +16,12 @@ from jax.sharding import PartitionSpec as P
 
 from ciera_jax import fsdp
 from ciera_jax.fsdp import AXIS, GatherCacheVar
-from ciera_models import configs
-from ciera_models.model import Transformer
-from ciera_models.optimizer import make_optimizer
-from ciera_models.plan_policy import cache_modes, make_plan
-from ciera_models.state import Trainer, is_spec
-from ciera_models.step import make_step
+from ciera_models.model import configs
+from ciera_models.model.transformer import Transformer
+from ciera_models.train.optimizer import make_optimizer
+from ciera_models.train.plan_policy import cache_modes, make_plan
+from ciera_models.train.state import Trainer, is_spec
+from ciera_models.train.step import make_step
 
 
 @functools.lru_cache(maxsize=8)

@@ -17,7 +17,7 @@ import json
 import sys
 
 from ciera_jax.runtime.units import fmt_bytes
-from ciera_models.train_config import TrainConfig, add_fields, from_args
+from ciera_models.train.config import TrainConfig, add_fields, from_args
 
 GB = 1e9
 
@@ -108,10 +108,10 @@ def run(args) -> int:
     tc = from_args(TrainConfig, args)
     if tc.schedule_steps is None:  # the cosine horizon is a constant of the step: any will do
         tc = dataclasses.replace(tc, schedule_steps=TrainConfig.schedule_steps)
-    from ciera_models import configs
+    from ciera_models.model import configs
 
     configs.get_config(tc.config)  # unknown config: one line with the choices
-    from ciera_models.aot import batch_for, compile_repeated
+    from ciera_models.aot.compile import batch_for, compile_repeated
 
     batch_for(tc, args.gpus, args.tokens_per_gpu)  # a batch that does not divide: one line
 
