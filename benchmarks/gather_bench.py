@@ -21,7 +21,7 @@ same process, median of repetitions:
 
 Speedups are quoted against plain bits: ``time ciera/plain`` next to ``wire ciera/plain``
 (bytes one rank sends, from the gather's stats, patches and agreement included). Above the top
-patch tier CIERA falls back to a plain gather (``fb``).
+patch rung CIERA falls back to a plain gather (``fb``).
 
     python benchmarks/gather_bench.py [--experts 1 4 8] [--churn 0 0.001 0.01 0.1]
                                       [--devices 8] [--reps 5] [--out PATH]
@@ -192,7 +192,7 @@ def _row(recs: list[dict], shape, axis: int, N: int, churn: float) -> dict:
                 checksum_vs_ciera_min=min(by["checksum"]["times"]) / min(by["ciera"]["times"]),
                 checked_vs_ciera_min=(min(by["ciera_checked"]["times"])
                                       / min(by["ciera"]["times"]) - 1),
-                wire_ratio=by["ciera"]["wire_ratio"], tier=st["tier"],
+                wire_ratio=by["ciera"]["wire_ratio"], rung=st["rung"],
                 fallback=bool(st["fallback"]), times={m: r["times"] for m, r in by.items()})
 
 
@@ -201,14 +201,14 @@ def _print_row(r: dict, header: bool) -> None:
         print(f"{'shape':>16} {'MB':>5} {'churn':>6} {'meas':>7} {'bits ms':>9} {'bf16 ms':>9} "
               f"{'ciera ms':>9} {'chk ms':>8} {'t ciera/bits':>12} {'chk/ciera':>9} "
               f"{'fused +':>8} {'(min)':>13} "
-              f"{'wire c/p':>8} {'tier':>4} {'fb':>3}")
+              f"{'wire c/p':>8} {'rung':>4} {'fb':>3}")
     print(f"{'x'.join(map(str, r['shape'])):>16} {r['mb']:5.0f} {r['churn']:6.2%} "
           f"{r['measured_churn']:7.3%} {r['plain_bits_s'] * 1e3:9.2f} "
           f"{r['plain_bf16_s'] * 1e3:9.2f} {r['ciera_s'] * 1e3:9.2f} "
           f"{r['checksum_s'] * 1e3:8.2f} {r['time_ratio']:12.2f} {r['checksum_vs_ciera']:9.1%} "
           f"{r['checked_vs_ciera']:8.1%} "
           f"{r['checksum_vs_ciera_min']:6.0%}/{r['checked_vs_ciera_min']:<6.0%} "
-          f"{r['wire_ratio']:8.3f} {r['tier']:>4} {'y' if r['fallback'] else '-':>3}",
+          f"{r['wire_ratio']:8.3f} {r['rung']:>4} {'y' if r['fallback'] else '-':>3}",
           flush=True)
 
 

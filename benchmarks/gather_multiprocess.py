@@ -115,7 +115,7 @@ def aggregate(results: list[dict], link: str, procs: int) -> list[dict]:
             row["per_process"].setdefault(r["method"], []).append(r["seconds"])
             if r["method"] == "ciera":
                 row.update(wire_ratio=r["wire_ratio"], measured_churn=r["change_rate"],
-                           tier=r["stats"]["tier"], fallback=bool(r["stats"]["fallback"]))
+                           rung=r["stats"]["rung"], fallback=bool(r["stats"]["fallback"]))
     rows = []
     for row in by_key.values():
         row["time_ratio"] = row["ciera_s"] / row["plain_s"]

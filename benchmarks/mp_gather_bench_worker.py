@@ -43,7 +43,7 @@ def mode_fns(mesh, ndim: int, axis: int) -> dict:
     from ciera_jax.calibrate.kit import AXIS, gather_fns, jit_shard_map
     from ciera_jax.fsdp import spec_for
 
-    keys = ("sent_bytes", "plain_bytes", "agreed_changed", "tier", "mode", "code_bits")
+    keys = ("sent_bytes", "plain_bytes", "agreed_changed", "rung", "mode", "code_bits")
     spec = spec_for(axis, ndim)
 
     def ciera(x, c):

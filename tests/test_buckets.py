@@ -84,14 +84,14 @@ def test_groups_by_module_dtype_and_size(monkeypatch):
 def test_split_stats_shares_add_up():
     ts = [t for t in _tensors().values() if t.dtype == BF16]
     stats = dict(sent_bytes=jnp.int32(1001), plain_bytes=jnp.int32(2 * 632),
-                 changed=jnp.int32(7), elements=jnp.int32(632), tier=jnp.int32(3),
+                 changed=jnp.int32(7), elements=jnp.int32(632), rung=jnp.int32(3),
                  fallback=jnp.int32(0), verify_failed=jnp.int32(1))
     parts = buckets.split_stats(stats, ts)
     for k in ("sent_bytes", "plain_bytes", "changed", "elements"):
         assert sum(int(p[k]) for p in parts) == int(stats[k])
     assert [int(p["elements"]) for p in parts] == [512, 96, 24]
     assert [int(p["plain_bytes"]) for p in parts] == [1024, 192, 48]
-    assert all(int(p["tier"]) == 3 and int(p["verify_failed"]) == 1 for p in parts)
+    assert all(int(p["rung"]) == 3 and int(p["verify_failed"]) == 1 for p in parts)
 
 
 @functools.lru_cache(maxsize=None)
@@ -133,7 +133,7 @@ def test_bucketed_gather_is_bitwise(mode):
     fn = _gather_fn(mode)
     caches = {k: ciera_jax.init_cache(t.shape, t.dtype, mode) for k, t in ts.items()}
     rng = np.random.default_rng(3)
-    tiers = []
+    rungs = []
     for x in _steps(rng):
         shards = {k: jax.device_put(jnp.asarray(v), jax.sharding.NamedSharding(
             mesh, fsdp.spec_for(ts[k].axis, v.ndim, "fsdp"))) for k, v in x.items()}
@@ -147,10 +147,10 @@ def test_bucketed_gather_is_bitwise(mode):
             np.testing.assert_array_equal(got, want)
             assert bool(np.asarray(caches[k].primed))
         # the bucket's members took one option together
-        tier = {k: int(np.asarray(stats[k]["tier"])[0]) for k in ("q", "k", "b")}
-        assert len(set(tier.values())) == 1
-        tiers.append(tier["q"])
-    assert len(set(tiers)) > 1  # the steps took different options (priming, patches, ...)
+        rung = {k: int(np.asarray(stats[k]["rung"])[0]) for k in ("q", "k", "b")}
+        assert len(set(rung.values())) == 1
+        rungs.append(rung["q"])
+    assert len(set(rungs)) > 1  # the steps took different options (priming, patches, ...)
 
 
 def _all_gathers(ts: dict) -> int:

@@ -50,7 +50,7 @@ def test_bitwise_over_steps_at_churn(dtype, rate):
     if rate <= 0.1:
         assert bitmap.all() == (rate > 0), "changed exponents travel with their flags, only then"
     if rate == 1.0:
-        assert later.all(), "churn above the top tier falls back to a plain gather"
+        assert later.all(), "churn above the top rung falls back to a plain gather"
 
 
 @pytest.mark.parametrize("loop", [False, True], ids=["dense", "either"])

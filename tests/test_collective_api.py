@@ -69,7 +69,7 @@ def test_other_dtypes_gather_plainly_and_exactly(dtype):
         for rank in range(8):
             np.testing.assert_array_equal(bits_of(full[rank]), ref[rank])
             np.testing.assert_array_equal(bits_of(full[rank]), bits_of(x))
-        assert (stats["tier"] == -1).all() and not stats["fallback"].any()
+        assert (stats["rung"] == -1).all() and not stats["fallback"].any()
         assert (stats["sent_bytes"] == stats["plain_bytes"]).all()
 
 

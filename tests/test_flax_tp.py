@@ -67,7 +67,7 @@ def test_fsdp_beside_tp_explicit_mesh_all_modes_bitwise():
     # word caches send less than exponent caches; stats count the whole tensor
     assert fsdp.wire_ratio(runs["word"][1][-1]) < fsdp.wire_ratio(runs["exponent"][1][-1])
     st = runs["plain"][1][-1]["blocks/0/ffw/down/kernel"]
-    assert int(st["elements"]) == 32 * 16 and int(st["tier"]) == -1
+    assert int(st["elements"]) == 32 * 16 and int(st["rung"]) == -1
     assert runs["plain"][2]["traces"] == 1
 
 
@@ -122,7 +122,7 @@ def test_stacked_scanned_layers_wrapped_equal_decorated():
     model, history, counts = runs["wrapped"]
     assert params_sha256(model) == params_sha256(runs["decorated"][0])
     check_run(model, history, counts)
-    assert np.asarray(history[0]["layers/ffw/down/kernel"]["tier"]).shape == (2,)
+    assert np.asarray(history[0]["layers/ffw/down/kernel"]["rung"]).shape == (2,)
     assert model.layers.ffw.down.kernel_gather_cache.get_value().exp.shape == (2, 32, 16)
 
 
@@ -158,9 +158,9 @@ def test_a_step_traced_under_one_mode_never_runs_it_under_another():
         fsdp.set_gather_mode(model, "ciera")  # the mode traced first: no third trace
         again, _ = step(model, toks[1])
     assert len(traces) == 2
-    assert all(int(s["tier"]) >= 0 for s in again.values())
-    assert all(int(s["tier"]) >= 0 for s in ciera.values())  # compressed
-    assert all(int(s["tier"]) == -1 for s in plain.values())  # really plain
+    assert all(int(s["rung"]) >= 0 for s in again.values())
+    assert all(int(s["rung"]) >= 0 for s in ciera.values())  # compressed
+    assert all(int(s["rung"]) == -1 for s in plain.values())  # really plain
     assert all(int(s["sent_bytes"]) == int(s["plain_bytes"]) for s in plain.values())
 
 

@@ -160,7 +160,7 @@ def test_nnx_scan_over_stacked_layers():
     (pc, hc, cc), (pp, _, _) = [fit_jit(ScanNet, call, mode, mesh) for mode in ("ciera", "plain")]
     assert same_bits(pc, pp)
     assert sorted(hc[0]) == ["layers/down/kernel", "layers/up/kernel"]
-    assert np.asarray(hc[0]["layers/up/kernel"]["tier"]).shape == (3,)  # stats per layer
+    assert np.asarray(hc[0]["layers/up/kernel"]["rung"]).shape == (3,)  # stats per layer
     assert np.asarray(jax.tree.leaves(cc)[-1]).shape[0] == 3  # caches per layer
     assert compressed(hc)
 
@@ -171,5 +171,5 @@ def test_nnx_vmap_over_an_ensemble():
     (pc, hc, _), (pp, _, _) = [fit_jit(stacked(2), lambda m, x: ensemble(m, x).mean(0), mode,
                                        mesh) for mode in ("ciera", "plain")]
     assert same_bits(pc, pp)
-    assert np.asarray(hc[0]["up/kernel"]["tier"]).shape == (2,)
+    assert np.asarray(hc[0]["up/kernel"]["rung"]).shape == (2,)
     assert compressed(hc)

@@ -233,7 +233,7 @@ def test_prepared_step_leaves_caches_and_stats_in_module_state(mesh, layers):
     assert sorted(state) == sorted(tensors) and sorted(leaves) == sorted(tensors)
     assert all(bool(np.all(np.asarray(c.primed))) for c in state.values())  # the gathers primed
     assert all(bool(np.all(np.asarray(s["fallback"]) == 1)) for s in leaves.values())
-    assert np.asarray(leaves["layers/mlp/w_in"]["tier"]).shape == (layers,)
+    assert np.asarray(leaves["layers/mlp/w_in"]["rung"]).shape == (layers,)
 
 
 def test_the_one_gather_is_values_in_values_out(mesh):
@@ -259,7 +259,7 @@ def test_the_one_gather_is_values_in_values_out(mesh):
     for a, b in zip(_bits((full, plain)), _bits((np.broadcast_to(w, (N, *w.shape)),) * 2)):
         np.testing.assert_array_equal(a, b)
     assert bool(np.asarray(new.primed)) and int(stats["fallback"]) == 1  # primed by the gather
-    assert int(p_stats["tier"]) == -1 and int(p_stats["sent_bytes"]) == int(
+    assert int(p_stats["rung"]) == -1 and int(p_stats["sent_bytes"]) == int(
         p_stats["plain_bytes"])
 
 

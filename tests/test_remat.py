@@ -112,4 +112,4 @@ def test_each_policy_and_cache_mode_trains_bitwise_plain(policy, cache):
     assert set(build_trainer(tc, make_mesh(8)).cache_modes.values()) == {want}
     res = _train(tc)
     assert res.sha256 == _plain(policy)
-    assert any(r["fallbacks"] < sum(r["tiers"].values()) for r in res.history[1:])
+    assert any(r["fallbacks"] < sum(r["rungs"].values()) for r in res.history[1:])

@@ -101,7 +101,7 @@ def test_more_gpus_more_comm_share(olmoe):
 def test_ciera_equals_plain_with_huge_change_rate():
     from ciera_jax.planning.traces import Trace
 
-    t = Trace({}, default=0.9)  # above the top (bitmap, n/2) tier
+    t = Trace({}, default=0.9)  # above the top (bitmap, n/2) rung
     a = simulate_step("olmoe-1b-7b", 16, "h100", "plain", trace=t)
     b = simulate_step("olmoe-1b-7b", 16, "h100", "ciera", trace=t)
     assert b.tensors_compressed == 0 and b.step_s >= a.step_s

@@ -30,8 +30,8 @@ def test_pack_then_unpack_gives_every_stat_back_by_name(layers):
 
 def test_pack_names_a_missing_stat():
     named = _named(0)
-    del named["tier"]
-    with pytest.raises(ValueError, match="lack \\['tier'\\]"):
+    del named["rung"]
+    with pytest.raises(ValueError, match="lack \\['rung'\\]"):
         stats_lib.pack(named)
 
 

@@ -75,8 +75,8 @@ def test_each_step_runs_a_program_whose_rungs_were_fixed_for_it(runs):
     first = hist[0]
     tr = build_trainer(TC, make_mesh(8))  # the run's trainer: its first program is the steady one
     assert list(tr.programs)[0] == program_key(tr.policy.first) and first["program"] == 0
-    assert first["tiers"] and all(int(t) >= 0 for t in first["tiers"])
-    assert first["fallbacks"] == sum(first["tiers"].values())  # every tensor-layer plain
+    assert first["rungs"] and all(int(t) >= 0 for t in first["rungs"])
+    assert first["fallbacks"] == sum(first["rungs"].values())  # every tensor-layer plain
     assert first["overflows"] > 0  # fresh caches: above every rung
     assert first["sent_bytes"] >= first["plain_bytes"]
     seen = set()

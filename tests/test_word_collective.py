@@ -82,7 +82,7 @@ def test_twenty_steps_carried_cache_bitwise(dtype):
     for t in range(1, len(xs)):
         assert_priced(stats[t], xs[t - 1], xs[t])
     for s in stats:  # rank-invariant choice
-        for k in ("mode", "tier", "code_bits", "capacity", "sent_bytes"):
+        for k in ("mode", "rung", "code_bits", "capacity", "sent_bytes"):
             assert (s[k] == s[k][0]).all(), k
     ratio = [s["sent_bytes"][0] / s["plain_bytes"][0] for s in stats]
     assert max(ratio[i] for i in range(1, 7)) < 0.35, ratio
@@ -260,7 +260,7 @@ def test_agreement_spans_both_mesh_axes():
         for r in range(2):
             for f in range(4):
                 np.testing.assert_array_equal(bits_of(full[r, f]), bits_of(x[r]))
-    for k in ("mode", "tier", "code_bits"):
+    for k in ("mode", "rung", "code_bits"):
         v = np.asarray(stats[k])
         assert (v == v[0, 0]).all(), (k, v)
     # Row 0 alone would send no escape section; row 1's escapes size it for both rows.

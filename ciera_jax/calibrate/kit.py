@@ -23,7 +23,7 @@ from ciera_jax.collective.cache import init_cache
 from ciera_jax.collective.gather import all_gather, plain_all_gather
 from ciera_jax.runtime.partition import AXIS, spec_for
 
-STAT_KEYS = ("sent_bytes", "plain_bytes", "changed", "agreed_changed", "tier", "fallback")
+STAT_KEYS = ("sent_bytes", "plain_bytes", "changed", "agreed_changed", "rung", "fallback")
 
 
 def weight_pair(mesh, shape, axis: int, change_rate: float, dtype=None, seed: int = 0):

@@ -116,7 +116,7 @@ def measure_escape_cost(mesh, size: int, churn: float, reps: int, alpha: float, 
         log(f"  escapes N={N} {fmt_bytes(r['n_bytes']):>9} at {churn:.0%}: "
             f"{r['seconds'] * 1e3:8.3f} ms ({escape_s * 1e9:.2f} ns per escape)")
     return dict(n_bytes=r["n_bytes"], seconds=r["seconds"], extra_s=extra, escapes=escapes,
-                escape_s=escape_s, tier=r["stats"]["tier"], fallback=bool(r["stats"]["fallback"]))
+                escape_s=escape_s, rung=r["stats"]["rung"], fallback=bool(r["stats"]["fallback"]))
 
 
 def measure_word_overhead(mesh, sizes: Sequence[int], reps: int, alpha: float, beta: float,

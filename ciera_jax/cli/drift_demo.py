@@ -47,7 +47,7 @@ def demo(mesh, shape: tuple[int, ...], steps: int, churn: float, seed: int = 0,
         all_exact &= exact
         sent, plain = int(stats["sent_bytes"].sum()), int(stats["plain_bytes"].sum())
         total_sent, total_plain = total_sent + sent, total_plain + plain
-        path = "plain" if bool(stats["fallback"][0]) else f"tier {int(stats['tier'][0])}"
+        path = "plain" if bool(stats["fallback"][0]) else f"rung {int(stats['rung'][0])}"
         out(f"{t:>4} {path:>10} {sent / 2**20:>9.2f} {plain / 2**20:>9.2f} "
             f"{sent / plain:>6.3f} {int(stats['changed'].sum()):>8} "
             f"{'exact' if exact else 'DIFFERS':>8}")

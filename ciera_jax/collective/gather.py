@@ -100,7 +100,7 @@ def all_gather(x: jax.Array, cache: ExponentCache | WordCache, axis_name, *, axi
     bf16/float32 and gathers other dtypes plainly; ``True`` insists (error for other dtypes);
     ``False`` always gathers plainly. ``code_bits`` (2, 3 or 4) is word mode's code width.
     ``stats`` holds scalars: ``sent_bytes``, ``plain_bytes``, ``changed`` (exponents),
-    ``agreed_changed``, ``tier`` (-1: not compressed; else the escape rung, its top + 1 for the
+    ``agreed_changed``, ``rung`` (-1: not compressed; else the escape rung, its top + 1 for the
     plain fallback), ``capacity``, ``bitmap``, ``fallback``, ``mode``, ``code_bits``,
     ``verify_failed``.
     """
@@ -341,7 +341,7 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
         changed=e.count,
         agreed_changed=jnp.minimum(demand[word_mode.EXP_CHANGED] if word else demand,
                                    wire.n).astype(jnp.int32),
-        tier=jnp.where(fallback, len(caps), taken).astype(jnp.int32),
+        rung=jnp.where(fallback, len(caps), taken).astype(jnp.int32),
         capacity=jnp.where(fallback, wire.n, jnp.asarray(caps, jnp.int32)[taken]),
         bitmap=jnp.bool_(not word) & (taken > 0),
         fallback=fallback,
@@ -374,7 +374,7 @@ def _fixed_plain(x, e, cache, agreed, axis_name):
         changed=e.count,
         agreed_changed=jnp.minimum(agreed.demand[word_mode.EXP_CHANGED] if word
                                    else agreed.demand, wire.n).astype(jnp.int32),
-        tier=jnp.int32(len(caps)), capacity=jnp.int32(wire.n), bitmap=jnp.bool_(False),
+        rung=jnp.int32(len(caps)), capacity=jnp.int32(wire.n), bitmap=jnp.bool_(False),
         fallback=jnp.bool_(True), mode=jnp.int32(MODE_PLAIN), code_bits=jnp.int32(0),
         verify_failed=jnp.int32(0))
     new_cache = _refreshed(cache, bits if word else bitfields.exponent(full))
@@ -394,7 +394,7 @@ def _refreshed(cache, new_cached):
 def _plain_stats(x) -> dict:
     n_bytes = jnp.int32(x.size * np.dtype(x.dtype).itemsize)
     return dict(sent_bytes=n_bytes, plain_bytes=n_bytes, changed=jnp.int32(0),
-                agreed_changed=jnp.int32(0), tier=jnp.int32(-1), capacity=jnp.int32(0),
+                agreed_changed=jnp.int32(0), rung=jnp.int32(-1), capacity=jnp.int32(0),
                 bitmap=jnp.bool_(False), fallback=jnp.bool_(False),
                 mode=jnp.int32(MODE_PLAIN), code_bits=jnp.int32(0),
                 verify_failed=jnp.int32(0))

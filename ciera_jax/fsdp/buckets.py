@@ -185,7 +185,7 @@ def split_cache(cache, members_t: list, n_ranks: int) -> list:
     return [dataclasses.replace(cache, exp=e) for e in split_full(cache.exp, members_t, n_ranks)]
 
 
-SHARED_STATS = ("tier", "fallback", "verify_failed")
+SHARED_STATS = ("rung", "fallback", "verify_failed")
 
 
 def split_stats(stats: dict, members_t: list) -> list:

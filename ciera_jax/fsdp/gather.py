@@ -29,7 +29,7 @@ def _gather_one(t: GatheredTensor, shard, gin, plan: Plan, axis_name: str,
                region: bool = False):
     """Gather one layer's shard: (full, new cache or None, stats). ``gin``: (Encoded, cache,
     agreed) for a compressed gather, None for the mode's plain / int8 gather. Stats are summed
-    (sizes, counts) or maxed (tier, fallback) over the other mesh axes the tensor stays split
+    (sizes, counts) or maxed (rung, fallback) over the other mesh axes the tensor stays split
     on; ``region``: in a ``shard_map`` of our own (no varying types), so per-rank counts are
     summed over the gather axis unconditionally. ``verify_failed`` stays per rank in a
     prepared step (it rides on the step's norm psum)."""
@@ -45,7 +45,7 @@ def _gather_one(t: GatheredTensor, shard, gin, plan: Plan, axis_name: str,
             changed = invariant(changed, ax, lax.psum)
             failed = failed if plan.prepared else invariant(failed, ax, lax.psum)
         stats = dict(sent_bytes=st["sent_bytes"], plain_bytes=st["plain_bytes"],
-                     changed=changed, tier=st["tier"],
+                     changed=changed, rung=st["rung"],
                      fallback=st["fallback"].astype(jnp.int32), verify_failed=failed)
     else:
         if plan.mode == "int8":
@@ -55,12 +55,12 @@ def _gather_one(t: GatheredTensor, shard, gin, plan: Plan, axis_name: str,
             full = collective.plain_all_gather(shard, ax, axis=t.axis)
             sent = plain
         stats = dict(sent_bytes=sent, plain_bytes=plain, changed=jnp.int32(0),
-                     tier=jnp.int32(-1), fallback=jnp.int32(0), verify_failed=jnp.int32(0))
+                     rung=jnp.int32(-1), fallback=jnp.int32(0), verify_failed=jnp.int32(0))
     stats["elements"] = jnp.int32(full.size)
     stats = {k: jnp.asarray(v).astype(jnp.int32) for k, v in stats.items()}
     others = tuple(a for a in kept_axes(t.spec, ax) if axis_bound(a))
     # One rank of the gather axis: its blocks on the other axes together. Sizes scale
-    # statically; tier and fallback are agreed over every axis already; the per-rank counts
+    # statically; rung and fallback are agreed over every axis already; the per-rank counts
     # take ONE psum, after the gather (the barrier), so no device can enter it while another
     # still waits in the gather (collectives in different orders on different devices
     # deadlock).

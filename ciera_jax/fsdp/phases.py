@@ -1,7 +1,7 @@
 """A train step's CIERA phases over its whole inventory: encode every compressed tensor (at the
 end of the previous step, off the critical path) and agree on all their demands with ONE
 collective. :func:`~ciera_jax.fsdp.prepare` hands both to the model, whose gathers then
-exchange each at its agreed tier.
+exchange each at its agreed rung.
 
 When the agreement also runs at the end of the previous step, the host reads each tensor's
 needed rung (:func:`needed_rungs`) before the step and fixes the rungs the step is compiled at

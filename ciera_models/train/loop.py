@@ -222,7 +222,7 @@ def _start(tc: TrainConfig, run: RunConfig, mesh, saver, log):
               ("caches" if tc.gather != "ciera" else f"caches ({tc.cache})"):
                   bytes_per_device(state.caches)}
     log(metrics.memory_line(memory))
-    log("legend: " + metrics.TIER_LEGEND)
+    log("legend: " + metrics.RUNG_LEGEND)
     meta = {"train_config": dataclasses.asdict(tc), "seed": run.seed, "mesh": layout,
             "memory_per_device": memory, "start_step": state.step}
     return tr, state, dataset, meta

@@ -13,11 +13,10 @@ import numpy as np
 from ciera_jax.runtime.units import fmt_bytes
 
 
-TIER_LEGEND = ("tiers T:n = n tensor-layers whose gather took option T: -1 not compressed "
-               "(plain by the plan); exponent caches: 0 no exponent changed, 1.. room for more "
-               "patches; word caches: the word rungs first, then those exponent tiers; the top "
-               "option is a fallback (a plain gather that re-primes the cache); wire = bytes "
-               "sent / plain bf16 bytes")
+RUNG_LEGEND = ("rungs R:n = n tensor-layers whose gather took escape rung R: -1 not "
+               "compressed (plain by the plan); 0 nothing escaped, higher rungs more escapes; "
+               "the top rung is the fallback (a plain gather that re-primes the cache); wire = "
+               "bytes sent / plain bf16 bytes")
 
 
 def step_record(step: int, m: dict, dt: float, cpu_s: float, kinds: dict, with_tensors: bool,
@@ -33,16 +32,16 @@ def step_record(step: int, m: dict, dt: float, cpu_s: float, kinds: dict, with_t
     changed = sum(float(s["changed"]) for s in g.values())
     words = sum(float(s["words_changed"]) for s in g.values())
     elems = sum(float(s["elements"]) for s in g.values())
-    tiers: dict[str, int] = {}
+    rungs: dict[str, int] = {}
     for s in g.values():
-        tiers[str(int(s["tier"]))] = tiers.get(str(int(s["tier"])), 0) + 1
+        rungs[str(int(s["rung"]))] = rungs.get(str(int(s["rung"])), 0) + 1
     rec = {"step": step, "loss": float(m["loss"]), "ce": float(m["ce"]),
            "lb_loss": float(m["lb_loss"]), "z_loss": float(m["z_loss"]),
            "grad_norm": float(m["grad_norm"]), "sent_bytes": int(sent), "plain_bytes": int(plain),
            "exp_changed_frac": changed / max(elems, 1.0),
            "word_changed_frac": words / max(elems, 1.0),
            "fallbacks": int(sum(int(s["fallback"]) for s in g.values())),
-           "tiers": tiers, "step_time_s": dt, "step_cpu_s": cpu_s, "priming": priming,
+           "rungs": rungs, "step_time_s": dt, "step_cpu_s": cpu_s, "priming": priming,
            "verify_failed": int(m["verify_failed"]), "retried": retried,
            # the step's program: its index, the seconds compiling it took if this step did,
            # and the tensor-layers whose demand was above its fixed rung (of those, the ones
@@ -82,13 +81,13 @@ def progress_line(rec: dict, steps: int, tokens: int) -> str:
     done = int(width * rec["step"] / max(steps, 1))
     bar = "#" * done + "." * (width - done)
     ratio = rec["sent_bytes"] / max(rec["plain_bytes"], 1)
-    tiers = ",".join(f"{k}:{v}" for k, v in sorted(rec["tiers"].items(), key=lambda kv: int(kv[0])))
+    rungs = ",".join(f"{k}:{v}" for k, v in sorted(rec["rungs"].items(), key=lambda kv: int(kv[0])))
     changed = ("priming" if rec.get("priming")
                else f"{100 * rec['exp_changed_frac']:.3f}%")
     return (f"[{bar}] step {rec['step']:>4}/{steps} loss {rec['loss']:.4f} | "
             f"{tokens / max(rec['step_time_s'], 1e-9):,.0f} tok/s | wire {ratio:.3f}x plain "
             f"({fmt_bytes(rec['sent_bytes'])}/{fmt_bytes(rec['plain_bytes'])}) | exp changed "
-            f"{changed} | tiers {tiers} fallbacks {rec['fallbacks']}")
+            f"{changed} | rungs {rungs} fallbacks {rec['fallbacks']}")
 
 
 def memory_line(memory: dict) -> str:

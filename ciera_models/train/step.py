@@ -93,7 +93,7 @@ def step_bytes(st: dict, backward: str, word: bool, dtype) -> dict:
     reduce-scatter (``plain_bytes``: a ring reduce-scatter moves what a ring all-gather of the
     same tensor moves). ``ciera_jax.planning.planner.step_wire_bytes`` prices it."""
     sent, plain = st["sent_bytes"], st["plain_bytes"]
-    agreement = jnp.where(st["tier"] >= 0, agreement_bytes("word" if word else "exponent"), 0)
+    agreement = jnp.where(st["rung"] >= 0, agreement_bytes("word" if word else "exponent"), 0)
     if backward == "cache":
         again = 0
     elif backward == "payload":
@@ -202,7 +202,7 @@ def make_step(tc, mesh, graphdef, param_specs, opt_specs, tx, tensors, compress)
             word_changes(tensors, fsdp.param_dict(params), fsdp.param_dict(new_params)))
         for k, st in stats.items():
             st["words_changed"] = ahead["word_changed"][k]
-            st["verify_failed"] = failed.get(k, jnp.zeros_like(st["tier"]))
+            st["verify_failed"] = failed.get(k, jnp.zeros_like(st["rung"]))
             st.update(step_bytes(st, backward[k], k in words, tensors[k].dtype))
         metrics = {"loss": lax.pmean(loss, AXIS), "grad_norm": gnorm,
                    **{k: lax.pmean(v, AXIS) for k, v in parts.items()},

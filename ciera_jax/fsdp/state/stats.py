@@ -23,7 +23,7 @@ from jax import lax
 from ciera_jax.fsdp.state.discovery import module_name, path_key
 
 STATS_ATTR = "ciera_gather_stats"
-STAT_KEYS = ("sent_bytes", "plain_bytes", "changed", "tier", "fallback", "verify_failed",
+STAT_KEYS = ("sent_bytes", "plain_bytes", "changed", "rung", "fallback", "verify_failed",
              "elements")
 VECTOR_KEYS = tuple(s for s in STAT_KEYS if s != "changed")  # the packed vector's columns
 
@@ -32,7 +32,7 @@ class GatherStats(nnx.Variable):
     """Stats of the last gather of each parameter of one gathering module: rank-invariant
     int32 scalars (per layer under a scan) ``sent_bytes`` and ``plain_bytes`` (what one rank
     of the gather axis sends, summed over the other mesh axes the parameter stays split on),
-    ``changed`` (exponents changed, whole tensor), ``tier`` (-1: plain), ``fallback``,
+    ``changed`` (exponents changed, whole tensor), ``rung`` (-1: plain), ``fallback``,
     ``verify_failed`` (shards whose self-check failed, summed over ranks; per rank inside a
     prepared train step, whose norm psum sums them), ``elements``. All zero before the first
     gather."""
