@@ -165,7 +165,7 @@ def main(argv=None) -> int:
                 raise SystemExit(f"compile_time: the {mode} worker failed")
             runs[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
             x = runs[mode][-1]
-            print(f"round {r + 1}: {mode:<9} compile {x['compile_s']:6.1f} s "
+            print(f"repeat {r + 1}: {mode:<9} compile {x['compile_s']:6.1f} s "
                   f"({x['compile_cpu_s']:.1f} CPU s), first step {x['first_step_s']:6.1f} s",
                   flush=True)
     med = {m: {k: statistics.median(x[k] for x in runs[m]) for k in

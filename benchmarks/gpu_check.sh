@@ -14,8 +14,8 @@
 #      the wall time no kernel covers), exponent and word caches and plain;
 #   4. gpu_crossover: each mode's codec as a measured fraction of a copy (encode + decode at
 #      their counted bytes, from step 2) and the cost model's crossover bandwidth at that
-#      fraction against NVLink 4, NDR 400/200, RoCE 100 and 25 GbE (docs/results.md, "Where
-#      CIERA pays"). The links themselves need two or more GPUs: not measured here;
+#      fraction against NVLink 4, NDR 400/200, RoCE 100 and 25 GbE (docs/results.md,
+#      "Real-socket crossovers"). The links themselves need two or more GPUs: not measured here;
 #   5. gpu_train_check.sh: `ciera train --devices 1`, plain twice and four compressed modes,
 #      params bitwise equal to plain's (its own header says what it checks).
 # Writes 8 files (what the device returns at most). On an H100: 157 s for steps 1-4 and about

@@ -115,7 +115,7 @@ def main(argv=None) -> int:
             for name in args.runs:
                 results[name].append(one_run(name, args, tmp))
                 x = results[name][-1]
-                print(f"round {r + 1}: {name:<14} first step {x['first_step_s']:6.1f} s "
+                print(f"repeat {r + 1}: {name:<14} first step {x['first_step_s']:6.1f} s "
                       f"({x['first_step_cpu_s']:.1f} CPU s; from the start "
                       f"{x['to_first_step_s']:.1f} s, {x['to_first_step_cpu_s']:.1f} CPU s), "
                       f"{x['programs']} programs {x['compile_s']:6.1f} s ("

@@ -18,7 +18,7 @@ words on the host, splits them into the 8 FSDP shards along the tensor's FSDP ax
 Costs are bytes per weight of what one rank sends for its shard (plain bf16: 2.0), summed
 over tensors; the 4-byte agreement demand per tensor is left out of both modes. Phases:
 warm-up (update t <= warm-up steps), peak (warm-up < t <= 25% of the run), steady (the second
-half), late (the last 25%). Prints the tables, checks the word-mode targets of issue 9, writes
+half), late (the last 25%). Prints the tables, checks the word-mode targets, writes
 JSON (``--out``), a PNG of bytes/weight vs step for both modes (``--png``), and optionally:
 
 ``--word-trace PATH``: word mode's bytes per weight (the ``chosen`` cost) per tensor kind and
