@@ -40,7 +40,7 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
-from ciera_models import peers, shard_digest, watchdog
+from ciera_models import checkpoint_close, peers, shard_digest, watchdog
 from ciera_models.checkpoint_meta import (FORMAT, check_meta, checkpoint_format, meta_sha256,
                                          tree_sha256)
 from ciera_models.failures import (NoGoodCheckpoint, RunFailure, WriteFailed,
@@ -142,6 +142,7 @@ class Checkpointer:
                                             enable_async_checkpointing=True)
         self._mgr = ocp.CheckpointManager(self.directory, options=opts,
                                           item_names=("state", "meta", "digests"))
+        checkpoint_close.await_cleanup(self._mgr)  # a refusal next must not race its thread
         self._pending: tuple[int, int | None, object] | None = None  # step, newest before, say
         self._said: set[int] = set()
         self._lock = threading.Lock()
@@ -157,7 +158,7 @@ class Checkpointer:
             if kind is None:
                 raise
         finally:
-            self._mgr.close()
+            checkpoint_close.close(self._mgr)
 
     def save(self, step: int, params, opt_state, meta: dict, wait: bool = False,
              say=None) -> None:
