@@ -223,6 +223,7 @@ class Checkpointer:
         this one would blame the disk."""
         step, before, _ = self._pending
         self._pending = None
+        checkpoint_close.hush_abandoned_futures()
         if peers.is_peer_failure(e):
             return e
         return WriteFailed(

@@ -51,3 +51,19 @@ def close(mgr) -> None:
                     pass
     finally:
         logger.setLevel(level)
+
+
+class _AbandonedFutures(logging.Filter):
+    """asyncio's "... exception was never retrieved" for the write fragments of a save that
+    failed: orbax awaits the first fragment's error and abandons the others' futures, which
+    report the same error (a full disk) when collected. The failure is one line already."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "exception was never retrieved" not in str(record.msg)
+
+
+def hush_abandoned_futures() -> None:
+    """After a save failed (and was reported): the process's asyncio drops those reports."""
+    logger = logging.getLogger("asyncio")
+    if not any(isinstance(f, _AbandonedFutures) for f in logger.filters):
+        logger.addFilter(_AbandonedFutures())

@@ -92,3 +92,19 @@ def test_refusals_and_a_signal_end_with_orbax_idle_under_load(tmp_path):
     finally:
         beside.kill()
         beside.communicate()
+
+
+def test_abandoned_write_fragments_of_a_failed_save_say_nothing(caplog):
+    import asyncio
+    import gc
+    import logging
+
+    checkpoint_close.hush_abandoned_futures()
+    loop = asyncio.new_event_loop()
+    fut = loop.create_future()
+    fut.set_exception(OSError(28, "No space left on device"))
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        del fut
+        gc.collect()
+    loop.close()
+    assert "never retrieved" not in caplog.text
