@@ -210,6 +210,7 @@ class Checkpointer:
             self._absl_level = logger.level
             logger.setLevel(logging.CRITICAL)
             _drop_closed_loop_errors()
+            checkpoint_close.hush_abandoned_futures()  # they fail before the wait says so
 
     def _unhush(self) -> None:
         if self._absl_level is not None:
@@ -223,7 +224,6 @@ class Checkpointer:
         this one would blame the disk."""
         step, before, _ = self._pending
         self._pending = None
-        checkpoint_close.hush_abandoned_futures()
         if peers.is_peer_failure(e):
             return e
         return WriteFailed(

@@ -63,7 +63,13 @@ class _AbandonedFutures(logging.Filter):
 
 
 def hush_abandoned_futures() -> None:
-    """After a save failed (and was reported): the process's asyncio drops those reports."""
+    """From a save on: the process's asyncio drops those reports (they come as the save
+    fails, before its wait reports it in one line), and Python's warning at exit about the
+    abandoned fragments' coroutines is off."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"coroutine .*write_fragment.* was never awaited",
+                            category=RuntimeWarning)
     logger = logging.getLogger("asyncio")
     if not any(isinstance(f, _AbandonedFutures) for f in logger.filters):
         logger.addFilter(_AbandonedFutures())
