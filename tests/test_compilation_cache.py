@@ -2,18 +2,25 @@
 
 - Every process traces the same step: nothing in it may depend on Python's string hashing,
   which differs per process (a multi-host run would compile a different program per host).
-- ``ciera train`` turns the cache off and says so: a step loaded from it trained wrongly (see
-  docs/training.md), so every run compiles its own, and trains as it would without a cache.
+- ``ciera train`` honours the user's cache settings: with ``JAX_COMPILATION_CACHE_DIR`` set,
+  fresh processes load the step from the cache and train bitwise as a run without a cache
+  does, in both cache modes; so does the README's decorated Flax model. Each case loads the
+  step in ``LOADED`` fresh processes (two at a time): a loaded run that fails one time in
+  three is caught with probability 1 - (2/3)**10 = 98%.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+LOADED = 10  # fresh processes that load the step from the cache, per case
 
 LOWERED_HASH = """
 from ciera_jax.runtime.devices import setup_devices
@@ -31,6 +38,16 @@ text = jax.jit(tr.step_fn).lower(*tr.at_rungs(
 print(hashlib.sha256(text.encode()).hexdigest())
 """
 
+# appended to the README's decorated model: 30 steps, then the params' digest
+DECORATED_TAIL = """
+    for i in range(26):
+        train_step(model, opt, x)
+    import numpy as np
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+    print("params_sha256=" + hashlib.sha256(
+        b"".join(np.asarray(leaf).tobytes() for leaf in leaves)).hexdigest())
+"""
+
 
 def _env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -44,6 +61,37 @@ def _python(args, env):
     return p
 
 
+def _cached_env(cache_dir: Path) -> dict:
+    # JAX_LOG_COMPILES: a cache hit is logged (on stderr), naming the program
+    return _env(JAX_COMPILATION_CACHE_DIR=str(cache_dir), JAX_LOG_COMPILES="1",
+                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+
+def _sha(p) -> str:
+    return re.search(r"params_sha256=(\w+)", p.stdout).group(1)
+
+
+def _loads_bitwise(args, cache_dir: Path, program: str) -> None:
+    """An uncached run, one that writes ``program`` to the cache, then LOADED fresh processes
+    (two at a time) that load it: every one ends at the uncached run's params."""
+    want = _sha(_python(args, _env()))
+    writer = _python(args, _cached_env(cache_dir))
+    assert any(program in f.name for f in cache_dir.iterdir()), "the step was not cached"
+    assert _sha(writer) == want
+    hit = f"Persistent compilation cache hit for '{program}'"
+    for _ in range(LOADED // 2):
+        procs = [subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=_cached_env(cache_dir))
+                 for _ in range(2)]
+        for p in procs:
+            out, err = p.communicate(timeout=600)
+            assert p.returncode == 0, out[-2000:] + err[-3000:]
+            assert hit in err, f"{program} was not loaded from the cache"
+            assert re.search(r"params_sha256=(\w+)", out).group(1) == want, \
+                "a step loaded from the cache trained differently from one compiled here"
+
+
 @pytest.mark.slow
 def test_every_process_traces_the_same_step():
     hashes = {_python(["-c", LOWERED_HASH], _env(PYTHONHASHSEED=seed)).stdout.split()[-1]
@@ -52,13 +100,18 @@ def test_every_process_traces_the_same_step():
 
 
 @pytest.mark.slow
-def test_ciera_train_turns_the_persistent_cache_off(tmp_path):
-    args = ["-m", "ciera_jax.cli.main", "train", "--steps", "2", "--schedule-steps", "20"]
-    plain = _python(args, _env())
-    cache_dir = tmp_path / "jax_cache"
-    cached = _python(args, _env(JAX_COMPILATION_CACHE_DIR=str(cache_dir),
-                                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0"))
-    assert "persistent compilation cache is turned off" in cached.stderr
-    assert not cache_dir.exists() or not any("local_step" in f.name for f in cache_dir.iterdir())
-    sha = [re.search(r"params_sha256=(\w+)", p.stdout).group(1) for p in (plain, cached)]
-    assert sha[0] == sha[1]
+@pytest.mark.parametrize("cache", ["word", "exponent"])
+def test_ciera_train_loads_its_step_from_the_cache_bitwise(cache, tmp_path):
+    args = ["-m", "ciera_jax.cli.main", "train", "--config", "tiny", "--cache", cache,
+            "--steps", "4", "--schedule-steps", "20"]
+    _loads_bitwise(args, tmp_path / "jax_cache", "jit_local_step")
+
+
+@pytest.mark.slow
+def test_the_readme_decorated_model_loads_its_step_from_the_cache_bitwise(tmp_path):
+    from test_readme import README, programs
+
+    code = next(c for c in programs(README.read_text()) if "@ciera_jax.gathered" in c)
+    script = tmp_path / "decorated.py"
+    script.write_text("import hashlib\n" + code + DECORATED_TAIL)
+    _loads_bitwise([str(script)], tmp_path / "jax_cache", "jit_train_step")

@@ -41,7 +41,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from ciera_models.resilience import peers
-from ciera_models.checkpoint import shard_digest
+from ciera_models.checkpoint import close as checkpoint_close, shard_digest
 from ciera_models.resilience import watchdog
 from ciera_models.checkpoint.meta import (FORMAT, check_meta, checkpoint_format, meta_sha256,
                                          tree_sha256)
@@ -144,6 +144,7 @@ class Checkpointer:
                                             enable_async_checkpointing=True)
         self._mgr = ocp.CheckpointManager(self.directory, options=opts,
                                           item_names=("state", "meta", "digests"))
+        checkpoint_close.await_cleanup(self._mgr)  # a refusal next must not race its thread
         self._pending: tuple[int, int | None, object] | None = None  # step, newest before, say
         self._said: set[int] = set()
         self._lock = threading.Lock()
@@ -159,7 +160,7 @@ class Checkpointer:
             if kind is None:
                 raise
         finally:
-            self._mgr.close()
+            checkpoint_close.close(self._mgr)
 
     def save(self, step: int, params, opt_state, meta: dict, wait: bool = False,
              say=None) -> None:
@@ -211,6 +212,7 @@ class Checkpointer:
             self._absl_level = logger.level
             logger.setLevel(logging.CRITICAL)
             _drop_closed_loop_errors()
+            checkpoint_close.hush_abandoned_futures()  # they fail before the wait says so
 
     def _unhush(self) -> None:
         if self._absl_level is not None:

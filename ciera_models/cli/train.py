@@ -149,7 +149,6 @@ def run(args) -> int:
     from ciera_models.resilience.preemption import EXIT_PREEMPTED
     from ciera_jax.runtime.devices import make_mesh
 
-    _without_persistent_cache(jax)
     multi = jax.process_count() > 1
     _start_watchdog(jax, run_cfg.hang_timeout)
     n = run_cfg.devices if run_cfg.devices and not multi else len(jax.devices())
@@ -212,19 +211,6 @@ def _stacks_on_sigusr1() -> None:
             return
         except (AttributeError, ValueError, OSError):  # no fileno(): io.UnsupportedOperation
             continue
-
-
-def _without_persistent_cache(jax) -> None:
-    """Turn JAX's persistent compilation cache off for this run, saying so: a train step
-    loaded from it trained wrongly (NaN loss by step 4, some runs failing the self-check
-    first) where the same step compiled in-process is bitwise right (XLA:CPU, jax 0.10.2:
-    ``ciera train --steps 4`` twice with ``JAX_COMPILATION_CACHE_DIR`` set). The cause is not
-    known yet; every run compiles its step instead."""
-    if jax.config.jax_compilation_cache_dir and jax.config.jax_enable_compilation_cache:
-        print("ciera train: JAX's persistent compilation cache is turned off for this run (a "
-              "step loaded from it trained wrongly here; see docs/training.md)",
-              file=sys.stderr, flush=True)
-        jax.config.update("jax_enable_compilation_cache", False)
 
 
 if __name__ == "__main__":
