@@ -348,25 +348,25 @@ def test_auto_limit_compiles_again_only_when_xla_exceeds_the_room(limit, first, 
     from ciera_models.train import memory_limit
 
     io = int(5.2e9)
-    plan = memory_limit.LimitPlan(H100, io, int(20e9), memory_limit.room_bytes(H100, 34.0))
-    assert plan.room_bytes == 30e9  # --memory-gb 34 less the planner's 4 GB of headroom
+    sched = memory_limit.SchedulerLimit(H100, io, int(20e9), memory_limit.room_bytes(H100, 34.0))
+    assert sched.room_bytes == 30e9  # --memory-gb 34 less the planner's 4 GB of headroom
     assert memory_limit.room_bytes(H100, None) == memory_limit.room_bytes(H100, 1e3) == int(
         H100.memory_bytes - 4e9)  # the GPU's, never more
-    assert plan.slop == gpu_targets.plan_slop_percent(H100, io, int(20e9)) < 95
+    assert sched.slop == gpu_targets.plan_slop_percent(H100, io, int(20e9)) < 95
     seen = []
 
     def compile_at(slop):
         seen.append(slop)
         return first if len(seen) == 1 else second
 
-    got, other = memory_limit.compile_within(plan, limit, compile_at, lambda total: total)
+    got, other = memory_limit.compile_within(sched, limit, compile_at, lambda total: total)
     assert got == kept and len(seen) == compiles
     assert (other is None) == (compiles == 1)
-    assert seen[0] == (plan.slop if limit == "plan" else None)
+    assert seen[0] == (sched.slop if limit == "plan" else None)
     if compiles == 2:
-        assert seen[1] == plan.slop
+        assert seen[1] == sched.slop
     with pytest.raises(ValueError, match="memory_limit"):
-        memory_limit.compile_within(plan, "none", compile_at, lambda total: total)
+        memory_limit.compile_within(sched, "none", compile_at, lambda total: total)
 
 
 @pytest.mark.parametrize("limit,counts,said", [
@@ -384,10 +384,10 @@ def test_a_step_that_will_not_fit_says_so_and_the_memory_gb_that_plans_it_smalle
     fits says nothing."""
     from ciera_models.train import memory_limit
 
-    plan = memory_limit.LimitPlan(H100, int(5.2e9), int(20e9), memory_limit.room_bytes(H100, 34.0))
-    assert plan.memory_bytes == 34e9
+    sched = memory_limit.SchedulerLimit(H100, int(5.2e9), int(20e9), memory_limit.room_bytes(H100, 34.0))
+    assert sched.memory_bytes == 34e9
     lines, seen = [], iter(counts)
-    memory_limit.compile_within(plan, limit, lambda slop: next(seen), lambda t: t, lines.append)
+    memory_limit.compile_within(sched, limit, lambda slop: next(seen), lambda t: t, lines.append)
     over = [line for line in lines if "will not run" in line]
     assert over == (["ciera: XLA counts 36.5 GB per device for this step, 2.5 GB more than the "
                      "34.0 GB it may hold: it will not run. The memory model counted 20.0 GB; "
@@ -421,19 +421,19 @@ def test_the_room_on_a_gpu_is_what_this_process_s_allocator_may_hold(monkeypatch
     import types
 
     from ciera_models.train import memory_limit
-    from ciera_models.train import plan_policy
+    from ciera_models.train import compression
     from ciera_models.train import TrainConfig
 
     local = types.SimpleNamespace(memory_stats=lambda: {"bytes_limit": int(60e9)})
     monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [local])
     monkeypatch.setattr(jax, "devices", lambda *a, **k: pytest.fail("not this process's"))
     tc = TrainConfig(config="tiny")
-    assert plan_policy.memory_gb(tc, "gpu") == 60.0
-    assert memory_limit.room_bytes(H100, plan_policy.memory_gb(tc, "gpu")) == 56e9
-    assert plan_policy.memory_gb(TrainConfig(config="tiny", memory_gb=24.0), "gpu") == 24.0
-    assert plan_policy.memory_gb(tc, "cpu") is None
+    assert compression.memory_gb(tc, "gpu") == 60.0
+    assert memory_limit.room_bytes(H100, compression.memory_gb(tc, "gpu")) == 56e9
+    assert compression.memory_gb(TrainConfig(config="tiny", memory_gb=24.0), "gpu") == 24.0
+    assert compression.memory_gb(tc, "cpu") is None
     local.memory_stats = lambda: None  # a backend that reports nothing: unknown, not zero
-    assert plan_policy.memory_gb(tc, "gpu") is None
+    assert compression.memory_gb(tc, "gpu") is None
 
 
 @pytest.mark.parametrize("limit", ["plan", "gpu"])
@@ -462,12 +462,12 @@ def test_the_trainer_compiles_gpu_steps_within_the_limit_the_report_names(monkey
         tr = build_trainer(tc, mesh8)
         args = tr.at_rungs(aot.abstract_step_args(tr), "priming")
         compiled = tr.compile(args)
-    plan = memory_limit.plan_for(tr, args, H100, tc.batch_size * tc.length // 8)
-    assert plan.slop < gpu_targets.DEFAULT_SLOP_PERCENT  # tiny plans far below an H100
+    sched = memory_limit.scheduler_limit(tr, args, H100, tc.batch_size * tc.length // 8)
+    assert sched.slop < gpu_targets.DEFAULT_SLOP_PERCENT  # tiny plans far below an H100
     assert options[-1:] == [gpu_targets.for_this_xla(gpu_targets.compiler_options(
-        "fsdp", plan.slop if limit == "plan" else None))]
+        "fsdp", sched.slop if limit == "plan" else None))]
     assert len(options) <= 1 + len(gpu_targets.RENAMED_OPTIONS)  # one compile, or each refusal
-    assert memory_limit.xla_total(compiled.memory_analysis()) > plan.io_bytes
+    assert memory_limit.xla_total(compiled.memory_analysis()) > sched.io_bytes
 
 
 BUFFER_ASSIGNMENT = """\

@@ -247,9 +247,9 @@ def test_the_one_gather_is_values_in_values_out(mesh):
     @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("fsdp"), P()),
                        out_specs=(P("fsdp"), P("fsdp"), P(), P(), P()))
     def f(shard, cache):
-        fulls, new, stats = fsdp.gather({"w": t}, {"w": shard}, {"w": cache}, fsdp.Plan(),
+        fulls, new, stats = fsdp.gather({"w": t}, {"w": shard}, {"w": cache}, fsdp.GatherSetup(),
                                         "fsdp")
-        plain, none, p_stats = fsdp.gather({"w": t}, {"w": shard}, {}, fsdp.Plan("plain"),
+        plain, none, p_stats = fsdp.gather({"w": t}, {"w": shard}, {}, fsdp.GatherSetup("plain"),
                                            "fsdp")
         assert not none  # a plain gather makes no cache
         return fulls["w"][None], plain["w"][None], new["w"], stats["w"], p_stats["w"]
