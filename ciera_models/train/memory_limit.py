@@ -5,9 +5,8 @@ XLA's latency-hiding scheduler keeps buffers live to overlap collectives until i
 ``xla_gpu_memory_limit_slop_factor`` % of 80% of the GPU less the step's inputs and outputs
 (:mod:`ciera_jax.runtime.gpu_targets`). Unlimited, it can spend what the plan gave to caches or
 headroom; limited, it overlaps fewer of the gathers (docs/results.md, section 7, "Memory").
-Hence ``auto``: it limits only where XLA's own
-schedule would not fit the memory the plan allows the step (the GPU's, or ``--memory-gb``, less
-``planner.HEADROOM_GB``).
+Hence ``auto``: it limits only where XLA's own schedule would not fit the memory the plan allows
+the step (the GPU's, or ``--memory-gb``, less ``planner.HEADROOM_GB``).
 """
 
 from __future__ import annotations
