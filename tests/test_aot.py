@@ -92,7 +92,7 @@ def test_the_backward_reads_each_layer_s_exponents_without_copying_the_whole_sta
     """The backward's :func:`~ciera_jax.fsdp.regather.regather` in a layer scan, as the layer
     loop runs it: the payload gather's result is laid out with its gathered axis major on a
     GPU, and unless the cached exponents keep their own layout XLA:GPU transposes the whole
-    exponent stack once, before the loop (15 GB for Mixtral-8x7B's ``w_down`` on 128 H100s)."""
+    exponent stack once, before the loop (a copy of the whole stack at once)."""
     from ciera_jax.fsdp.regather import regather
 
     L, E, F, D = 6, 8, 512, 512
@@ -196,18 +196,11 @@ def test_tiny_step_compiles_for_h100s_and_the_report_counts_its_hlo(tiny_reports
 
 @pytest.mark.slow
 def test_tiny_step_gpu_memory_does_not_grow(tiny_reports):
-    """A regression bound on XLA's own count (jax 0.10.2). Measured 2026-12-02 with the
-    blocked expert matmul on GPU meshes and the steady program (rungs fixed): plain 4.01 MB;
-    word 5.19 MB, of which 0.39 MB are its caches and 0.79 MB the codec's working set (a
-    layer's unpacked codes, dense and filled words, escape flags; the next step's encode),
-    0.29 MB of it in the priming program too. Before the blocked matmul, plain's 8.23 MB of
-    densified expert temporaries hid most of that working set (word was 9.08 MB). The
-    compressed step may add its caches and that working set, not more.
-
-    2026-12-03, the encode a program of its own: plain 3.99 MB, word 5.30 MB (XLA schedules
-    the step without the encode with 0.11 MB more temporaries at its peak; 0.6 GB, 1.8%, on
-    OLMoE-1B-7B at 16 H100s). The encode program runs after the step, not beside it, so its
-    own count (below the step's: test above) adds nothing to the peak."""
+    """A regression bound on XLA's own count, with the blocked expert matmul on GPU meshes
+    and the steady program (rungs fixed). The compressed step may add its caches and the
+    codec's working set (a layer's unpacked codes, dense and filled words, escape flags), not
+    more. The encode program runs after the step, not beside it, so its own count (below the
+    step's: test above) adds nothing to the peak."""
     plain, _ = tiny_reports("plain")
     word, _ = tiny_reports("word")
     assert plain["memory"]["total"] < 1.25 * 4.01e6
@@ -220,7 +213,7 @@ def test_tiny_step_gpu_memory_does_not_grow(tiny_reports):
 def test_no_steady_path_collective_inside_a_conditional(tiny_reports, mode):
     """The steady program (rungs fixed when compiled): every collective in a branch is the
     fallback's, and a compressed tensor (or bucket) holds at most that one conditional; its
-    kernels and HLO stay within 1.5x and 2x of plain's (measured 1.27-1.29x and 1.33-1.40x)."""
+    kernels and HLO stay within 1.5x and 2x of plain's."""
     rep, text = tiny_reports(mode)
     plain, _ = tiny_reports("plain")
     steady_in_branch = [c for c in rep["collectives"] if c["in_branch"] and c["steady"]]

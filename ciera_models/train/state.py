@@ -377,8 +377,8 @@ class Trainer:
             lowered = self.step_fn.lower(*args)
             # The encode program compiles beside the run's first step program (unless it
             # started earlier, as ``ciera train`` starts it), once that is traced: started
-            # before, its compile threads slowed the trace (Python) down more than they
-            # overlapped (tiny, word, 2 cores: first step 10.5-11.1 -> 9.3-10.2 s). With
+            # before, its compile threads would slow the trace (Python) down more than they
+            # overlap it. With
             # programs compiled beside, the first steps prime instead: it starts after.
             if not self.beside:
                 self.start_encode_compile()
