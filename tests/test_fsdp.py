@@ -274,3 +274,18 @@ def test_attach_caches_on_an_abstract_model_makes_no_arrays():
     leaves = jax.tree.leaves(nnx.state(model, fsdp.GatherCacheVar))
     assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
     assert sum(int(np.prod(x.shape)) for x in leaves) > 40e9  # an exponent byte per weight
+
+
+def test_renamed_names_fail_naming_the_new_ones():
+    """A module's static gather mode is ``GatherSetup`` (``setup_of``); the trainer's choice of
+    compressed tensors is ``choose_compressed``: each old name fails in one line naming it."""
+    import ciera_models.train
+
+    with pytest.raises(ImportError, match=r"fsdp\.Plan is renamed: use .*fsdp\.GatherSetup$"):
+        fsdp.Plan
+    with pytest.raises(ImportError, match=r"use ciera_jax\.fsdp\.setup_of"):
+        from ciera_jax.fsdp import plan_of  # noqa: F401
+    with pytest.raises(ImportError, match=r"use ciera_models\.train\.choose_compressed"):
+        ciera_models.train.make_plan
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        fsdp.no_such_name

@@ -27,12 +27,12 @@ def exports(package: str, table: dict[str, str], namespace: dict, old: dict[str,
 
 def renamed(package: str, table: dict[str, str]):
     """A ``__getattr__`` for ``package`` whose old names ``table`` maps to their new ones: an
-    old name raises AttributeError (ImportError for ``from package import old``) naming the
-    new one in one line."""
+    old name raises ImportError naming the new one in one line (an AttributeError would reach
+    ``from package import old`` as Python's own message, without the new name)."""
 
     def __getattr__(name: str):
         if name in table:
-            raise AttributeError(f"{package}.{name} is now {package}.{table[name]}")
+            raise ImportError(f"{package}.{name} is renamed: use {package}.{table[name]}")
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
     return __getattr__

@@ -122,8 +122,7 @@ class TrainConfig:
         "program's section, in its fallback's conditional) instead of a plain gather; compiled "
         "for the ones carrying at least 1/32 of the word bytes (OLMoE-1B-7B: the 3 expert "
         "tensors; tiny, small: the layer's bucket), so one program follows the demand from "
-        "warm-up to decay (small's steady state 0.28 of plain, against 0.55 at 0); 0: every "
-        "overflow a plain gather, a smaller compile", metavar="N")
+        "warm-up to decay; 0: every overflow a plain gather, a smaller compile", metavar="N")
     compile_beside: str = option(
         "auto", "a step whose program is not compiled yet (the run's first, a new rung vector "
         "the policy bought) runs one that is while it compiles in a thread: the first step "
