@@ -1,7 +1,7 @@
 """Where a gather's time goes on one device: its kernels, from JAX's profiler.
 
-The one-GPU gather's codec took 4-7x a copy on an H100 and an H200 (docs/results.md,
-"The GPU runs") while its kernels, timed alone, add to well under that. This traces a
+The one-GPU gather's codec takes several times a copy on an H100 and an H200 (docs/results.md,
+section 4, "The GPU runs") while its kernels, timed alone, add to well under that. This traces a
 few steady gathers (exponent and word caches, and plain's) under ``jax.profiler.trace`` and
 reads the trace's device events: the kernels each call launches, their summed time, and the
 wall time per call that no kernel covers (launch gaps, host work, synchronization).

@@ -6,11 +6,10 @@ Calibrates a profile on one set of sizes (``ciera_jax.calibrate``: plain-bits ga
 256 KB, 4 MB on 2 and 8 emulated devices; CIERA's extra work from gathers at 256 KB and 4 MB),
 then times *other* gathers on 8 emulated devices (plain bits at 1 and 2 MB; CIERA at 1 MB with 0
 and 1 % exponent churn and at 2 MB with none) and prints the simulator's prediction next to each
-median (``ratio`` = predicted / measured). On a shared 2-core machine ratios of 0.55-1.8 are
-typical: timings of one call swing up to ~2x with load, and the emulated devices share one
-memory system. This was a test with a 3x tolerance and a retry; it is a benchmark now because a
-loaded machine could fail it (the timing-free check of the same pipeline is
-tests/test_sim_validation.py).
+median (``ratio`` = predicted / measured). On a shared machine the ratios spread wide: timings
+of one call swing with load, and the emulated devices share one memory system. It is a
+benchmark, not a test, because a loaded machine could fail any tolerance on time (the
+timing-free check of the same pipeline is tests/test_sim_validation.py).
 """
 
 from __future__ import annotations

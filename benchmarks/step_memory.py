@@ -14,7 +14,7 @@ buffers, 17 GB each); ``--dense-free-experts`` then swaps it, for the measuremen
 one dot of the same operand and output shapes against expert 0 (a floor for any grouped
 matmul). ``compiled.memory_analysis()`` here uses XLA's default flags; ``ciera aot`` compiles
 with the FSDP flags, whose latency-hiding scheduler counts more unless its memory limit is the
-plan's (``--memory-limit``; docs/results.md, "Memory").
+plan's (``--memory-limit``; docs/results.md, section 7, "Memory").
 A measuring tool, not the aot command (``ciera aot``); no GPU needed.
 """
 

@@ -80,7 +80,7 @@ def fit_link(results: list[dict], link: str, N: int, base: cm.Profile | None) ->
 def refit_host(calib: dict) -> cm.Profile:
     """A calibration's profile; one from before the cache-spill term (no ``llc_bytes``) gets
     this host's cache and cores and both host rates fitted again from its fault gathers
-    (``fit.fit_host_rates`` on its alpha and beta), as ``ciera calibrate`` now fits them."""
+    (``fit.fit_host_rates`` on its alpha and beta), as ``ciera calibrate`` fits them."""
     prof = cm.Profile(**calib["profile"])
     recs = (calib.get("details") or {}).get("faults")
     if "llc_bytes" in calib["profile"] or not recs:

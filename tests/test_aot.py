@@ -92,7 +92,7 @@ def test_the_backward_reads_each_layer_s_exponents_without_copying_the_whole_sta
     """The backward's :func:`~ciera_jax.fsdp.regather.regather` in a layer scan, as the layer
     loop runs it: the payload gather's result is laid out with its gathered axis major on a
     GPU, and unless the cached exponents keep their own layout XLA:GPU transposes the whole
-    exponent stack once, before the loop (15 GB for Mixtral-8x7B's ``w_down`` on 128 H100s)."""
+    exponent stack once, before the loop (a copy of the whole stack at once)."""
     from ciera_jax.fsdp.regather import regather
 
     L, E, F, D = 6, 8, 512, 512
@@ -196,18 +196,11 @@ def test_tiny_step_compiles_for_h100s_and_the_report_counts_its_hlo(tiny_reports
 
 @pytest.mark.slow
 def test_tiny_step_gpu_memory_does_not_grow(tiny_reports):
-    """A regression bound on XLA's own count (jax 0.10.2). Measured 2026-12-02 with the
-    blocked expert matmul on GPU meshes and the steady program (rungs fixed): plain 4.01 MB;
-    word 5.19 MB, of which 0.39 MB are its caches and 0.79 MB the codec's working set (a
-    layer's unpacked codes, dense and filled words, escape flags; the next step's encode),
-    0.29 MB of it in the priming program too. Before the blocked matmul, plain's 8.23 MB of
-    densified expert temporaries hid most of that working set (word was 9.08 MB). The
-    compressed step may add its caches and that working set, not more.
-
-    2026-12-03, the encode a program of its own: plain 3.99 MB, word 5.30 MB (XLA schedules
-    the step without the encode with 0.11 MB more temporaries at its peak; 0.6 GB, 1.8%, on
-    OLMoE-1B-7B at 16 H100s). The encode program runs after the step, not beside it, so its
-    own count (below the step's: test above) adds nothing to the peak."""
+    """A regression bound on XLA's own count, with the blocked expert matmul on GPU meshes
+    and the steady program (rungs fixed). The compressed step may add its caches and the
+    codec's working set (a layer's unpacked codes, dense and filled words, escape flags), not
+    more. The encode program runs after the step, not beside it, so its own count (below the
+    step's: test above) adds nothing to the peak."""
     plain, _ = tiny_reports("plain")
     word, _ = tiny_reports("word")
     assert plain["memory"]["total"] < 1.25 * 4.01e6
@@ -220,7 +213,7 @@ def test_tiny_step_gpu_memory_does_not_grow(tiny_reports):
 def test_no_steady_path_collective_inside_a_conditional(tiny_reports, mode):
     """The steady program (rungs fixed when compiled): every collective in a branch is the
     fallback's, and a compressed tensor (or bucket) holds at most that one conditional; its
-    kernels and HLO stay within 1.5x and 2x of plain's (measured 1.27-1.29x and 1.33-1.40x)."""
+    kernels and HLO stay within 1.5x and 2x of plain's."""
     rep, text = tiny_reports(mode)
     plain, _ = tiny_reports("plain")
     steady_in_branch = [c for c in rep["collectives"] if c["in_branch"] and c["steady"]]
@@ -348,25 +341,25 @@ def test_auto_limit_compiles_again_only_when_xla_exceeds_the_room(limit, first, 
     from ciera_models.train import memory_limit
 
     io = int(5.2e9)
-    plan = memory_limit.LimitPlan(H100, io, int(20e9), memory_limit.room_bytes(H100, 34.0))
-    assert plan.room_bytes == 30e9  # --memory-gb 34 less the planner's 4 GB of headroom
+    sched = memory_limit.SchedulerLimit(H100, io, int(20e9), memory_limit.room_bytes(H100, 34.0))
+    assert sched.room_bytes == 30e9  # --memory-gb 34 less the planner's 4 GB of headroom
     assert memory_limit.room_bytes(H100, None) == memory_limit.room_bytes(H100, 1e3) == int(
         H100.memory_bytes - 4e9)  # the GPU's, never more
-    assert plan.slop == gpu_targets.plan_slop_percent(H100, io, int(20e9)) < 95
+    assert sched.slop == gpu_targets.plan_slop_percent(H100, io, int(20e9)) < 95
     seen = []
 
     def compile_at(slop):
         seen.append(slop)
         return first if len(seen) == 1 else second
 
-    got, other = memory_limit.compile_within(plan, limit, compile_at, lambda total: total)
+    got, other = memory_limit.compile_within(sched, limit, compile_at, lambda total: total)
     assert got == kept and len(seen) == compiles
     assert (other is None) == (compiles == 1)
-    assert seen[0] == (plan.slop if limit == "plan" else None)
+    assert seen[0] == (sched.slop if limit == "plan" else None)
     if compiles == 2:
-        assert seen[1] == plan.slop
+        assert seen[1] == sched.slop
     with pytest.raises(ValueError, match="memory_limit"):
-        memory_limit.compile_within(plan, "none", compile_at, lambda total: total)
+        memory_limit.compile_within(sched, "none", compile_at, lambda total: total)
 
 
 @pytest.mark.parametrize("limit,counts,said", [
@@ -384,10 +377,10 @@ def test_a_step_that_will_not_fit_says_so_and_the_memory_gb_that_plans_it_smalle
     fits says nothing."""
     from ciera_models.train import memory_limit
 
-    plan = memory_limit.LimitPlan(H100, int(5.2e9), int(20e9), memory_limit.room_bytes(H100, 34.0))
-    assert plan.memory_bytes == 34e9
+    sched = memory_limit.SchedulerLimit(H100, int(5.2e9), int(20e9), memory_limit.room_bytes(H100, 34.0))
+    assert sched.memory_bytes == 34e9
     lines, seen = [], iter(counts)
-    memory_limit.compile_within(plan, limit, lambda slop: next(seen), lambda t: t, lines.append)
+    memory_limit.compile_within(sched, limit, lambda slop: next(seen), lambda t: t, lines.append)
     over = [line for line in lines if "will not run" in line]
     assert over == (["ciera: XLA counts 36.5 GB per device for this step, 2.5 GB more than the "
                      "34.0 GB it may hold: it will not run. The memory model counted 20.0 GB; "
@@ -421,19 +414,19 @@ def test_the_room_on_a_gpu_is_what_this_process_s_allocator_may_hold(monkeypatch
     import types
 
     from ciera_models.train import memory_limit
-    from ciera_models.train import plan_policy
+    from ciera_models.train import compression
     from ciera_models.train import TrainConfig
 
     local = types.SimpleNamespace(memory_stats=lambda: {"bytes_limit": int(60e9)})
     monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [local])
     monkeypatch.setattr(jax, "devices", lambda *a, **k: pytest.fail("not this process's"))
     tc = TrainConfig(config="tiny")
-    assert plan_policy.memory_gb(tc, "gpu") == 60.0
-    assert memory_limit.room_bytes(H100, plan_policy.memory_gb(tc, "gpu")) == 56e9
-    assert plan_policy.memory_gb(TrainConfig(config="tiny", memory_gb=24.0), "gpu") == 24.0
-    assert plan_policy.memory_gb(tc, "cpu") is None
+    assert compression.memory_gb(tc, "gpu") == 60.0
+    assert memory_limit.room_bytes(H100, compression.memory_gb(tc, "gpu")) == 56e9
+    assert compression.memory_gb(TrainConfig(config="tiny", memory_gb=24.0), "gpu") == 24.0
+    assert compression.memory_gb(tc, "cpu") is None
     local.memory_stats = lambda: None  # a backend that reports nothing: unknown, not zero
-    assert plan_policy.memory_gb(tc, "gpu") is None
+    assert compression.memory_gb(tc, "gpu") is None
 
 
 @pytest.mark.parametrize("limit", ["plan", "gpu"])
@@ -462,12 +455,12 @@ def test_the_trainer_compiles_gpu_steps_within_the_limit_the_report_names(monkey
         tr = build_trainer(tc, mesh8)
         args = tr.at_rungs(aot.abstract_step_args(tr), "priming")
         compiled = tr.compile(args)
-    plan = memory_limit.plan_for(tr, args, H100, tc.batch_size * tc.length // 8)
-    assert plan.slop < gpu_targets.DEFAULT_SLOP_PERCENT  # tiny plans far below an H100
+    sched = memory_limit.scheduler_limit(tr, args, H100, tc.batch_size * tc.length // 8)
+    assert sched.slop < gpu_targets.DEFAULT_SLOP_PERCENT  # tiny plans far below an H100
     assert options[-1:] == [gpu_targets.for_this_xla(gpu_targets.compiler_options(
-        "fsdp", plan.slop if limit == "plan" else None))]
+        "fsdp", sched.slop if limit == "plan" else None))]
     assert len(options) <= 1 + len(gpu_targets.RENAMED_OPTIONS)  # one compile, or each refusal
-    assert memory_limit.xla_total(compiled.memory_analysis()) > plan.io_bytes
+    assert memory_limit.xla_total(compiled.memory_analysis()) > sched.io_bytes
 
 
 BUFFER_ASSIGNMENT = """\

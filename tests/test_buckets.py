@@ -103,7 +103,7 @@ def _gather_fn(mode_key: str):
     specs = {k: fsdp.spec_for(t.axis, len(t.shape), "fsdp") for k, t in ts.items()}
 
     def body(shards, caches):
-        fulls, new, stats = fsdp.gather(ts, shards, caches, fsdp.Plan(), "fsdp")
+        fulls, new, stats = fsdp.gather(ts, shards, caches, fsdp.GatherSetup(), "fsdp")
         refs = {k: lax.all_gather(bitfields.to_bits(s), "fsdp", axis=ts[k].axis, tiled=True)
                 for k, s in shards.items()}
         per_rank = lambda tree: jax.tree.map(lambda v: v[None], tree)  # noqa: E731
@@ -159,7 +159,7 @@ def _all_gathers(ts: dict) -> int:
     specs = {k: fsdp.spec_for(t.axis, len(t.shape), "fsdp") for k, t in ts.items()}
 
     def body(shards, caches):
-        return fsdp.gather(ts, shards, caches, fsdp.Plan(), "fsdp")[0]
+        return fsdp.gather(ts, shards, caches, fsdp.GatherSetup(), "fsdp")[0]
 
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P()), out_specs=specs))
     shards = {k: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=jax.sharding.NamedSharding(

@@ -108,7 +108,7 @@ def test_the_priming_program_stands_in_until_the_policys_has_compiled_and_all_is
     assert tr.policy.compile_s == [pytest.approx(third["beside_compile_s"])]
     assert all(int(m["verify_failed"]) == 0 for m in metrics)
     assert sum(int(s["sent_bytes"]) for s in metrics[-1]["gather"].values()) < sum(
-        int(s["plain_bytes"]) for s in metrics[-1]["gather"].values())  # compressed now
+        int(s["plain_bytes"]) for s in metrics[-1]["gather"].values())  # compressed by the last step
     assert params_sha256(state.params) == params_sha256(reference.params)
 
 

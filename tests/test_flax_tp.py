@@ -169,7 +169,7 @@ def test_gather_mode_yields_the_model_and_restores_its_mode():
         model = shard_gemma(Transformer(nnx.Rngs(0), layers=1))
     before = nnx.graphdef(model)
     with fsdp.gather_mode(model, "int8") as same:
-        assert same is model and {fsdp.plan_of(m).mode for m in (
+        assert same is model and {fsdp.setup_of(m).mode for m in (
             model.blocks[0], model)} == {"int8"}
     assert nnx.graphdef(model) == before  # as it was: a step traced before is reused
 

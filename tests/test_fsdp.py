@@ -130,7 +130,7 @@ def test_rule_table_and_divisibility():
         with fsdp.gather_mode(MLP(8, 8, nnx.Rngs(0)), "zip"):
             pass
     with pytest.raises(TypeError, match="gather_mode.model, 'plain'"):
-        with fsdp.gather_mode("plain"):  # the mode lives on the model's modules now
+        with fsdp.gather_mode("plain"):  # the mode lives on the model's modules
             pass
 
 
@@ -247,9 +247,9 @@ def test_the_one_gather_is_values_in_values_out(mesh):
     @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("fsdp"), P()),
                        out_specs=(P("fsdp"), P("fsdp"), P(), P(), P()))
     def f(shard, cache):
-        fulls, new, stats = fsdp.gather({"w": t}, {"w": shard}, {"w": cache}, fsdp.Plan(),
+        fulls, new, stats = fsdp.gather({"w": t}, {"w": shard}, {"w": cache}, fsdp.GatherSetup(),
                                         "fsdp")
-        plain, none, p_stats = fsdp.gather({"w": t}, {"w": shard}, {}, fsdp.Plan("plain"),
+        plain, none, p_stats = fsdp.gather({"w": t}, {"w": shard}, {}, fsdp.GatherSetup("plain"),
                                            "fsdp")
         assert not none  # a plain gather makes no cache
         return fulls["w"][None], plain["w"][None], new["w"], stats["w"], p_stats["w"]
@@ -265,8 +265,8 @@ def test_the_one_gather_is_values_in_values_out(mesh):
 
 def test_attach_caches_on_an_abstract_model_makes_no_arrays():
     """A model from ``nnx.eval_shape`` gets abstract caches: the inventory and specs of a
-    47B-parameter model without allocating its 47 GB of exponent caches (which killed this
-    machine before)."""
+    47B-parameter model without allocating its exponent caches (more memory than a host
+    has)."""
     from ciera_models.model.configs import get_config
     from ciera_models.model.transformer import abstract_model
 
@@ -274,3 +274,18 @@ def test_attach_caches_on_an_abstract_model_makes_no_arrays():
     leaves = jax.tree.leaves(nnx.state(model, fsdp.GatherCacheVar))
     assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
     assert sum(int(np.prod(x.shape)) for x in leaves) > 40e9  # an exponent byte per weight
+
+
+def test_renamed_names_fail_naming_the_new_ones():
+    """A module's static gather mode is ``GatherSetup`` (``setup_of``); the trainer's choice of
+    compressed tensors is ``choose_compressed``: each old name fails in one line naming it."""
+    import ciera_models.train
+
+    with pytest.raises(ImportError, match=r"fsdp\.Plan is renamed: use .*fsdp\.GatherSetup$"):
+        fsdp.Plan
+    with pytest.raises(ImportError, match=r"use ciera_jax\.fsdp\.setup_of"):
+        from ciera_jax.fsdp import plan_of  # noqa: F401
+    with pytest.raises(ImportError, match=r"use ciera_models\.train\.choose_compressed"):
+        ciera_models.train.make_plan
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        fsdp.no_such_name

@@ -234,7 +234,7 @@ def test_a_checkpoint_damaged_on_one_process_falls_back_on_both(damage, tmp_path
     assert (ck / "damaged" / "8").is_dir() and not (ck / "8").exists()
     assert _sha(out0) == straight_sha
     # the reads the failed restore left unfinished say nothing when they are collected (their
-    # 3 KB each once filled a pipe: the drills' hang, docs/results.md, twentieth stop)
+    # errors, each with its array's whole spec, would fill an undrained pipe and hang the run)
     assert "_read_array_index_and_device_put" not in e0 + e1, e1[-3000:]
 
 
@@ -243,8 +243,8 @@ def test_a_checkpoint_damaged_on_one_process_falls_back_on_both(damage, tmp_path
 def test_a_crash_on_one_process_ends_it_and_the_other_sees_a_lost_peer(crashed, tmp_path):
     """``--inject-crash 3:<crashed>``: that process raises before step 3, as a bug there alone
     would, while the other goes into the step. The crashed one prints its traceback and ends
-    (exit 1) at once, not in JAX's exit-time shutdown, where it used to wait for the other while
-    the other waited for it in the step: a hang until killed. The other ends in the lost-peer
+    (exit 1) at once, not in JAX's exit-time shutdown, where it would wait for the other while
+    the other waits for it in the step: a hang until killed. The other ends in the lost-peer
     line (exit 69). The gather does not matter here: plain compiles fastest."""
     ck, timeout_s = tmp_path / "ck", 10
     results = finish(_start(ck, free_port(), "--gather", "plain", "--peer-timeout",

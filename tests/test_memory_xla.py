@@ -2,10 +2,8 @@
 compiled for 8 H100s without a GPU (``ciera aot``), for a small MoE whose activations and
 weights, not XLA's fixed buffers, make the total (tiny's 8 MB would be all fixed buffers).
 
-Measured (jax 0.10.2, FSDP flags, ``ciera aot``'s scheduler limit ``auto``): plain at 2048
-tokens per GPU 0.603 GB by XLA, 0.638 GB by the model (+6%); at 4096, 0.997 and 0.978 (-2%).
-When the model counted the float32 transients once per copy of the double-buffered loop, it
-said +18% at 2048. The paper-scale rows: docs/results.md, "XLA's scheduler within the plan".
+The model counts the float32 transients once, not once per copy of the double-buffered layer
+loop: XLA does not double them. The paper-scale rows: docs/results.md, section 7, "Memory".
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ MEMTEST = shapes.ModelConfig(name="memtest", vocab_size=4096, d_model=512, n_lay
                              n_heads=8, n_kv_heads=8, n_experts=16, top_k=4, d_expert=512,
                              seq_len=512)
 TOKENS = 2048  # per GPU: 4 sequences
-BOUND = 0.10  # |model / XLA - 1|: the issue's target
+BOUND = 0.10  # |model / XLA - 1|: close enough to plan a GPU's memory by the model
 
 
 @pytest.fixture(scope="module")

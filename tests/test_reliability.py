@@ -1,5 +1,5 @@
 """Checkpoints that check themselves, one run per checkpoint folder, a full disk, and what resume
-and signals say (issue 21).
+and signals say.
 
 A damaged newest checkpoint (a flipped byte in any kind of file orbax writes, a truncated
 array file, deleted or garbled metadata) is reported in one line, set aside, and the run goes

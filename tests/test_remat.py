@@ -63,7 +63,7 @@ def test_a_copy_of_a_weight_is_refused():
 
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="unknown remat policy"):
-        fsdp.Plan(remat="some")
+        fsdp.GatherSetup(remat="some")
     assert set(fsdp.REMAT_POLICIES) == {"none", "save_dot_except_mlp", "full"}
 
 

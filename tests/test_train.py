@@ -18,9 +18,9 @@ from ciera_jax import fsdp
 from ciera_jax.cli import main as cli
 from ciera_models.train import data
 from ciera_models.model.transformer import Transformer, abstract_model
-from ciera_models.train.plan_policy import NO_CACHE, cache_modes
+from ciera_models.train.compression import NO_CACHE, cache_modes
 from ciera_models.train.state import bytes_per_device
-from ciera_models.train import TrainConfig, build_trainer, make_mesh, make_plan, train
+from ciera_models.train import TrainConfig, build_trainer, make_mesh, choose_compressed, train
 from ciera_models.train.rung_policy import program_key
 from conftest import TINY_PROGRAMS
 
@@ -209,27 +209,27 @@ def test_plan_compresses_expert_weights_by_default():
     tensors = fsdp.gathered_tensors(model)
     # the default (--cache auto): the cost model prices word caches (gathered once per step),
     # and on CPU (no memory limit) every tensor's pays
-    default, _ = make_plan(TC, tensors, 8, "cpu")
+    default, _ = choose_compressed(TC, tensors, 8, "cpu")
     assert all(default.values())
     assert set(cache_modes(TC, tensors, default, 8, "cpu").values()) == {"word"}
-    auto, summary = make_plan(TrainConfig(cache="exponent"), tensors, 8, "cpu")
+    auto, summary = choose_compressed(TrainConfig(cache="exponent"), tensors, 8, "cpu")
     assert {k for k, v in auto.items() if v} == {
         "layers/mlp/w_gate_ExDxF", "layers/mlp/w_up_ExDxF", "layers/mlp/w_down_ExFxD"}
     assert "profile=cpu-emulated" in summary and "forced (expert weights)" in summary
     # tiny's tensors are too small for the cost model on any built-in profile
-    cost, _ = make_plan(TrainConfig(plan="cost", profile="h100-nvlink", cache="exponent"),
+    cost, _ = choose_compressed(TrainConfig(plan="cost", profile="h100-nvlink", cache="exponent"),
                         tensors, 8, "gpu")
     assert not any(cost.values())
-    every, _ = make_plan(TrainConfig(plan="all"), tensors, 8, "cpu")
+    every, _ = choose_compressed(TrainConfig(plan="all"), tensors, 8, "cpu")
     assert all(every.values())
     with pytest.raises(ValueError, match="unknown plan"):
-        make_plan(TrainConfig(plan="most"), tensors, 8, "cpu")
+        choose_compressed(TrainConfig(plan="most"), tensors, 8, "cpu")
 
 
 def test_cache_modes_per_tensor():
     tensors = fsdp.gathered_tensors(fsdp.attach_caches(abstract_model(TC.model)))
     exponent = TrainConfig(cache="exponent")
-    compress, _ = make_plan(exponent, tensors, 8, "cpu")
+    compress, _ = choose_compressed(exponent, tensors, 8, "cpu")
     assert not all(compress.values())  # the expert weights only
     # a tensor gathered plainly gets no cache bytes
     expect = {k: "exponent" if c else NO_CACHE for k, c in compress.items()}
@@ -265,7 +265,7 @@ def test_init_allocates_only_the_caches_the_plan_uses(monkeypatch):
 
 def test_cache_auto_fits_the_memory_budget():
     tensors = fsdp.gathered_tensors(fsdp.attach_caches(abstract_model(TC.model)))
-    compress, _ = make_plan(TC, tensors, 8, "cpu")
+    compress, _ = choose_compressed(TC, tensors, 8, "cpu")
 
     def modes(gb):
         tc = TrainConfig(cache="auto", memory_gb=gb)

@@ -83,20 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.json:
         check_output_file(args.json, "--json")
-    cfg = get_config(args.config)
-    if args.gpus < 1:
-        raise ValueError("--gpus must be positive")
-    if args.tokens_per_gpu < 0:
-        raise ValueError("--tokens-per-gpu must be non-negative")
-    profile = cm.Profile.load(args.profile)
-    if args.change_rate is not None:
-        if not 0.0 <= args.change_rate <= 1.0:
-            raise ValueError("--change-rate must be in [0, 1]")
-        trace = args.change_rate
-    else:
-        trace = load_trace(args.trace) if args.trace else None
-    word = load_word_trace(args.word_trace) if args.word_trace else default_word_trace()
-    gb = _memory_gb(args.memory_gb, profile)
+    cfg, profile, trace, word, gb = _inputs(args)
     advice = fit_advice(cfg, args.gpus, gb, args.tokens_per_gpu, args.remat)
     if advice:
         print(advice)
@@ -115,6 +102,44 @@ def run(args: argparse.Namespace) -> int:
           f"codec {profile.codec_Bps / 1e9:g} GB/s), memory "
           + ("unlimited" if gb is None else f"{gb:g} GB per GPU")
           + f", word mode at {word.bpw('default', args.phase):.2f} B/weight ({args.phase})")
+    _print_tensors(plan)
+    print()
+    unit, scale = ("GB", 1e9) if mem.total >= 1e9 else ("MB", 1e6)  # decimal, as profiles
+    print(_table(["memory per GPU", unit], [[k, f"{v / scale:.2f}"] for k, v in mem.rows()],
+                 left=1))
+    s, u = modes_summary(plan), modes_summary(free)
+    print()
+    _print_summary(s, u, budget)
+    if args.json:
+        out = {"config": cfg.name, "gpus": args.gpus, "profile": profile.name,
+               "memory_gb": gb, "cache_budget_bytes": budget, "phase": args.phase,
+               "memory": mem.to_json(), "summary": s, "summary_unlimited": u,
+               "decisions": [_decision(c) for c in plan]}
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _inputs(args: argparse.Namespace) -> tuple:
+    """``(config, profile, trace, word trace, memory GB)`` from the flags, each checked."""
+    cfg = get_config(args.config)
+    if args.gpus < 1:
+        raise ValueError("--gpus must be positive")
+    if args.tokens_per_gpu < 0:
+        raise ValueError("--tokens-per-gpu must be non-negative")
+    profile = cm.Profile.load(args.profile)
+    if args.change_rate is not None:
+        if not 0.0 <= args.change_rate <= 1.0:
+            raise ValueError("--change-rate must be in [0, 1]")
+        trace = args.change_rate
+    else:
+        trace = load_trace(args.trace) if args.trace else None
+    word = load_word_trace(args.word_trace) if args.word_trace else default_word_trace()
+    return cfg, profile, trace, word, _memory_gb(args.memory_gb, profile)
+
+
+def _print_tensors(plan) -> None:
+    """The plan per tensor: one row per global tensor and per tensor of each layer structure."""
     head = ["tensor", "shape", "bf16 MB", "mode", "cache MB/GPU", "plain ms/step",
             "planned ms/step", "layers"]
     rows = []
@@ -129,12 +154,10 @@ def run(args: argparse.Namespace) -> int:
           "isolated: plain and exponent gather forward + backward, word once (the backward "
           "reads its cache), and each reduce-scatters its gradient once; norms are "
           "replicated, not gathered)")
-    print()
-    unit, scale = ("GB", 1e9) if mem.total >= 1e9 else ("MB", 1e6)  # decimal, as profiles
-    print(_table(["memory per GPU", unit], [[k, f"{v / scale:.2f}"] for k, v in mem.rows()],
-                 left=1))
-    s, u = modes_summary(plan), modes_summary(free)
-    print()
+
+
+def _print_summary(s: dict, u: dict, budget) -> None:
+    """The plan's totals (``s``) beside those with unlimited memory (``u``)."""
     print("tensors by mode: " + ", ".join(f"{m} {n}" for m, n in s["tensors_by_mode"].items()))
     print("cache budget per GPU: " + ("unlimited" if budget is None
                                       else f"{budget / 1e9:.2f} GB")
@@ -148,17 +171,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"predicted saving per step: {s['saving_per_step_s'] * 1e3:.2f} ms")
     if budget == 0:
         print("no memory left for caches: every tensor plain")
-    if args.json:
-        out = {"config": cfg.name, "gpus": args.gpus, "profile": profile.name,
-               "memory_gb": gb, "cache_budget_bytes": budget, "phase": args.phase,
-               "memory": mem.to_json(), "summary": s, "summary_unlimited": u,
-               "decisions": [{"name": c.name, "layer": c.layer, "kind": c.kind,
-                              "shape": list(c.shape), "mode": c.mode,
-                              "cache_bytes": c.cache_bytes, "plain_s_per_step": c.options["plain"][1],
-                              "planned_s_per_step": c.step_s,
-                              "options": {m: {"cache_bytes": b, "s_per_step": t}
-                                          for m, (b, t) in c.options.items()}}
-                             for c in plan]}
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
-        print(f"wrote {args.json}")
-    return 0
+
+
+def _decision(c) -> dict:
+    """One tensor's decision as ``--json`` writes it."""
+    return {"name": c.name, "layer": c.layer, "kind": c.kind, "shape": list(c.shape),
+            "mode": c.mode, "cache_bytes": c.cache_bytes,
+            "plain_s_per_step": c.options["plain"][1], "planned_s_per_step": c.step_s,
+            "options": {m: {"cache_bytes": b, "s_per_step": t}
+                        for m, (b, t) in c.options.items()}}

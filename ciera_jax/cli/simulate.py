@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     cluster = get_cluster(args.cluster, mfu=args.mfu)
     trace = load_trace(args.trace) if args.trace else default_trace()
     word = load_word_trace(args.word_trace) if args.word_trace else default_word_trace()
-    word.bpw("default", args.phase)  # a trace without the phase: a clear error now
+    word.bpw("default", args.phase)  # a trace without the phase: a clear error here, before the sweep
     result = sweep(cfg, gpus, cluster, args.tokens_per_gpu, trace,
                    codec_stream=args.codec_stream, word_trace=word, phase=args.phase)
     print(f"{cfg.name} on {cluster.name} ({cluster.gpus_per_node} GPUs/node, MFU {cluster.mfu}), "

@@ -39,16 +39,15 @@ from ciera_jax.codec.wire import FLAG_WORD_BITS
 
 SLOT_CHUNK = 4096  # slots per loop trip: a few loop overheads per tensor at steady state
 # Above this share of escapes in the fullest row, one pass over every element (a gather or
-# scatter per element, ~15 ns on XLA:CPU) beats the loop (~130 ns per escape).
+# scatter per element) beats the loop, whose cost per escape is several times an element's.
 DENSE_SHARE = 1 / 8
-# Rows shorter than this compile the dense pass only: there the loop would save under a
-# millisecond a call (~15 ns per element) and cost ~0.4 s of compile per tensor.
+# Rows shorter than this compile the dense pass only: there the loop saves less time a call
+# than it costs in compile per tensor.
 LOOP_MIN = 1 << 15
 # A loop trip finds its slots' words in a window of this many words per slot (where escapes
 # are denser than 1 in 32 * WINDOW), by one scatter and a running max, not a binary search
-# per slot (17 gathers a slot at 4M elements). On XLA:CPU, 8M elements, pack / fill per call:
-# 11% escapes 39 / 26 ms (search) -> 11 / 12 ms; 1%: 7.7 / 5.2 -> 3.6 / 3.3 ms (4 beat 1
-# below ~3%, 1 beat 4 by ~15% at 11%).
+# per slot (a gather per level of the search). A window of 4 words suits the steady state's
+# sparse escapes; a window of 1 only the densest rows.
 WINDOW = 4
 # Rows of more flag words than this take a blocked running count when traced for an
 # accelerator (blocked_prefix_sum, SCAN_BLOCK words a block): fewer kernels than XLA's cumsum.
@@ -56,7 +55,7 @@ BLOCKED_SCAN_MIN = 4096
 SCAN_BLOCK = 128
 # XLA:CPU splits a reduction over more than 32 elements, and a cumsum, into trees of
 # reduce-windows, pads and slices, a thunk each; in blocks of 32 a running count is two or
-# three fusions (tiny's step: 855 -> 820 fusions, 1,122 -> 1,075 launches a step). Its work is
+# three fusions, fewer kernels a step than XLA's trees. Its work is
 # 32 adds a word, so rows of more words keep XLA's cumsum.
 CPU_SCAN_BLOCK = 32
 CPU_BLOCKED_SCAN_MAX = 4096
@@ -132,10 +131,10 @@ def blocked_prefix_sum(x_RxW: jax.Array, block: int = SCAN_BLOCK,
     then the blocks' totals the same way, recursively, down to rows of ``base``, which take
     XLA's cumsum, or one block's masked sum where ``base`` is a block (XLA:CPU's case).
 
-    XLA:GPU turns a cumsum into a tree of 16-wide ``reduce_window`` levels, 3 kernels for
-    8,192 words; this is 2 up to ``block * BLOCKED_SCAN_MIN`` (one word-mode gather for 8
-    H100s: 35 kernels to 31). Its work is ``W * block`` adds, which a GPU does not notice and
-    XLA:CPU runs 10-25x slower than its cumsum on long rows: XLA:CPU takes it for rows of up
+    XLA:GPU turns a cumsum into a tree of 16-wide ``reduce_window`` levels, a kernel each;
+    this is 2 kernels up to ``block * BLOCKED_SCAN_MIN``. Its work is ``W * block`` adds,
+    which a GPU does not notice and XLA:CPU runs many times slower than its cumsum on long
+    rows: XLA:CPU takes it for rows of up
     to :data:`CPU_BLOCKED_SCAN_MAX` words, in blocks of 32 (:func:`running_count`)."""
     rows, n = x_RxW.shape
     if n <= block and base <= block:

@@ -48,31 +48,27 @@ PLAIN_RUNG = -1  # a rung fixed at compile time that gathers the tensor plainly
 EXPONENT_CAPACITIES = (0.0, 1 / 2048, 1 / 1024, 1 / 512, 1 / 256, 1 / 128, 1 / 64, 1 / 32,
                        1 / 16, 1 / 8, 1 / 4)
 # Word mode: escapes (|d| > code limit); raw words (|d| > 127) get LEVEL2_SHARES of as many.
-# Up to every element escaping, so warm-up (30-50% escapes, ~10% raw) still travels as words
-# (priced on tiny's warm-up: 1.12 B/weight against exponent mode's 1.24 and plain's 2).
-# Steps of at most 1.5x from n/32 up (steady state: 8-15% escapes at 3 bits; peak LR: 30-40%),
-# 2x below: each rung is a branch of the section's switch, and branches cost compile time.
-# Priced on small (weight_stability --from-counts): 12 rungs send what the 15 of round 3 sent
-# (+0.001 of plain at steady state, +0.003 late, equal at peak).
+# Up to every element escaping, so warm-up, where escapes are densest, still travels as words
+# (cheaper than exponent mode or plain there too). Steps of at most 1.5x from n/32 up, where
+# the steady state and the peak learning rate sit, 2x below: each rung is a branch of the
+# section's switch, and branches cost compile time, so the ladder is as coarse as it can be
+# without sending more (priced on small's recorded counts, weight_stability --from-counts).
 LEVEL1_CAPACITIES = (0.0, 1 / 64, 1 / 32, 1 / 16, 3 / 32, 1 / 8, 3 / 16, 1 / 4, 3 / 8, 1 / 2,
                      3 / 4, 1.0)
 # Raw words a rung holds, as a share of its escapes, by the rung's size (up to that share of
-# the shard's elements). Raw words are 3-5% of the escapes (median) from warm-up to the end
-# (small's 300 steps and tiny's 200, recorded counts), more at the top rungs' warm-up (~10% raw
-# at 30-50% escapes). 1/16 on the low rungs, where a train run spends its steady state, sends
-# 0.008 of plain less than 1/8 at 1/8 escapes (tiny's last quarter: 0.266 -> 0.258 of plain at
-# its program's rung; small: -0.004 at every phase, with the rungs its raw words then need).
+# the shard's elements). Raw words are a small share of the escapes from warm-up to the end
+# (small's and tiny's recorded counts), a larger one at the top rungs' warm-up. 1/16 on the low
+# rungs, where a train run spends its steady state, sends less than 1/8 would there, with the
+# rungs its raw words then need.
 LEVEL2_SHARES = ((1 / 4, 1 / 16), (1.0, 1 / 8))
 # Overflow rungs (``exits``, ``ciera train --overflow-rungs``, on by default): a word tensor
 # whose demand is above its fixed rung by up to this many rungs still travels as words; the
 # fallback's conditional sends the escapes past the fixed prefix at the needed rung's size and
 # fills them. A program's one rung then costs a drifting demand (warm-up, peak, decay) what
-# each step's own rung would, up to padding (small's policy replay at one program: steady
-# state 0.553 -> 0.284 of plain; 1 or 2 rungs: 0.389 / 0.324), for a fill and a small switch
-# in the fallback, off the steady path, of the units carrying most of the word bytes
-# (``ciera_models.train.rung_policy.EXIT_SHARE``): OLMoE-1B-7B's step on 16 H100s compiles 1.43x plain
-# with them on its 3 expert tensors, 1.17x without (the fastest of 2 compiles each), 1.80x
-# with them on all 10 tensors.
+# each step's own rung would, up to padding (small's policy replay at one program), for a fill
+# and a small switch in the fallback, off the steady path. Each switch costs compile time, so
+# only the units carrying most of the word bytes get them
+# (``ciera_models.train.rung_policy.EXIT_SHARE``).
 OVERFLOW_RUNGS = 3
 DEFAULT_CODE_BITS = 3  # the word-delta study: the best single width across phases
 CODE_BITS_CHOICES = (2, 3, 4)

@@ -265,20 +265,15 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
     wire = e.wire
     taken = sent.rung_sent  # an overflow's exit: the rung it sent at
     # Where the decode runs. Exponent mode: in the fallback conditional's compressed branch,
-    # with its self-check, so a step that falls back does not also decode what it throws away
-    # (tiny on the CPU, where it falls back every step: 1.18x -> 1.01x plain's step), and
-    # XLA:GPU copies nothing through the branch (OLMoE-1B-7B on 16 H100s: 44.2 -> 32.9 GB of
-    # copies a step, 1.7 GB less memory). Word mode: before the conditional, where XLA fuses
-    # it with the layer's other decodes, and the branch passes one array through, the words
-    # (the tensor is their bits): in the branch its compile took 1.60x plain's instead of
-    # 1.55x on the CPU, its steps without an overflow 1.14x instead of 1.03x, and XLA:GPU
-    # launched 10% more kernels (docs/results.md, "Round 4, twenty-third stop").
+    # with its self-check, so a step that falls back does not also decode what it throws away,
+    # and XLA:GPU copies nothing through the branch (fewer copies a step, less memory). Word
+    # mode: before the conditional, where XLA fuses it with the layer's other decodes, and the
+    # branch passes one array through, the words (the tensor is their bits); in the branch it
+    # would compile slower, run slower without an overflow and launch more kernels.
     # Its fill of the escapes, with overflow rungs on a CPU: in the branch that ends the steady
-    # path, since an overflow's exit fills every escape itself and the fill before the
-    # conditional was thrown away (tiny --plan all, 131 of 180 steps overflow: steady step
-    # 1.09-1.10x -> 1.06x plain's, side by side). On a GPU before it, fused with the
-    # self-check (in the branch: OLMoE-1B-7B on 16 H100s, 20 more fusions, 160 more launches
-    # a step).
+    # path, since an overflow's exit fills every escape itself and a fill before the
+    # conditional would be thrown away on every overflow. On a GPU before it, fused with the
+    # self-check (in the branch it would take more fusions and launches a step).
     decoded = ()
     finish = failed = fill_section = None
     if word:

@@ -28,8 +28,8 @@ One concern per module, imports one way: :mod:`.axes` (where a call gathers), :m
 (rule tables, specs of one axis), :mod:`.discovery` (which params, which axis),
 :mod:`.stacking`, :mod:`.caches`, :mod:`.stats`, :mod:`.specs` (state PartitionSpecs,
 placement), :mod:`.clipping`, :mod:`.inventory` (the one walk over a model: its gathering
-modules and tensors), :mod:`.plan` (a module's static gather mode), :mod:`.gather` (the one
-gather: shards, caches and plan in; fulls, new caches and stats out), :mod:`.percall` (a call
+modules and tensors), :mod:`.setup` (a module's static gather mode), :mod:`.gather` (the one
+gather: shards, caches and setup in; fulls, new caches and stats out), :mod:`.percall` (a call
 gathering on its own), :mod:`.phases` and :mod:`.prepared` (a train step's encode, one
 agreement, and gathers with prefetch and the one custom VJP), :mod:`.remat` (what that VJP's
 forward saves), :mod:`.layer_stack`, :mod:`.decorator`, :mod:`.wrap` (by instance).
@@ -47,8 +47,8 @@ from ciera_jax.fsdp.state.inventory import (GatheredTensor, Gatherer, gathered_t
 from ciera_jax.fsdp.layer_stack import scan_layers
 from ciera_jax.fsdp.phases import (agree_tensors, encode_tensors, fix_rungs, needed_rungs,
                                    priming_inputs, unit_layers, wires)
-from ciera_jax.fsdp.state.plan import (GATHER_MODES, REMAT_POLICIES, WORD_BACKWARDS, Plan,
-                                       gather_mode, plan_of, set_gather_mode)
+from ciera_jax.fsdp.state.setup import (GATHER_MODES, REMAT_POLICIES, WORD_BACKWARDS,
+                                        GatherSetup, gather_mode, set_gather_mode, setup_of)
 from ciera_jax.fsdp.prepared import GatherInputs, prepare
 from ciera_jax.runtime.partition import check_divisible, d_axis, rule_axis, spec_for
 from ciera_jax.fsdp.state.specs import merge, param_specs, put, split_axes, state_specs
@@ -57,16 +57,19 @@ from ciera_jax.fsdp.state.stats import (STAT_KEYS, GatherStats, columns as stat_
                                         from_columns as stats_from_columns, gather_stats,
                                         unpack as unpack_stats, wire_ratio)
 from ciera_jax.fsdp.wrap import is_sharded, shard
+from ciera_jax.runtime.lazy import renamed
+
+__getattr__ = renamed(__name__, {"Plan": "GatherSetup", "plan_of": "setup_of"})
 
 __all__ = [
     "AXIS", "CACHE_MODES", "GATHER_MODES", "REMAT_POLICIES", "STAT_KEYS", "WORD_BACKWARDS",
     "ExponentCacheVar", "GatherCacheVar", "GatherInputs", "GatherSpec", "GatherStats",
-    "GatheredTensor", "Gatherer", "Plan", "agree_tensors", "attach_caches", "cache_dict",
+    "GatheredTensor", "Gatherer", "GatherSetup", "agree_tensors", "attach_caches", "cache_dict",
     "check_divisible",
     "clip_by_global_norm", "d_axis", "encode_tensors", "fix_rungs", "gather", "gather_mode",
     "gather_stats",
     "gathered", "gathered_tensors", "gatherers", "global_sq_norm", "invariant", "is_sharded",
-    "merge", "needed_rungs", "param_dict", "param_specs", "plan_of", "prepare", "priming_inputs",
+    "merge", "needed_rungs", "param_dict", "param_specs", "setup_of", "prepare", "priming_inputs",
     "put", "rule_axis",
     "scan_layers", "set_gather_mode", "shard", "spec_for", "split_axes", "stack", "stack_size",
     "stat_columns", "state_specs", "stats_from_columns", "unit_layers", "unpack_stats",

@@ -1,6 +1,6 @@
 """The :func:`gathered` decorator: a sharded module's parameters are gathered just before its
-``__call__`` runs. What the call does is the module's static plan
-(:mod:`ciera_jax.fsdp.state.plan`): on its own (:mod:`.percall`), prepared by a train step
+``__call__`` runs. What the call does is the module's static setup
+(:mod:`ciera_jax.fsdp.state.setup`): on its own (:mod:`.percall`), prepared by a train step
 (:mod:`.prepared`), or nothing but the call when a prepared layer stack holds its full
 weights already."""
 
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from ciera_jax.fsdp.state.axes import AXIS, MANUAL, REGION, placement
 from ciera_jax.fsdp.state.discovery import GATHER_ATTR, GatherSpec, module_name
 from ciera_jax.fsdp.percall import call as call_alone
-from ciera_jax.fsdp.state.plan import plan_of
+from ciera_jax.fsdp.state.setup import setup_of
 from ciera_jax.fsdp.prepared import call as call_prepared
 from ciera_jax.runtime.partition import Rules
 
@@ -48,16 +48,16 @@ def gathered(axis_name: str = AXIS, *, dtype=jnp.bfloat16, rules: Rules = (),
 
 
 def call(module, fn, args, kwargs, spec: GatherSpec):
-    """One call of a gathering module, as its plan says."""
-    plan = plan_of(module)
-    if plan.held:
+    """One call of a gathering module, as its setup says."""
+    setup = setup_of(module)
+    if setup.held:
         return fn(module, *args, **kwargs)
-    if plan.prepared:
+    if setup.prepared:
         place = placement(spec.axis_name, module_name(module))
         if place == MANUAL:
-            return call_prepared(module, fn, args, kwargs, plan)
+            return call_prepared(module, fn, args, kwargs, setup)
         if place == REGION:
             raise ValueError(f"{module_name(module)}: a step prepared by fsdp.prepare runs "
                              "inside shard_map; under jit without shard_map, gather per call "
                              "(fsdp.set_gather_mode)")
-    return call_alone(module, fn, args, kwargs, spec, plan)
+    return call_alone(module, fn, args, kwargs, spec, setup)

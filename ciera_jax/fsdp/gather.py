@@ -1,10 +1,10 @@
-"""The one gather every path of :mod:`ciera_jax.fsdp` calls: shards, caches and the plan in;
+"""The one gather every path of :mod:`ciera_jax.fsdp` calls: shards, caches and the setup in;
 full weights, new caches and stats out, as values.
 
 :func:`gather` runs inside ``shard_map`` (the user's, or the train step's); :func:`gather_region`
-opens a ``shard_map`` of its own around it (a call under ``jit`` with the mesh set). The plan
-says which tensors (:class:`~ciera_jax.fsdp.GatheredTensor`), the mode (:class:`Plan`), and,
-when a train step prepared them, each compressed tensor's ``Encoded`` and agreement; without
+opens a ``shard_map`` of its own around it (a call under ``jit`` with the mesh set). The
+caller says which tensors (:class:`~ciera_jax.fsdp.GatheredTensor`), the mode
+(:class:`~ciera_jax.fsdp.state.setup.GatherSetup`), and, when a train step prepared them, each compressed tensor's ``Encoded`` and agreement; without
 them a ``ciera`` gather encodes every tensor it has a cache for and agrees on all of them with
 ONE collective."""
 
@@ -21,11 +21,11 @@ import ciera_jax.collective.quantized as quantized
 from ciera_jax.fsdp import buckets
 from ciera_jax.fsdp.state.axes import axis_bound, axis_size, invariant
 from ciera_jax.fsdp.state.inventory import GatheredTensor
-from ciera_jax.fsdp.state.plan import Plan
+from ciera_jax.fsdp.state.setup import GatherSetup
 from ciera_jax.runtime.partition import kept_axes, names_of, without_axis
 
 
-def _gather_one(t: GatheredTensor, shard, gin, plan: Plan, axis_name: str,
+def _gather_one(t: GatheredTensor, shard, gin, setup: GatherSetup, axis_name: str,
                region: bool = False):
     """Gather one layer's shard: (full, new cache or None, stats). ``gin``: (Encoded, cache,
     agreed) for a compressed gather, None for the mode's plain / int8 gather. Stats are summed
@@ -38,17 +38,17 @@ def _gather_one(t: GatheredTensor, shard, gin, plan: Plan, axis_name: str,
     new_cache = None
     if gin is not None:
         e, cache, agreed = gin
-        full, new_cache, st = collective.exchange(shard, e, cache, agreed, ax, impl=plan.impl)
+        full, new_cache, st = collective.exchange(shard, e, cache, agreed, ax, impl=setup.impl)
         failed = jnp.asarray(st["verify_failed"]).astype(jnp.int32)
         changed = jnp.asarray(st["changed"]).astype(jnp.int32)
         if not region:  # varying types tell what is still per rank
             changed = invariant(changed, ax, lax.psum)
-            failed = failed if plan.prepared else invariant(failed, ax, lax.psum)
+            failed = failed if setup.prepared else invariant(failed, ax, lax.psum)
         stats = dict(sent_bytes=st["sent_bytes"], plain_bytes=st["plain_bytes"],
                      changed=changed, rung=st["rung"],
                      fallback=st["fallback"].astype(jnp.int32), verify_failed=failed)
     else:
-        if plan.mode == "int8":
+        if setup.mode == "int8":
             full = quantized.int8_all_gather(shard, ax, axis=t.axis).astype(shard.dtype)
             sent = jnp.int32(quantized.wire_bytes(shard.size))
         else:
@@ -74,12 +74,12 @@ def _gather_one(t: GatheredTensor, shard, gin, plan: Plan, axis_name: str,
         full, counts = lax.optimization_barrier((full, counts))
         counts = lax.psum(counts, sum_axes)
         stats["changed"] = counts[0]
-        if not plan.prepared:
+        if not setup.prepared:
             stats["verify_failed"] = counts[1]
     return full, new_cache, {k: lax.stop_gradient(v) for k, v in stats.items()}
 
 
-def gather_inputs(tensors: dict, shards: dict, caches: dict, plan: Plan, axis_name: str,
+def gather_inputs(tensors: dict, shards: dict, caches: dict, setup: GatherSetup, axis_name: str,
                   prepared: dict | None = None) -> dict:
     """``{key: (Encoded, cache, agreed) or None}``: a prepared step's (``prepared``: ``{key:
     (Encoded, agreed)}``, the keys it compresses), else, in ``ciera`` mode, every tensor with
@@ -87,16 +87,16 @@ def gather_inputs(tensors: dict, shards: dict, caches: dict, plan: Plan, axis_na
     if prepared is not None:
         return {k: (buckets.unwrap(prepared[k][0]), caches[k], prepared[k][1])
                 if k in prepared else None for k in tensors}
-    if plan.mode != "ciera":
+    if setup.mode != "ciera":
         return {k: None for k in tensors}
     enc = {k: collective.encode(lax.stop_gradient(shards[k]), caches[k], axis_name,
-                                axis=t.axis, impl=plan.impl, name=t.key)
+                                axis=t.axis, impl=setup.impl, name=t.key)
            for k, t in tensors.items() if caches.get(k) is not None}
     agreed = collective.agree(enc, axis_name) if enc else {}
     return {k: (enc[k], caches[k], agreed[k]) if k in enc else None for k in tensors}
 
 
-def gather(tensors: dict, shards: dict, caches: dict, plan: Plan, axis_name: str,
+def gather(tensors: dict, shards: dict, caches: dict, setup: GatherSetup, axis_name: str,
            prepared: dict | None = None, region: bool = False):
     """Gather a call's shards (inside ``shard_map``): ``(fulls, new_caches, stats)``, each
     ``{key: ...}``; ``new_caches`` holds the compressed tensors' only.
@@ -106,7 +106,7 @@ def gather(tensors: dict, shards: dict, caches: dict, plan: Plan, axis_name: str
     entries (keyed by bucket, not tensor), else they are formed here."""
     if prepared is not None:
         bucket_of = {k: e.members for k, (e, _) in prepared.items() if buckets.is_bucket(e)}
-    elif plan.mode == "ciera":
+    elif setup.mode == "ciera":
         bucket_of = buckets.groups(tensors, caches, axis_name)
     else:
         bucket_of = {}
@@ -117,10 +117,10 @@ def gather(tensors: dict, shards: dict, caches: dict, plan: Plan, axis_name: str
             key, members, tensors, shards, caches, n_ranks)
         for k in members:
             del joined_t[k], joined_s[k], joined_c[k]
-    inputs = gather_inputs(joined_t, joined_s, joined_c, plan, axis_name, prepared)
+    inputs = gather_inputs(joined_t, joined_s, joined_c, setup, axis_name, prepared)
     fulls, new_caches, stats = {}, {}, {}
     for k, t in joined_t.items():
-        fulls[k], c, stats[k] = _gather_one(t, joined_s[k], inputs[k], plan, axis_name, region)
+        fulls[k], c, stats[k] = _gather_one(t, joined_s[k], inputs[k], setup, axis_name, region)
         if c is not None:
             new_caches[k] = c
     for key, members in bucket_of.items():
@@ -135,7 +135,7 @@ def gather(tensors: dict, shards: dict, caches: dict, plan: Plan, axis_name: str
     return ({k: fulls[k] for k in tensors}, new_caches, {k: stats[k] for k in tensors})
 
 
-def gather_region(tensors: dict, shards: dict, caches: dict, plan: Plan, axis_name: str):
+def gather_region(tensors: dict, shards: dict, caches: dict, setup: GatherSetup, axis_name: str):
     """:func:`gather` in a ``shard_map`` region of its own (under ``jit`` with the mesh set).
     Each shard comes in with its parameter's own spec (the gather axis and any other mesh
     axes, e.g. ``tp``); its full weight and cache leave gathered over the gather axis only,
@@ -147,7 +147,7 @@ def gather_region(tensors: dict, shards: dict, caches: dict, plan: Plan, axis_na
     cache_specs = {k: cache_specs_of(caches[k], tensors[k], ax) for k in caches}
     shards = {k: _to_spec(v, shard_specs[k]) for k, v in shards.items()}
     caches = {k: jax.tree.map(_to_spec, caches[k], cache_specs[k]) for k in caches}
-    return jax.shard_map(lambda s, c: gather(tensors, s, c, plan, ax, region=True),
+    return jax.shard_map(lambda s, c: gather(tensors, s, c, setup, ax, region=True),
                          in_specs=(shard_specs, cache_specs),
                          out_specs=(full_specs, cache_specs, P()),
                          check_vma=False)(shards, caches)

@@ -18,7 +18,7 @@ from ciera_jax.fsdp.state.caches import PLAIN_ATTR, GatherCacheVar, cache_attr
 from ciera_jax.fsdp.state.discovery import GatherSpec, module_name, module_path, sharded_params
 from ciera_jax.fsdp.gather import gather, gather_region
 from ciera_jax.fsdp.state.inventory import GatheredTensor
-from ciera_jax.fsdp.state.plan import Plan
+from ciera_jax.fsdp.state.setup import GatherSetup
 from ciera_jax.runtime.partition import check_divisible
 from ciera_jax.fsdp.state.stacking import stack_size
 from ciera_jax.fsdp.state.stats import record
@@ -65,7 +65,7 @@ def call_tensor(module, p, spec: GatherSpec, place: str) -> GatheredTensor:
                           spec.dtype or value.dtype, spec=p.spec)
 
 
-def call(module, fn, args, kwargs, spec: GatherSpec, plan: Plan):
+def call(module, fn, args, kwargs, spec: GatherSpec, setup: GatherSetup):
     """A gathering module's call: gather its sharded params, run ``fn`` on the full ones."""
     place = placement(spec.axis_name, module_name(module))
     params = checked_params(module, spec, place)
@@ -76,24 +76,24 @@ def call(module, fn, args, kwargs, spec: GatherSpec, plan: Plan):
             if spec.dtype is not None:
                 nodes[p.path].set_value(p.var.get_value().astype(spec.dtype))
     else:
-        gathered_into(copy, module, params, spec, plan, place)
+        gathered_into(copy, module, params, spec, setup, place)
     out = fn(copy, *args, **kwargs)
     write_back(module, copy)
     return out
 
 
-def gathered_into(copy, module, params: list, spec: GatherSpec, plan: Plan, place: str):
+def gathered_into(copy, module, params: list, spec: GatherSpec, setup: GatherSetup, place: str):
     """Gather ``module``'s ``params`` (:func:`~ciera_jax.fsdp.gather`, or its region under
     ``jit``); the full weights, new caches and stats go into ``copy``."""
     tensors, shards, caches = {}, {}, {}
     for p in params:
         t = tensors[p.key] = call_tensor(module, p, spec, place)
         shards[p.key] = p.var.get_value().astype(t.dtype)
-        if (plan.mode == "ciera" and bitfields.is_compressible(t.dtype)
+        if (setup.mode == "ciera" and bitfields.is_compressible(t.dtype)
                 and p.name not in getattr(p.owner, PLAIN_ATTR, ())):
             caches[p.key] = cache_of(p, t, f"{module_name(module)}/{p.key}")
     run = gather if place == MANUAL else gather_region
-    fulls, new_caches, stats = run(tensors, shards, caches, plan, spec.axis_name)
+    fulls, new_caches, stats = run(tensors, shards, caches, setup, spec.axis_name)
     nodes = dict(nnx.iter_graph(copy))
     for p in params:
         nodes[p.path].set_value(fulls[p.key])

@@ -1,7 +1,8 @@
 """Gathers prepared for a train step (inside its ``shard_map``): the step encoded every
 compressed tensor at the end of the previous step and agreed on all of them with ONE collective
 (:mod:`ciera_jax.fsdp.phases`); :func:`prepare` hands each gathering module its tensors'
-``Encoded`` and agreement, as module state, with a static :class:`~ciera_jax.fsdp.state.plan.Plan`.
+``Encoded`` and agreement, as module state, with a static
+:class:`~ciera_jax.fsdp.state.setup.GatherSetup`.
 
 A prepared module's call gathers with them (:func:`call`), and a layer stack run by
 :func:`~ciera_jax.fsdp.scan_layers` gathers layer l+1 while layer l computes (:func:`scan`).
@@ -12,7 +13,7 @@ beside a gather of its sign + mantissa bytes alone (:mod:`~ciera_jax.fsdp.regath
 gathers every other tensor again (the same exact, pure function). Either way the compute sees
 its weights through one ``optimization_barrier``, forward and backward, so XLA compiles the
 same matmuls whichever path delivered them and the parameters stay bitwise those of a plain
-gather. What the forward keeps for the backward besides each layer's input is the plan's
+gather. What the forward keeps for the backward besides each layer's input is the setup's
 ``remat`` policy (:mod:`~ciera_jax.fsdp.remat`); never a gathered weight.
 """
 
@@ -33,8 +34,8 @@ from ciera_jax.fsdp.state.caches import GatherCacheVar, cache_attr
 from ciera_jax.fsdp.state.discovery import gather_spec, iter_modules, module_path, path_key
 from ciera_jax.fsdp.gather import gather
 from ciera_jax.fsdp.state.inventory import GatheredTensor, gatherers
-from ciera_jax.fsdp.state.plan import (DEFAULT_REMAT, DEFAULT_WORD_BACKWARD, Plan, plan_of,
-                                       set_plan)
+from ciera_jax.fsdp.state.setup import (DEFAULT_REMAT, DEFAULT_WORD_BACKWARD, GatherSetup,
+                                        set_setup, setup_of)
 from ciera_jax.fsdp.regather import regather
 from ciera_jax.fsdp.state.stacking import stack_size
 from ciera_jax.fsdp.state.stats import GatherStats, layer_stats, record, stats_by_key
@@ -54,10 +55,10 @@ def prepare(model: nnx.Module, encoded: dict, agreed: dict, mode: str = "ciera",
             remat: str = DEFAULT_REMAT) -> nnx.Module:
     """Hand every gathering module of ``model`` the step's gather inputs (``encoded`` and
     ``agreed``: ``{tensor key: ...}``, from :func:`~ciera_jax.fsdp.encode_tensors` and
-    :func:`~ciera_jax.fsdp.agree_tensors`) and a prepared plan; returns ``model``. Call it
+    :func:`~ciera_jax.fsdp.agree_tensors`) and a prepared setup; returns ``model``. Call it
     inside the step's ``shard_map`` on the model merged there; read the new caches and
     stats from the model's state after the forward. ``remat``: what a layer stack's forward
-    saves for its backward (:data:`~ciera_jax.fsdp.state.plan.REMAT_POLICIES`: ``full``, each
+    saves for its backward (:data:`~ciera_jax.fsdp.state.setup.REMAT_POLICIES`: ``full``, each
     layer's input alone; ``save_dot_except_mlp``, the attention's projections too; ``none``,
     all that autodiff keeps), never a gathered weight."""
     missing = [k for k in encoded if k not in agreed]
@@ -65,8 +66,8 @@ def prepare(model: nnx.Module, encoded: dict, agreed: dict, mode: str = "ciera",
         raise ValueError(f"no agreement for {missing}: run agree_tensors once per step")
     encoded = encoded if mode == "ciera" else {}
     for g in gatherers(model):
-        set_plan(g.module, Plan(mode, impl, prepared=True, word_backward=word_backward,
-                                remat=remat))
+        set_setup(g.module, GatherSetup(mode, impl, prepared=True, word_backward=word_backward,
+                                        remat=remat))
         local = {g.key(p): p.key for p in g.params}
         mine = {p.key: (encoded[g.key(p)], agreed[g.key(p)]) for p in g.params
                 if g.key(p) in encoded}
@@ -132,7 +133,7 @@ def _leave(members, caches: dict, stats: dict) -> None:
         record(gm, st)
 
 
-def call(module, fn, args, kwargs, plan: Plan):
+def call(module, fn, args, kwargs, setup: GatherSetup):
     """A prepared module's call inside the step's ``shard_map``."""
     names = tuple(kwargs)
     args = tuple(args) + tuple(kwargs.values())
@@ -141,19 +142,19 @@ def call(module, fn, args, kwargs, plan: Plan):
         pos, kw = a[:len(a) - len(names)], dict(zip(names, a[len(a) - len(names):]))
         return x, fn(m, *pos, **kw)
 
-    _, y = _scan(module, (), args, plan, 0, body)
+    _, y = _scan(module, (), args, setup, 0, body)
     return y
 
 
 def scan(stack_module, x, *args):
     """Run a prepared layer stack: layer l computes on weights gathered during layer l-1.
     ``x, y = layer(x, *args)``; returns ``(x, ys)``."""
-    plan = next(plan_of(m) for _, m in iter_modules(stack_module) if gather_spec(m))
-    return _scan(stack_module, x, args, plan, stack_size(stack_module),
+    setup = next(setup_of(m) for _, m in iter_modules(stack_module) if gather_spec(m))
+    return _scan(stack_module, x, args, setup, stack_size(stack_module),
                  lambda m, x, *a: m(x, *a))
 
 
-def _scan(module, x, args, plan: Plan, layers: int, body):
+def _scan(module, x, args, setup: GatherSetup, layers: int, body):
     """``body(module holding full weights, x, *args) -> (x, y)`` over ``layers`` stacked
     layers (0: one call), every gather through :func:`_run`; new caches and stats are left
     in ``module``'s state."""
@@ -180,13 +181,13 @@ def _scan(module, x, args, plan: Plan, layers: int, body):
             treedef, [fulls[k] if k in fulls else others[k] for k in keys]), dummy, rest)
         for _, m in iter_modules(copy):  # they hold full weights: their calls only run
             if gather_spec(m) is not None:
-                set_plan(m, dataclasses.replace(plan_of(m), held=True))
+                set_setup(m, dataclasses.replace(setup_of(m), held=True))
         return body(copy, x, *args)
 
-    held = _cached(inputs, plan, cache_lib.WordCache)  # bucket members too: own caches
+    held = _cached(inputs, setup, cache_lib.WordCache)  # bucket members too: own caches
     axis_name = gather_spec(members[0][1]).axis_name if members else AXIS
-    regathered = _payload_groups(inputs, _cached(inputs, plan, cache_lib.ExponentCache))
-    run = _run(compute, tensors, held, regathered, layers, plan, axis_name, compute_on,
+    regathered = _payload_groups(inputs, _cached(inputs, setup, cache_lib.ExponentCache))
+    run = _run(compute, tensors, held, regathered, layers, setup, axis_name, compute_on,
                _carried(inputs))
     x, ys, cs, ss = run(shards, others, rest, x, tuple(args), inputs)
     _leave(members, cs, ss)
@@ -198,17 +199,17 @@ def _carried(inputs: dict) -> tuple:
     loop carries each one's cache stack and updates it in place, one layer at a time, so the
     step holds one stack of every cache, not the old one and a new one (a loop's outputs are a
     new stack; the first layer's cache, peeled off the loop, makes a third to concatenate).
-    OLMoE-1B-7B on 16 H100s, ``--cache exponent``: 38.0 -> 36.0 GB per GPU when exponent
-    caches joined the word caches the backward reads in being carried."""
+    Exponent caches are carried as well as the word caches the backward reads: each carried
+    stack is one cache stack less in the step's memory."""
     return tuple(k for k, gin in inputs.items() if gin is not None and cache_lib.is_cache(gin[1]))
 
 
-def _cached(inputs: dict, plan: Plan, kind) -> tuple:
+def _cached(inputs: dict, setup: GatherSetup, kind) -> tuple:
     """Keys whose backward reads their cache (``word_backward="cache"``), with a
     compressible cache of ``kind``. A tuple in the members' order, not a set: what is traced
     must not depend on string hashing, which differs between processes (a multi-host step
     would differ per host, and JAX's persistent cache would miss)."""
-    if plan.word_backward != "cache":
+    if setup.word_backward != "cache":
         return ()
     return tuple(k for k, gin in inputs.items() if gin is not None
                  and isinstance(gin[1], kind) and gin[1].compressible)
@@ -225,7 +226,7 @@ def _payload_groups(inputs: dict, keys: tuple) -> tuple:
     return tuple(groups) + tuple((k,) for k in keys if k not in grouped)
 
 
-def _run(compute, tensors: dict, held: tuple, regathered: tuple, n: int, plan: Plan,
+def _run(compute, tensors: dict, held: tuple, regathered: tuple, n: int, plan: GatherSetup,
          axis_name: str, compute_on=None, carried: tuple = ()):
     """``run(shards, others, rest, x, args, inputs) -> (x, ys, new caches, stats)`` over
     ``n`` stacked layers (0: one call, nothing stacked), with its own backward.
@@ -278,8 +279,8 @@ def _run(compute, tensors: dict, held: tuple, regathered: tuple, n: int, plan: P
 
     # the forward's gathers, traced once: the first layer's (peeled off the loop) and the loop
     # body's have the same shapes, so the second call reuses the first's trace and lowering
-    # (tiny, word caches: 0.70 -> 0.62 MB of StableHLO, about 0.3 s less to trace and lower;
-    # XLA inlines the call: the compiled step is the same, 781 fusions against 782)
+    # (less StableHLO, less time to trace and lower; XLA inlines the call, so the compiled step
+    # is the same)
     gather_layer_once = jax.jit(gather_layer)
 
     from_exponents = tuple(k for g in regathered for k in g)

@@ -56,8 +56,8 @@ def _row_major(exp: jax.Array) -> jax.Array:
     """A layer's cached exponents in the cache's own (row-major) layout. XLA:GPU lays an
     all-gather's result out with the gathered axis major; merged with it, the exponents would
     follow, and layout assignment would transpose the backward loop's whole cache stack once,
-    before the loop, rather than a layer at a time in it (15 GB for Mixtral-8x7B's ``w_down``
-    on 128 H100s; ``tests/test_aot.py`` checks it)."""
+    before the loop, rather than a layer at a time in it (a whole stack's copy at once;
+    ``tests/test_aot.py`` checks it)."""
     if with_layout_constraint is None:
         return exp
     return with_layout_constraint(exp, Layout(tuple(range(exp.ndim))))

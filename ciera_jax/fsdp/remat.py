@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ciera_jax.fsdp.state.plan import check_policy
+from ciera_jax.fsdp.state.setup import check_policy
 
 # The checkpoint names of a layer's attention projections (MaxText's).
 ATTENTION_PROJECTIONS = ("query_proj", "key_proj", "value_proj", "out_proj")

@@ -24,27 +24,27 @@ Codec time is counted, not assumed: the bytes each pass reads and writes per ele
 self-check over the full tensor) at :data:`CODEC_HBM_FRACTION` of the device's memory
 bandwidth, plus a launch cost per gather. A calibrated profile (``codec_pricing="measured"``)
 prices what was measured where it is slower than the counted bytes: on a CPU the codec is
-bound by its ops, not its bytes (about 10x its counted time; ``docs/results.md``, "Where CIERA
-pays"). Its dense passes then run at the measured end-to-end rate of each mode
+bound by its ops, not its bytes (many times its counted time; ``docs/results.md``, section 6,
+"Real-socket crossovers"). Its dense passes then run at the measured end-to-end rate of each mode
 (``codec_Bps``, ``word_codec_Bps``), and each escaped exponent costs ``escape_s`` more (the
 sender's pack and every receiver's fill walk the escapes one by one).
 
 A host's gather also pays for fresh memory (``fault_Bps``, 0 on GPUs, whose buffers come from
 XLA's pool): on a CPU, glibc maps blocks above its mmap threshold fresh on every call and the
 first touch of each page faults, so a gather of ``B`` full bytes faults in about
-``fresh_per_byte * (B - fresh_from_bytes)`` bytes (the output and a staging copy: about 2x the
-tensor from 32 MB up, little below 8 MB; counted with ``getrusage``) at ``fault_Bps``. It is why
-a gather's effective bandwidth falls with its size over sockets (``docs/results.md``, "Where
-CIERA pays"). Every method pays it on the size of the full tensor it returns.
+``fresh_per_byte * (B - fresh_from_bytes)`` bytes (the output and a staging copy above glibc's
+mmap threshold, little below it; counted with ``getrusage``) at ``fault_Bps``. It is why a
+gather's effective bandwidth falls with its size over sockets (``docs/results.md``, section 6,
+"Real-socket crossovers"). Every method pays it on the size of the full tensor it returns.
 
 A host's gather also slows once its working set leaves the last-level cache (``spill_Bps``, 0
 on GPUs): the ranks time-sharing one core each copy the full tensor through the sockets, a
 working set of ``W = B * max(1, N / host_cores)`` for a gather of ``B`` full bytes on ``N``
 ranks over ``host_cores`` cores. Copies that sweep more than the cache in a cycle miss on every
 line (LRU), so above ``llc_bytes`` all ``W`` bytes (:func:`spill_bytes`) run from memory at
-``spill_Bps``, on top of the link's line (4 processes on 2 cores at load 10-24: plain gathers
-of 8 / 16 / 24 MB in 24 / 87 / 141 ms with no fresh memory; ``docs/results.md``, "Where CIERA
-pays"). Both host rates are as loaded as the host they were calibrated on.
+``spill_Bps``, on top of the link's line (plain gathers with no fresh memory slow far more
+than their bytes once the working set leaves the cache; ``docs/results.md``, section 6,
+"Real-socket crossovers"). Both host rates are as loaded as the host they were calibrated on.
 
 ``n`` is the element count of the FULL tensor, ``b`` its bytes per element. The link is a
 :class:`Profile` (one flat ring) or a :class:`Topology` (NVLink ring inside a node, then a

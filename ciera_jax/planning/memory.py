@@ -29,12 +29,12 @@ Per GPU, for a config, ``N`` ranks on the fsdp axis and a plan (``{(layer, name)
 params, optimizer and caches are exact (tested against JAX's array sizes); gathered and
 activations are estimates. XLA's own count of the compiled step (``ciera aot``) is elastic:
 the latency-hiding scheduler keeps buffers live longer to overlap collectives while the step
-stays under its memory limit (95% of 80% of the GPU less the inputs), so the same step counts
-25.4 GB with the default limit and 18.6 GB with a 17 GB one (OLMoE-1B-7B, 16 H100s). With this
-model's total as its limit (``gpu_targets.plan_slop_percent``) XLA's count is within 10% of this
-one on every paper-scale row (docs/results.md, "XLA's scheduler within the plan"); ``ciera
-train`` and ``ciera aot`` set that limit only where XLA's own schedule would not fit the GPU
-(``ciera_models.train.memory_limit``): this model counts what a step needs, not the room XLA takes.
+stays under its memory limit (a share of the GPU less the inputs), so the same step counts more
+with the default limit than with a tighter one. With this model's total as its limit
+(``gpu_targets.plan_slop_percent``) XLA's count stays close to this one (docs/results.md,
+section 7, "Memory"); ``ciera train`` and ``ciera aot`` set that limit only where XLA's own
+schedule would not fit the GPU (``ciera_models.train.memory_limit``): this model counts what a
+step needs, not the room XLA takes.
 """
 
 from __future__ import annotations
@@ -228,9 +228,9 @@ def layer_transient_bytes(cfg: ModelConfig, prefetch: int = 1, loop_copies: int 
     of a layer before its reduce-scatter; the float32 gradient the experts' blocked matmul
     accumulates for one expert tensor. ``loop_copies``: XLA:GPU's while-loop double buffering
     (on in the FSDP flags ``ciera aot`` compiles with) unrolls the layer scan by two, so two
-    layers' bf16 weights are live; the float32 gradients are not doubled (Mixtral-8x7B on 128
-    H100s: XLA counts 37.3 GB at its smallest scheduler limit, 40.5 GB at its default; with
-    them doubled this counted 46.2 GB)."""
+    layers' bf16 weights are live; the float32 gradients are not doubled (XLA's count of
+    Mixtral-8x7B on 128 H100s stays below a model that doubles them, at any scheduler
+    limit)."""
     groups = _layer_groups(cfg)
     biggest = max(sum(t.size for t in g if gathered(t)) for g in groups)
     experts = [t.size for t in tensor_inventory(cfg) if t.kind.startswith("expert_")]

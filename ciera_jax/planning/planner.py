@@ -12,8 +12,8 @@ alone in the backward (the forward left this step's exponents in its cache), a w
 (the backward reads the full weights from its cache), and every tensor's gradient is
 reduce-scattered once. Each mode costs cache memory on every GPU (:mod:`ciera_jax.planning.memory`);
 the planner maximizes the step-time saving within a cache budget: a multiple-choice knapsack,
-solved by dynamic programming (a greedy by saving per byte was measured up to 14% short of the
-optimum on OLMoE: the big expert tensors do not pack greedily).
+solved by dynamic programming (a greedy by saving per byte falls short of the optimum on OLMoE:
+the big expert tensors do not pack greedily).
 """
 
 from __future__ import annotations

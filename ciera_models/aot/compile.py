@@ -252,15 +252,15 @@ def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: i
         lowered_encode = tr.prepare_fn.lower(*tr.encode_arguments())
     t_lower = time.perf_counter() - t0
     model = memory_limit.model_memory(tr, tokens_per_gpu)
-    plan = memory_limit.LimitPlan(target, memory_limit.per_gpu_bytes(args), model.total,
-                                  memory_limit.room_bytes(target, tc.memory_gb))
+    limit = memory_limit.SchedulerLimit(target, memory_limit.per_gpu_bytes(args), model.total,
+                                        memory_limit.room_bytes(target, tc.memory_gb))
     if log:
         log(f"ciera aot: {tc.gather} step of {tc.config} on {gpus} x {target.name}: lowered in "
             f"{t_lower:.1f} s, compiling with XLA:GPU ({tc.xla_flags} flags, memory limit "
             f"{tc.memory_limit})")
     options = functools.partial(gpu_targets.compiler_options, tc.xla_flags)
     kept, other = memory_limit.compile_within(
-        plan, tc.memory_limit, lambda slop: _compile(lowered, options(slop)),
+        limit, tc.memory_limit, lambda slop: _compile(lowered, options(slop)),
         lambda c: c.total, log, who="ciera aot")
     text = kept.text
     if hlo_out:
@@ -273,7 +273,7 @@ def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: i
         "program": program,
         "gpus": gpus, "gpu": target.name, "tokens_per_gpu": tokens_per_gpu,
         "batch": [tc.batch_size, tc.length], "flags": gpu_targets.for_this_xla(kept.options),
-        "scheduler_limit": _limit_row(kept, other, tc.memory_limit, plan.io_bytes, target),
+        "scheduler_limit": _limit_row(kept, other, tc.memory_limit, limit.io_bytes, target),
         "lower_s": t_lower, "compile_s": kept.wall_s, "compile_cpu_s": kept.cpu_s,
         "hlo_bytes": len(text),
         **kept.kernels,
@@ -283,8 +283,8 @@ def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: i
                    "alias": ma.alias_size_in_bytes, "temp": ma.temp_size_in_bytes,
                    "total": xla_total, "capacity": target.memory_bytes,
                    # what the step must fit in: the allocator's share, or --memory-gb
-                   "allocator": allocator, "memory_bytes": plan.memory_bytes,
-                   "headroom": plan.memory_bytes - xla_total},
+                   "allocator": allocator, "memory_bytes": limit.memory_bytes,
+                   "headroom": limit.memory_bytes - xla_total},
         "trainer": {"plan": tr.plan_summary, "attention": tr.attention, "experts": tr.experts,
                     "remat": tr.tc.remat,
                     "cache_modes": dict(sorted(tr.cache_modes.items())),

@@ -86,8 +86,7 @@ def _drop_closed_loop_errors() -> None:
     closed after a failed read or write print "Event loop is closed" (through
     ``sys.excepthook`` or ``sys.unraisablehook``), and each array read a failed restore left
     unfinished prints its error with the array's whole TensorStore spec when it is collected
-    (3 KB each, 44 in one 2-process test: a stderr pipe nobody drained filled, and the process
-    stalled in the hook). That is noise after a failure already reported in one line."""
+    (enough of them fill a stderr pipe nobody drains, and the process stalls in the hook). That is noise after a failure already reported in one line."""
     excepthook, unraisablehook = sys.excepthook, sys.unraisablehook
 
     def on_except(kind, value, tb):

@@ -2,8 +2,8 @@
 
 ``lax.ragged_dot(x, w, sizes)`` multiplies each group of rows of ``x`` (rows sorted by group)
 by its group's matrix of ``w``. XLA:GPU (jaxlib 0.10.2) rewrites it into a dense dot over every
-group: OLMoE's shapes need float32 ``[64, 32768, 2048]`` buffers, 25.8 GB per layer with the
-gradient (docs/results.md). JAX's Pallas Triton lowering behind
+group: OLMoE's shapes need float32 ``[64, 32768, 2048]`` buffers, several times a layer's
+weights with the gradient. JAX's Pallas Triton lowering behind
 ``jax_ragged_dot_use_gpu_pallas_triton_lowering`` is not in the 0.10.2 wheel
 (``jax._src.lax.pallas_lowerings`` is missing), so this module does the grouped matmul itself,
 as MegaBlocks does: each group's rows are cut into blocks of ``block`` rows (a group's last

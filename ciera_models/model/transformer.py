@@ -36,8 +36,9 @@ INIT_STD = 0.02
 # jax.nn.dot_product_attention's implementations: XLA's (any platform: materializes the
 # B x H x L x L scores) or cuDNN's fused flash attention (GPU only).
 ATTENTIONS = ("xla", "cudnn")
-# The experts' grouped matmul: lax.ragged_dot (XLA:GPU densifies it over every expert: 25.8 GB
-# per OLMoE layer) or ciera_models.model.grouped_matmul's loop over blocks of rows (bounded on GPU).
+# The experts' grouped matmul: lax.ragged_dot (XLA:GPU densifies it over every expert: float32
+# buffers of experts x rows per layer) or ciera_models.model.grouped_matmul's loop over blocks
+# of rows (bounded on GPU).
 EXPERTS_MATMULS = ("ragged", "blocked")
 
 

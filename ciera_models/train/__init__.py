@@ -3,7 +3,7 @@
 config.py        every flag a dataclass field (TrainConfig, RunConfig)
 data.py          token data
 optimizer.py     AdamW, warm-up + cosine
-plan_policy.py   which gathered tensors compress, and each one's cache mode
+compression.py   which gathered tensors compress, and each one's cache mode
 memory_limit.py  XLA:GPU's scheduler memory limit from the plan (train and aot alike)
 rung_policy.py   RungPolicy: which rung vectors a run compiles and which each step runs
 step.py          the sharded train step and the encode program after it
@@ -26,13 +26,15 @@ _EXPORTS = {
     "make_schedule": "ciera_models.train.optimizer",
     "flat_params": "ciera_models.checkpoint.params_hash",
     "params_sha256": "ciera_models.checkpoint.params_hash",
-    "PLANS": "ciera_models.train.plan_policy", "make_plan": "ciera_models.train.plan_policy",
+    "PLANS": "ciera_models.train.compression",
+    "choose_compressed": "ciera_models.train.compression",
     "make_mesh": "ciera_jax.runtime.devices", "build_trainer": "ciera_models.train.build",
     "Trainer": "ciera_models.train.state", "TrainState": "ciera_models.train.state",
     "RunConfig": "ciera_models.train.config", "TrainConfig": "ciera_models.train.config",
 }
-__getattr__, __dir__ = exports(__name__, _EXPORTS, globals())
+__getattr__, __dir__ = exports(__name__, _EXPORTS, globals(),
+                               old={"make_plan": "choose_compressed"})
 
 __all__ = ["TrainConfig", "RunConfig", "Trainer", "TrainState", "build_trainer", "make_mesh",
            "train", "check_inputs", "params_sha256", "flat_params", "summarize", "RunResult",
-           "make_plan", "PLANS", "make_schedule", "make_optimizer"]
+           "choose_compressed", "PLANS", "make_schedule", "make_optimizer"]

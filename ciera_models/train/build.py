@@ -19,7 +19,7 @@ from ciera_jax.fsdp import AXIS, GatherCacheVar
 from ciera_models.model import configs
 from ciera_models.model.transformer import Transformer
 from ciera_models.train.optimizer import make_optimizer
-from ciera_models.train.plan_policy import cache_modes, make_plan
+from ciera_models.train.compression import cache_modes, choose_compressed
 from ciera_models.train.state import Trainer, is_spec
 from ciera_models.train.step import make_step
 
@@ -48,7 +48,7 @@ def build_trainer(tc, mesh: Mesh) -> Trainer:
     opt_specs = optax.tree_map_params(tx, lambda _, s: s, opt_abs, full_specs,
                                       transform_non_params=lambda _: P(), is_leaf=is_spec)
     tensors = fsdp.gathered_tensors(abstract)
-    compress, plan_summary = make_plan(tc, tensors, n, mesh.devices.flat[0].platform)
+    compress, plan_summary = choose_compressed(tc, tensors, n, mesh.devices.flat[0].platform)
     if tc.gather != "ciera":
         compress = {k: False for k in compress}
     modes = cache_modes(tc, tensors, compress, n, mesh.devices.flat[0].platform)

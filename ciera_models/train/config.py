@@ -45,7 +45,7 @@ class LazyChoices(collections.abc.Sequence):
 # Which cache a compressed tensor keeps: the library's modes (exponent, 1 B/param; word, the
 # whole word, 2 B/param), or auto: the planner's choice per tensor.
 CACHE_MODES = LazyChoices("ciera_jax.collective.cache", "MODES", extra=("auto",))
-# Which tensors compress (models.plan_policy): the cost model plus the expert weights, the cost
+# Which tensors compress (ciera_models.train.compression): the cost model plus the expert weights, the cost
 # model alone, every gathered tensor.
 PLANS = ("auto", "cost", "all")
 
@@ -63,7 +63,7 @@ class TrainConfig:
     config: str = option("tiny", f"model config: {', '.join(configs.CONFIGS)}", metavar="NAME")
     gather: str = option("ciera", "ciera: lossless, compressed; plain: the lossless baseline "
                          "(same params bitwise); int8: the lossy baseline (ZeRO++ qwZ style)",
-                         choices=LazyChoices("ciera_jax.fsdp.state.plan", "GATHER_MODES"),
+                         choices=LazyChoices("ciera_jax.fsdp.state.setup", "GATHER_MODES"),
                          metavar="MODE")
     batch_size: int = option(16, "global batch, in sequences (divisible by the devices)")
     seq_len: int | None = option(None, "tokens per sequence", default_text="the config's")
@@ -99,13 +99,13 @@ class TrainConfig:
         "words, as the forward's gather left them: no backward gather; an exponent cache's "
         "exponents: only sign + mantissa are gathered again) or regather (the same exact "
         "compressed gather again); both give params bitwise equal to --gather plain",
-        choices=LazyChoices("ciera_jax.fsdp.state.plan", "WORD_BACKWARDS"), metavar="HOW")
+        choices=LazyChoices("ciera_jax.fsdp.state.setup", "WORD_BACKWARDS"), metavar="HOW")
     remat: str = option(
         "full", "what the layer scan's forward saves for the backward (MaxText's "
         "remat_policy): full (each layer's input alone; the backward recomputes the layer), "
         "save_dot_except_mlp (also the attention's q, k, v and output projections), none "
         "(all that autodiff keeps); never a gathered weight",
-        choices=LazyChoices("ciera_jax.fsdp.state.plan", "REMAT_POLICIES"), metavar="POLICY")
+        choices=LazyChoices("ciera_jax.fsdp.state.setup", "REMAT_POLICIES"), metavar="POLICY")
     max_programs: int = option(
         8, "most train-step programs compiled per run (ciera only): each step's gathers send "
         "their escapes at rungs fixed when the step is compiled, picked from the demands the "
@@ -122,8 +122,7 @@ class TrainConfig:
         "program's section, in its fallback's conditional) instead of a plain gather; compiled "
         "for the ones carrying at least 1/32 of the word bytes (OLMoE-1B-7B: the 3 expert "
         "tensors; tiny, small: the layer's bucket), so one program follows the demand from "
-        "warm-up to decay (small's steady state 0.28 of plain, against 0.55 at 0); 0: every "
-        "overflow a plain gather, a smaller compile", metavar="N")
+        "warm-up to decay; 0: every overflow a plain gather, a smaller compile", metavar="N")
     compile_beside: str = option(
         "auto", "a step whose program is not compiled yet (the run's first, a new rung vector "
         "the policy bought) runs one that is while it compiles in a thread: the first step "

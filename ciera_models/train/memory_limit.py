@@ -4,12 +4,9 @@
 XLA's latency-hiding scheduler keeps buffers live to overlap collectives until it reaches
 ``xla_gpu_memory_limit_slop_factor`` % of 80% of the GPU less the step's inputs and outputs
 (:mod:`ciera_jax.runtime.gpu_targets`). Unlimited, it can spend what the plan gave to caches or
-headroom (OLMoE-1B-7B's plain step on 16 H100s: 25.4 GB at XLA's default, 19.2 GB at the
-plan's limit; docs/results.md). But a limit costs overlap: OLMoE-1B-7B's exponent-mode step on
-16 H100s overlaps 89% of its gathers at XLA's default (31.3 GB of 85.5) and 86% at the plan's
-(26.4 GB; 55% before the backward stopped copying its exponent stacks). Hence ``auto``: it
-limits only where XLA's own schedule would not fit the memory the plan allows the step (the
-GPU's, or ``--memory-gb``, less ``planner.HEADROOM_GB``).
+headroom; limited, it overlaps fewer of the gathers (docs/results.md, section 7, "Memory").
+Hence ``auto``: it limits only where XLA's own schedule would not fit the memory the plan allows
+the step (the GPU's, or ``--memory-gb``, less ``planner.HEADROOM_GB``).
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ import jax
 
 from ciera_jax.planning import memory, planner
 from ciera_jax.runtime import gpu_targets
-from ciera_models.train import plan_policy
+from ciera_models.train import compression
 
 MEMORY_LIMITS = gpu_targets.MEMORY_LIMITS
 Compiled = TypeVar("Compiled")
@@ -47,7 +44,7 @@ def model_memory(tr, tokens_per_gpu: int) -> memory.Memory:
 
 
 @dataclasses.dataclass(frozen=True)
-class LimitPlan:
+class SchedulerLimit:
     """What the limit is derived from: the GPU, the step's inputs per GPU, the plan's total,
     and the memory the plan allows the step (``room_bytes``: the GPU's, or ``--memory-gb``, less
     the planner's headroom)."""
@@ -70,63 +67,63 @@ class LimitPlan:
 
 
 def room_bytes(target: gpu_targets.GpuTarget, memory_gb: float | None) -> int:
-    """The memory a step may use: ``memory_gb`` (``plan_policy.memory_gb``: ``--memory-gb``, or
+    """The memory a step may use: ``memory_gb`` (``compression.memory_gb``: ``--memory-gb``, or
     what the GPU's allocator may hold) or the GPU's, less ``planner.HEADROOM_GB``, as the plan's
     cache budget counts it."""
     gb = target.memory_gb if memory_gb is None else min(memory_gb, target.memory_gb)
     return int(planner.room_bytes(gb))
 
 
-def plan_for(tr, args, target: gpu_targets.GpuTarget, tokens_per_gpu: int) -> LimitPlan:
+def scheduler_limit(tr, args, target: gpu_targets.GpuTarget, tokens_per_gpu: int) -> SchedulerLimit:
     """The limit's inputs for trainer ``tr``'s step on ``args`` (real or abstract)."""
     platform = tr.mesh.devices.flat[0].platform
-    return LimitPlan(target, per_gpu_bytes(args), model_memory(tr, tokens_per_gpu).total,
-                     room_bytes(target, plan_policy.memory_gb(tr.tc, platform)))
+    return SchedulerLimit(target, per_gpu_bytes(args), model_memory(tr, tokens_per_gpu).total,
+                     room_bytes(target, compression.memory_gb(tr.tc, platform)))
 
 
-def compile_within(plan: LimitPlan, how: str, compile_at: Callable[[int | None], Compiled],
+def compile_within(limit: SchedulerLimit, how: str, compile_at: Callable[[int | None], Compiled],
                    total: Callable[[Compiled], int], log=None,
                    who: str = "ciera") -> tuple[Compiled, Compiled | None]:
     """``(kept, other)``: ``compile_at(slop)`` (None: XLA's default limit) as ``how`` says.
     ``gpu``: XLA's default. ``plan``: the plan's. ``auto``: XLA's default, and again at the
     plan's only when XLA's count (``total``) is above the room the plan allows the step
-    (``plan.room_bytes``) and the plan's limit is tighter; the smaller count is kept, ``other``
+    (``limit.room_bytes``) and the plan's limit is tighter; the smaller count is kept, ``other``
     is the one not. A default schedule that fits is kept whatever the model said: a limit then
     saves memory no one needs and costs the gathers' overlap."""
     if how not in MEMORY_LIMITS:
         raise ValueError(f"memory_limit must be one of {MEMORY_LIMITS}, got {how!r}")
-    slop = plan.slop
+    slop = limit.slop
     tighter = slop < gpu_targets.DEFAULT_SLOP_PERCENT
     if how == "plan":
         kept, other = compile_at(slop if tighter else None), None
     else:
         kept, other = compile_at(None), None
-        if how == "auto" and tighter and total(kept) > plan.room_bytes:
+        if how == "auto" and tighter and total(kept) > limit.room_bytes:
             if log:
                 log(f"{who}: XLA counts {total(kept) / 1e9:.1f} GB, more than the "
-                    f"{plan.room_bytes / 1e9:.1f} GB the plan allows the step (the model: "
-                    f"{plan.plan_bytes / 1e9:.1f} GB): compiling again with "
+                    f"{limit.room_bytes / 1e9:.1f} GB the plan allows the step (the model: "
+                    f"{limit.plan_bytes / 1e9:.1f} GB): compiling again with "
                     f"{gpu_targets.SLOP_FLAG}={slop}")
             second = compile_at(slop)
             if total(second) < total(kept):
                 kept, other = second, kept
             else:
                 other = second
-    _say_if_over(plan, total(kept), log, who)
+    _say_if_over(limit, total(kept), log, who)
     return kept, other
 
 
-def _say_if_over(plan: LimitPlan, total: int, log, who: str) -> None:
+def _say_if_over(limit: SchedulerLimit, total: int, log, who: str) -> None:
     """One line when even the kept schedule does not fit the memory the step has: it would
     not run, and the line says by how much and the ``--memory-gb`` that plans the caches
     smaller by as much (the memory model missed what XLA keeps beside them)."""
-    short = total - plan.memory_bytes
+    short = total - limit.memory_bytes
     if short <= 0 or not log:
         return
     log(f"{who}: XLA counts {total / 1e9:.1f} GB per device for this step, {short / 1e9:.1f} GB "
-        f"more than the {plan.memory_bytes / 1e9:.1f} GB it may hold: it will not run. The "
-        f"memory model counted {plan.plan_bytes / 1e9:.1f} GB; --memory-gb "
-        f"{math.floor((plan.memory_bytes - short) / 1e9)} plans the caches that much smaller")
+        f"more than the {limit.memory_bytes / 1e9:.1f} GB it may hold: it will not run. The "
+        f"memory model counted {limit.plan_bytes / 1e9:.1f} GB; --memory-gb "
+        f"{math.floor((limit.memory_bytes - short) / 1e9)} plans the caches that much smaller")
 
 
 def xla_total(ma) -> int:

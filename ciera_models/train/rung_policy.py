@@ -18,9 +18,8 @@ Host-side, over :mod:`ciera_jax.codec.wire`: the trainer feeds it the needed run
 returned and each compile's seconds, and prices bytes with the plan's link
 (:func:`seconds_per_byte`). Each tensor's bytes are a table made once (a row per fixed rung, a
 column per demand, :func:`bytes_table`), so a step's price is a row times how many layers need
-each rung: it runs before every step's launch, so it must cost far less than the step (0.14
-ms a step for tiny's two units, 0.43 ms for 10 tensors of 16 layers, where asking the wire of
-every layer took 0.6 and 6.2 ms).
+each rung: it runs before every step's launch, so it must cost far less than the step, and
+asking the wire of every layer each step would cost many times more.
 """
 
 from __future__ import annotations
@@ -36,18 +35,18 @@ from ciera_jax.collective import PLAIN_RUNG, WordWire, rung_for
 from ciera_jax.planning import costmodel
 
 # Steady-state demands, as shares of a shard's elements, for a program compiled before any
-# step ran (the first program, ``ciera aot``): word mode's escapes at 3 bits (8-15% on
-# small/tiny, the word-delta study) and exponent mode's changed exponents (0.1-0.2% after
-# warm-up, the stability study).
+# step ran (the first program, ``ciera aot``): word mode's escapes at 3 bits (small's and
+# tiny's steady state, the word-delta study) and exponent mode's changed exponents after
+# warm-up (the stability study), each rounded up to a rung.
 STEADY_ESCAPES = 1 / 8
 STEADY_EXPONENTS = 1 / 512
 COMPILE_S_PRIOR = 60.0  # a compile's price until one was measured (``compiled``)
 # Word units (tensors, buckets) that compile overflow rungs (``wire.overflow_rungs``): those
 # carrying at least this share of the word bytes a step sends. An exit costs every unit the
 # same compile (a switch and a fill in its fallback), whatever its size, and saves bytes in
-# proportion to it: OLMoE-1B-7B's 3 expert tensors carry 93% of its word bytes in 3 of 10
-# units (embed and head 1.5% each, each attention projection 1%); tiny's and small's layer
-# buckets carry over 90%.
+# proportion to it: OLMoE-1B-7B's 3 expert tensors carry nearly all its word bytes (embed,
+# head and each attention projection fall below this share); tiny's and small's layer
+# buckets carry most of theirs.
 EXIT_SHARE = 1 / 32
 
 Rungs = tuple  # ((key, rung), ...) in key order: hashable, one per compiled program

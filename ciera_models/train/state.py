@@ -35,7 +35,7 @@ from ciera_models.resilience import watchdog
 from ciera_models.train.beside import CompilesBeside, abstract_like, in_thread
 from ciera_models.train.data import Dataset
 from ciera_models.model.transformer import Transformer
-from ciera_models.train.plan_policy import NO_CACHE, default_profile
+from ciera_models.train.compression import NO_CACHE, default_profile
 from ciera_models.train.step import AHEAD_SPECS, all_words, per_layer_stats
 
 INT32_MAX = np.iinfo(np.int32).max
@@ -199,11 +199,11 @@ class Trainer:
         if target is None:
             return gpu_targets.compile_with(lowered, self.compiler_options)
         tokens = self.tc.batch_size * self.tc.length // self.n
-        plan = memory_limit.plan_for(self, args, target, tokens)
+        limit = memory_limit.scheduler_limit(self, args, target, tokens)
         at = lambda slop: gpu_targets.compile_with(  # noqa: E731
             lowered, gpu_targets.compiler_options(self.tc.xla_flags, slop))
         kept, _ = memory_limit.compile_within(
-            plan, self.tc.memory_limit, at,
+            limit, self.tc.memory_limit, at,
             lambda c: memory_limit.xla_total(c.memory_analysis()),
             log or (lambda line: print(line, file=sys.stderr, flush=True)), who="ciera train")
         return kept
@@ -377,8 +377,8 @@ class Trainer:
             lowered = self.step_fn.lower(*args)
             # The encode program compiles beside the run's first step program (unless it
             # started earlier, as ``ciera train`` starts it), once that is traced: started
-            # before, its compile threads slowed the trace (Python) down more than they
-            # overlapped (tiny, word, 2 cores: first step 10.5-11.1 -> 9.3-10.2 s). With
+            # before, its compile threads would slow the trace (Python) down more than they
+            # overlap it. With
             # programs compiled beside, the first steps prime instead: it starts after.
             if not self.beside:
                 self.start_encode_compile()

@@ -27,8 +27,8 @@
 
 The encode is a program of its own, not the step's tail: XLA compiles it once, beside the step
 programs (one per rung vector), instead of inside each of them, and the step program holds the
-gathers, the model and the optimizer alone (the encode was 283 of the 815 PTX modules of
-OLMoE-1B-7B's step on 16 H100s). It runs between two steps, where the step's tail ran it:
+gathers, the model and the optimizer alone (inside it, the encode is a large share of the
+step's PTX modules, compiled again for every rung vector). It runs between two steps, where the step's tail ran it:
 nothing waits longer.
 
 All three gather modes run this same code; ciera and plain give bitwise-identical params. The
@@ -113,7 +113,7 @@ def per_layer_stats(tensors: dict, packed: dict) -> dict:
     """``{tensor key: packed stats stacked over layers}`` (columns :data:`STEP_STAT_KEYS`) ->
     ``{layer key: {stat: value} of that layer}``, on the host (the step returns them packed
     and stacked: split inside it, each layer's scalar is an output buffer of its own, a slice
-    kernel on a GPU, 260 in OLMoE-1B-7B's step on 16 H100s)."""
+    kernel on a GPU, hundreds a step)."""
     out = {}
     for k, p in packed.items():
         st = fsdp.stats_from_columns(p, STEP_STAT_KEYS)

@@ -6,11 +6,11 @@ so a step's module graph is the same on every call and ``nnx.jit`` traces it onc
 
 A parameter's stats are held packed (:func:`pack`): one int32 vector and ``changed``, not one
 scalar per stat. A layer loop stacks each of its outputs with a kernel of its own on a GPU, so
-seven scalars per tensor per layer cost seven kernels (the loop now stacks one vector for all
-of a layer's tensors: -118 kernels in OLMoE-1B-7B's step on 16 H100s). ``changed`` stays a
+seven scalars per tensor per layer would cost seven kernels; the loop stacks one vector for all
+of a layer's tensors. ``changed`` stays a
 leaf of its own: it is a ``psum``'s result, which XLA:GPU moves out of the layer loop (one
 all-reduce of the stacked counts after it) only while it goes straight into the loop's output;
-packed with the rest, the loop was peeled instead (+393 kernels). :func:`gather_stats` hands
+packed with the rest, the loop is peeled instead (hundreds of kernels more). :func:`gather_stats` hands
 them out by name."""
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ DEFAULT_WORD_BACKWARD = "cache"
 REMAT_POLICIES = ("none", "save_dot_except_mlp", "full")
 DEFAULT_REMAT = "full"
 
-PLAN_ATTR = "ciera_plan"  # on a gathering module: its Plan (static, in the graphdef)
+SETUP_ATTR = "ciera_setup"  # on a gathering module: its GatherSetup (static, in the graphdef)
 
 
 def check_policy(policy: str) -> str:
@@ -48,7 +48,7 @@ def check_mode(mode: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class GatherSetup:
     """A gathering module's static settings.
 
     ``mode``: the gather (``ciera``: the caches' compressed gather; ``plain``: all-gather of
@@ -75,16 +75,16 @@ class Plan:
         check_policy(self.remat)
 
 
-DEFAULT = Plan()
+DEFAULT_SETUP = GatherSetup()
 
 
-def plan_of(module) -> Plan:
-    """The module's :class:`Plan` (the default ``ciera`` one until a mode is set)."""
-    return getattr(module, PLAN_ATTR, DEFAULT)
+def setup_of(module) -> GatherSetup:
+    """The module's :class:`GatherSetup` (the default ``ciera`` one until a mode is set)."""
+    return getattr(module, SETUP_ATTR, DEFAULT_SETUP)
 
 
-def set_plan(module, plan: Plan) -> None:
-    object.__setattr__(module, PLAN_ATTR, plan)
+def set_setup(module, setup: GatherSetup) -> None:
+    object.__setattr__(module, SETUP_ATTR, setup)
 
 
 def gathering_modules(model: nnx.Module) -> list[tuple[tuple, nnx.Module]]:
@@ -105,7 +105,7 @@ def set_gather_mode(model: nnx.Module, mode: str = "ciera", *, impl: str = "auto
                         f"{model!r}")
     check_mode(mode)
     for _, m in gathering_modules(model):
-        set_plan(m, dataclasses.replace(plan_of(m), mode=mode, impl=impl))
+        set_setup(m, dataclasses.replace(setup_of(m), mode=mode, impl=impl))
     return model
 
 
@@ -120,13 +120,13 @@ def gather_mode(model: nnx.Module, mode: str = "ciera", *, impl: str = "auto"):
                         f"(a static field, so jit retraces when it changes); write "
                         f"fsdp.gather_mode(model, {model!r})")
     check_mode(mode)
-    saved = [(m, getattr(m, PLAN_ATTR, None)) for _, m in gathering_modules(model)]
+    saved = [(m, getattr(m, SETUP_ATTR, None)) for _, m in gathering_modules(model)]
     set_gather_mode(model, mode, impl=impl)
     try:
         yield model
     finally:
-        for m, plan in saved:  # as it was, unset included (the graphdef compares equal)
-            if plan is None:
-                object.__delattr__(m, PLAN_ATTR)
+        for m, setup in saved:  # as it was, unset included (the graphdef compares equal)
+            if setup is None:
+                object.__delattr__(m, SETUP_ATTR)
             else:
-                set_plan(m, plan)
+                set_setup(m, setup)

@@ -85,7 +85,7 @@ def cache_budget_bytes(tc, n: int, platform: str) -> float | None:
                                 headroom_gb=planner.HEADROOM_GB)
 
 
-def make_plan(tc, tensors: dict, n: int, platform: str) -> tuple[dict, str]:
+def choose_compressed(tc, tensors: dict, n: int, platform: str) -> tuple[dict, str]:
     """Compress-or-plain per gathered tensor (``tc``: a TrainConfig, read for ``plan`` and
     ``profile``; ``tensors``: ``fsdp.gathered_tensors``). Returns ``({key: bool}, one-line
     summary)``."""
