@@ -15,7 +15,6 @@ MAX_LINES = 80
 TOO_LONG_TODAY = {
     "ciera_jax/collective/gather.py:exchange",
     "ciera_jax/fsdp/prepared.py:_run",
-    "ciera_models/cli/train.py:run",
 }
 
 
