@@ -1,4 +1,4 @@
-"""Gather a drifting expert weight with CIERA on emulated devices (word mode; --mode exponent); print bytes saved and the check.
+"""Gather a drifting weight with CIERA (word mode; --mode exponent): bytes saved, bitwise check.
 
 The work is :func:`ciera_jax.cli.drift_demo.demo`; this module only reads the command line.
 """
