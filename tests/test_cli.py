@@ -21,6 +21,22 @@ def test_help_lists_every_subcommand(capsys):
         assert name in out, name
 
 
+def test_train_help_shows_the_common_flags_before_the_advanced_ones(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--help"])
+    assert e.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    first_advanced = next(i for i, line in enumerate(lines) if line.startswith("advanced"))
+    flags = [line.split()[0] for line in lines[:first_advanced]
+             if line.startswith("  -")]
+    assert 5 <= len(flags) <= 15, flags
+    assert {"--config", "--gather", "--steps", "--resume", "--verbose"} <= {
+        f.rstrip(",") for f in flags}
+    later = [line.split()[0] for line in lines[first_advanced:] if line.startswith("  --")]
+    assert {"--max-programs", "--program-patience", "--overflow-rungs", "--compile-beside",
+            "--memory-limit", "--inject-crash", "--peer-timeout"} <= set(later)
+
+
 def test_building_the_whole_parser_imports_no_jax():
     code = ("import sys\n"
             "from ciera_jax.cli import main as cli\n"
