@@ -73,6 +73,37 @@ def test_other_dtypes_gather_plainly_and_exactly(dtype):
         assert (stats["sent_bytes"] == stats["plain_bytes"]).all()
 
 
+@pytest.mark.parametrize("mode", ["exponent", "word"])
+def test_bool_gathers_bitwise_like_lax_all_gather_in_both_cache_modes(mode):
+    """No compressed format for ``bool``: ``compress=None`` gathers it plainly, bit for bit
+    what ``lax.all_gather`` gives, whichever cache it is handed."""
+    mesh = mesh_of(*MESH)
+    x = np.random.default_rng(2).random((16, 8)) < 0.5
+
+    def body(x, cache):
+        full, new_cache, stats = ciera_jax.all_gather(x, cache, "fsdp")
+        return full[None], lax.all_gather(x, "fsdp", tiled=True)[None], stats["rung"][None]
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("fsdp"), P()),
+                               out_specs=(P("fsdp"), P("fsdp"), P("fsdp"))))
+    full, ref, rung = fn(_put(mesh, x, P("fsdp")), ciera_jax.init_cache(x.shape, np.bool_,
+                                                                         mode=mode))
+    full, ref = np.asarray(full), np.asarray(ref)
+    assert full.dtype == ref.dtype == np.bool_
+    np.testing.assert_array_equal(full.view(np.uint8), ref.view(np.uint8))
+    np.testing.assert_array_equal(full[0], x)
+    assert (np.asarray(rung) == -1).all()  # gathered plainly
+
+
+@pytest.mark.parametrize("mode", ["exponent", "word"])
+def test_forcing_compression_of_bool_is_refused_in_one_line(mode):
+    mesh, spec, fn = _gather_fn(np.bool_, (16, 8), compress=True)
+    x = _put(mesh, np.zeros((16, 8), np.bool_), spec)
+    with pytest.raises(TypeError, match="compression forced for dtype bool") as e:
+        fn(x, ciera_jax.init_cache((16, 8), np.bool_, mode=mode))
+    assert "\n" not in str(e.value)
+
+
 def _gather_fn(dtype, shape, axis=0, **kw):
     mesh = mesh_of(*MESH)
     spec = [None] * len(shape)

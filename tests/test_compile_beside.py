@@ -123,7 +123,15 @@ def test_the_summary_counts_the_stand_in_steps_and_the_programs_compiled_beside(
 
     history = [row(1, compile_s=2.0, step_compile_s=2.0, stand_in=True, priming=True),
                row(2, stand_in=True), row(3, beside_compile_s=5.0)]
+    history = [{**r, "rungs": {"3": 2}, "fallbacks": 2 if r["stand_in"] else 0}
+               for r in history]
     text = metrics.summarize(history, TrainConfig(config="tiny"), "ciera")
+    assert ("compiles: 2.0 s waited; the train step compiled 2 times (7.0 s)" in text
+            and "; 2 steps ran an already compiled step while theirs compiled" in text)
+    assert ("sent plainly: 4 of 6 gathers of a compressed tensor-layer: 2 filling the caches "
+            "(the first step); 2 on steps that ran an already compiled step while their own "
+            "compiled") in text
+    text = metrics.summarize(history, TrainConfig(config="tiny"), "ciera", verbose=True)
     assert "programs: 2 compiled in this run (7.0 s; recompiles 1)" in text
     assert ": 2.0 s waited for compiles (2 steps ran a compiled stand-in" in text
 

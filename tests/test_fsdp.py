@@ -108,9 +108,12 @@ def test_missing_caches_is_a_clear_error(mesh):
     def f(params, x):
         return fsdp.set_gather_mode(nnx.merge(graphdef, params), "ciera")(x)
 
-    with pytest.raises(ValueError, match="attach_caches"):
+    with pytest.raises(ValueError, match="attach_caches") as e:
         jax.shard_map(f, mesh=mesh, in_specs=(specs, P("fsdp")), out_specs=P("fsdp"))(
             fsdp.put(params, specs, mesh), jnp.ones((16, 64), jnp.bfloat16))
+    # the fix names every cache mode, word mode first (the one with the smaller wire)
+    assert "mode='word'" in str(e.value) and "mode='exponent'" in str(e.value)
+    assert "exponent cache" not in str(e.value)
 
 
 def test_rule_table_and_divisibility():

@@ -180,7 +180,8 @@ def test_the_child_gets_the_flags_back():
     p = argparse.ArgumentParser()
     train_cli.add_arguments(p)
     argv = ("--gather plain --steps 60 --devices 4 --checkpoint-dir /x --checkpoint-minutes "
-            "2.5 --resume --coordinator 127.0.0.1:5 --num-processes 2 --process-id 0").split()
+            "2.5 --resume --verbose --coordinator 127.0.0.1:5 --num-processes 2 --process-id 0"
+            ).split()
     args = p.parse_args(argv)
     back = [a for c in (TrainConfig, RunConfig, train_cli.LaunchConfig) for a in to_argv(c, args)]
     assert vars(p.parse_args(back)) == vars(args)

@@ -16,7 +16,7 @@ import ciera_jax
 import ciera_jax.collective.cache as cache_lib
 from ciera_jax import fsdp
 from ciera_jax.cli import main as cli
-from ciera_models.train import data
+from ciera_models.train import data, metrics
 from ciera_models.model.transformer import Transformer, abstract_model
 from ciera_models.train.compression import NO_CACHE, cache_modes
 from ciera_models.train.state import bytes_per_device
@@ -103,7 +103,11 @@ def test_the_default_price_compiles_one_program_on_the_emulated_link(runs):
     plain = train(TrainConfig(**{**TC.__dict__, "gather": "plain"}), steps=4, seed=0,
                   mesh=make_mesh(8), log=None)
     assert res.sha256 == plain.sha256
-    assert re.match(r"programs: [01] compiled", res.summary.splitlines()[-2])
+    assert re.match(r"compiles: [\d.]+ s waited(; the train step compiled once)?",
+                    res.summary.splitlines()[-1])
+    assert "program" not in res.summary  # the internals: --verbose
+    verbose = metrics.summarize(res.history, tc, "ciera", verbose=True)
+    assert re.search(r"^programs: [01] compiled", verbose, re.M)
 
 
 @pytest.mark.slow
@@ -119,7 +123,7 @@ def test_overflow_rungs_send_words_above_the_program_and_stay_bitwise_plain(runs
     exits_only = [r for r in res.history if 0 < r["overflow_words"] == r["overflows"]]
     assert exits_only and all(r["fallbacks"] == 0 for r in exits_only)
     assert re.search(r"overflows \d+ tensor-layers above their program's rung \(\d+ of them "
-                     r"sent as words", res.summary)
+                     r"sent as words", metrics.summarize(res.history, tc, "ciera", verbose=True))
 
 
 @pytest.mark.slow
@@ -190,6 +194,43 @@ def test_cli_resume_is_bitwise_and_writes_metrics(runs, tmp_path, capsys):
     assert "layers/1/mlp/w_gate_ExDxF" in traced[-1]["exp_change_by_tensor"]
     # the resumed run's first step re-primed its fresh caches
     assert recs[10]["fallbacks"] > 0
+
+
+INTERNALS = ("cache", "rung", "program", "escape", "fallback", "exp chg", "exp changed",
+             "legend", "padding", "overflow", "encode", "tier", "prim")
+
+
+def test_a_plain_run_prints_nothing_about_the_compressed_gathers_internals(runs, capsys):
+    """The step is ``runs["plain"]``'s (the same TrainConfig: the trainer is memoized), so
+    this run compiles nothing new."""
+    runs["plain"]
+    argv = ["train", "--gather", "plain", "--steps", "3", "--schedule-steps", str(STEPS),
+            "--program-patience", str(TC.program_patience), "--log-every", "1"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "step    3/3 loss" in out and "summary:" in out and "compiles:" in out
+    said = [w for w in INTERNALS if w in out.lower()]
+    assert not said, (said, out)
+
+
+def test_a_compressed_runs_lines_say_loss_throughput_wire_and_why_plainly(runs):
+    res = runs["ciera"]
+    tokens = TC.batch_size * TC.length
+    for rec in res.history:
+        line = metrics.progress_line(rec, STEPS, tokens)
+        assert re.search(r"loss [\d.]+ \| [\d,]+ tok/s \| wire [\d.]+x plain \(", line), line
+        assert not [w for w in INTERNALS if w in line.lower()], line
+        verbose = metrics.progress_line(rec, STEPS, tokens, verbose=True)
+        assert f"{rec['fallbacks']} sent plainly" in verbose and "rungs " in verbose
+    said = re.search(r"^sent plainly: (\d+) of (\d+) gathers of a compressed tensor-layer: "
+                     r"(\d+) filling the caches \(the first step\)", res.summary, re.M)
+    assert said, res.summary
+    assert int(said.group(1)) == sum(r["fallbacks"] for r in res.history)
+    assert int(said.group(3)) == res.history[0]["fallbacks"] > 0
+    if int(said.group(1)) > int(said.group(3)):
+        assert "whose weights moved more than the step was compiled to send compressed" in (
+            res.summary)
+    assert "program" not in res.summary and "rung" not in res.summary
 
 
 @pytest.mark.parametrize("argv,msg", [

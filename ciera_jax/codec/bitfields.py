@@ -65,13 +65,18 @@ def unsigned_dtype_like(dtype) -> np.dtype:
 
 
 def to_bits(x: jnp.ndarray) -> jnp.ndarray:
-    """Same-width unsigned view of ``x`` (identity for unsigned ints)."""
+    """Same-width unsigned view of ``x`` (identity for unsigned ints; ``bool``, which
+    ``lax.bitcast_convert_type`` refuses, as its 0/1 bytes)."""
     word = unsigned_dtype_like(x.dtype)
+    if x.dtype == np.bool_:
+        return x.astype(word)
     return x if x.dtype == word else lax.bitcast_convert_type(x, word)
 
 
 def from_bits(bits: jnp.ndarray, dtype) -> jnp.ndarray:
     dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return bits.astype(dtype)
     return bits if bits.dtype == dtype else lax.bitcast_convert_type(bits, dtype)
 
 

@@ -106,9 +106,10 @@ def cache_of(p, t: GatheredTensor, name: str):
     """The cache beside parameter ``p``, checked against the tensor it serves."""
     var = getattr(p.owner, cache_attr(p.name), None)
     if not isinstance(var, GatherCacheVar):
-        raise ValueError(f"{name}: gather 'ciera' needs an exponent cache for this parameter "
-                         f"and it has none: call ciera_jax.fsdp.attach_caches(model) once "
-                         f"after building the model (or gather with fsdp.gather_mode(model, "
+        raise ValueError(f"{name}: gather 'ciera' needs a cache beside this parameter and it "
+                         f"has none: call ciera_jax.fsdp.attach_caches(model, mode='word') (or "
+                         f"mode='exponent', or mode='auto' within a memory budget) once after "
+                         f"building the model (or gather with fsdp.gather_mode(model, "
                          f"'plain'))")
     cache = var.get_value()
     shape = getattr(cache, "shape", None)

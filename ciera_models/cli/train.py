@@ -36,10 +36,19 @@ class LaunchConfig:
                                "one line (exit 69)", metavar="SECONDS")
 
 
+# The flags most runs set: --help shows them first, every other one under "advanced".
+COMMON = ("config", "gather", "cache", "steps", "batch_size", "seq_len", "lr", "seed",
+          "devices", "data", "metrics_out", "checkpoint_dir", "resume", "verbose")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_fields(p.add_argument_group("what to train"), TrainConfig)
-    add_fields(p.add_argument_group("the run"), RunConfig)
-    add_fields(p.add_argument_group("processes"), LaunchConfig)
+    p.usage = "%(prog)s [--config NAME] [--gather MODE] [--steps N] [more: see --help]"
+    common = p.add_argument_group("what most runs set")
+    add_fields(common, TrainConfig, only=COMMON)
+    add_fields(common, RunConfig, only=COMMON)
+    add_fields(p.add_argument_group("advanced: the training step"), TrainConfig, skip=COMMON)
+    add_fields(p.add_argument_group("advanced: the run"), RunConfig, skip=COMMON)
+    add_fields(p.add_argument_group("advanced: multi-host processes"), LaunchConfig)
 
 
 def _check_launch(launch: LaunchConfig) -> None:
@@ -110,22 +119,8 @@ def _schedule_steps(tc: TrainConfig, run: RunConfig) -> int:
 
 
 def run(args) -> int:
-    from ciera_jax.runtime.devices import setup_devices
-    from ciera_models.model import configs
-    from ciera_models.train.loop import check_inputs
-
-    tc, run_cfg = from_args(TrainConfig, args), from_args(RunConfig, args)
-    configs.get_config(tc.config)  # unknown config -> KeyError with the choices
-    check_inputs(tc, run_cfg)  # bad input fails here, before JAX starts
-    launch = launch_from_environment(from_args(LaunchConfig, args))
-    _check_launch(launch)
-    vars(args).update(coordinator=launch.coordinator, num_processes=launch.num_processes,
-                      process_id=launch.process_id)  # for the child's flags
-    from ciera_models.resilience import peers
+    tc, run_cfg, launch = _checked_configs(args)
     from ciera_models.resilience import supervisor
-    from ciera_models.resilience import watchdog
-    from ciera_jax.cli.main import BAD_INPUT, EXIT_BAD_INPUT, bad_input_line
-    from ciera_models.resilience.failures import PeerLost, RunFailure, raised_everywhere
 
     if (launch.num_processes or 1) > 1 and launch.coordinator and not supervisor.is_child():
         # the job runs in a child, so that a lost coordinator's C++ abort is one line here
@@ -133,6 +128,34 @@ def run(args) -> int:
             [a for cls in (TrainConfig, RunConfig, LaunchConfig) for a in to_argv(cls, args)]),
             launch.process_id, launch.num_processes, run_cfg.checkpoint_dir,
             run_cfg.metrics_out)
+    _start_process(run_cfg, launch)
+    return _train_here(tc, run_cfg, launch)
+
+
+def _checked_configs(args) -> tuple[TrainConfig, RunConfig, LaunchConfig]:
+    """The run's configs from the flags (and a cluster's environment), checked before JAX
+    starts: bad input fails here."""
+    from ciera_models.model import configs
+    from ciera_models.train.loop import check_inputs
+
+    tc, run_cfg = from_args(TrainConfig, args), from_args(RunConfig, args)
+    configs.get_config(tc.config)  # unknown config -> KeyError with the choices
+    check_inputs(tc, run_cfg)
+    launch = launch_from_environment(from_args(LaunchConfig, args))
+    _check_launch(launch)
+    vars(args).update(coordinator=launch.coordinator, num_processes=launch.num_processes,
+                      process_id=launch.process_id)  # for the child's flags
+    return tc, run_cfg, launch
+
+
+def _start_process(run_cfg: RunConfig, launch: LaunchConfig) -> None:
+    """Devices, the stack dump on SIGUSR1, the progress the peers see, and the processes'
+    rendezvous (a peer lost there: one line, and this process exits)."""
+    from ciera_jax.runtime.devices import setup_devices
+    from ciera_models.resilience import peers
+    from ciera_models.resilience import supervisor
+    from ciera_models.resilience.failures import PeerLost
+
     setup_devices(run_cfg.devices)  # before JAX creates its backends
     _stacks_on_sigusr1()
     peers.progress["checkpoint_dir"] = run_cfg.checkpoint_dir
@@ -143,27 +166,33 @@ def run(args) -> int:
         line = f"ciera train: {e}"
         peers.last_words(e.exit_code, lambda: print(line, file=sys.stderr))
 
+
+def _train_here(tc: TrainConfig, run_cfg: RunConfig, launch: LaunchConfig) -> int:
+    """Train on this process's share of the mesh; process 0 prints and writes the metrics.
+    Returns the exit code."""
     import jax
 
-    from ciera_models.train.loop import train
-    from ciera_models.resilience.preemption import EXIT_PREEMPTED
     from ciera_jax.runtime.devices import make_mesh
+    from ciera_models.resilience import peers
+    from ciera_models.resilience import watchdog
+    from ciera_models.resilience.failures import RunFailure, raised_everywhere
+    from ciera_models.resilience.preemption import EXIT_PREEMPTED
+    from ciera_models.train.loop import train
 
     multi = jax.process_count() > 1
     _start_watchdog(jax, run_cfg.hang_timeout)
     n = run_cfg.devices if run_cfg.devices and not multi else len(jax.devices())
-    mesh = make_mesh(n)
     tc = dataclasses.replace(tc, schedule_steps=_schedule_steps(tc, run_cfg))
     is_main = jax.process_index() == 0
     if not is_main:
         run_cfg = dataclasses.replace(run_cfg, metrics_out=None)
-    log = (lambda s: print(s, flush=True)) if is_main else None
     if is_main:
         print(f"ciera train: config={tc.config} gather={tc.gather} mesh fsdp={n} "
               f"({jax.devices()[0].platform}, {jax.process_count()} process(es)) "
               f"batch={tc.batch_size}x{tc.length} steps={run_cfg.steps}", flush=True)
     try:
-        res = train(tc, run_cfg, mesh=mesh, log=log)
+        res = train(tc, run_cfg, mesh=make_mesh(n),
+                    log=(lambda s: print(s, flush=True)) if is_main else None)
     except RunFailure as e:
         who = f" (process {jax.process_index()})" if multi else ""
         line = f"ciera train{who}: {e}"
@@ -172,16 +201,7 @@ def run(args) -> int:
         print(line, file=sys.stderr, flush=True)
         return e.exit_code
     except Exception as e:
-        if multi and peers.is_peer_failure(e):  # one line, naming the lost process; exits
-            peers.lost_peer(e, jax.process_index(), jax.process_count(), launch.peer_timeout)
-        if multi and not raised_everywhere(e):
-            # this process alone (a bug here, a file missing on this host): the others see a
-            # lost peer, instead of waiting for this one
-            if isinstance(e, BAD_INPUT):
-                line = bad_input_line("train", e, f" (process {jax.process_index()})")
-                peers.end_alone(EXIT_BAD_INPUT, lambda: print(line, file=sys.stderr))
-            else:
-                peers.end_alone(1, traceback.print_exc)
+        _end_alone_if_alone(e, jax, launch.peer_timeout)
         raise
     peers.stop_watching()
     watchdog.stop()
@@ -189,6 +209,27 @@ def run(args) -> int:
         print(res.summary)
         print(f"params_sha256={res.sha256}", flush=True)
     return EXIT_PREEMPTED if res.preempted else 0
+
+
+def _end_alone_if_alone(e: Exception, jax, peer_timeout: int) -> None:
+    """An error raised in a multi-process run: a lost peer is one line naming it (and exits);
+    an error of this process alone (a bug here, a file missing on this host) ends it so the
+    others see a lost peer, instead of waiting for this one. Otherwise nothing (it is raised
+    on)."""
+    from ciera_jax.cli.main import BAD_INPUT, EXIT_BAD_INPUT, bad_input_line
+    from ciera_models.resilience import peers
+    from ciera_models.resilience.failures import raised_everywhere
+
+    if jax.process_count() <= 1:
+        return
+    if peers.is_peer_failure(e):  # one line, naming the lost process; exits
+        peers.lost_peer(e, jax.process_index(), jax.process_count(), peer_timeout)
+    if not raised_everywhere(e):
+        if isinstance(e, BAD_INPUT):
+            line = bad_input_line("train", e, f" (process {jax.process_index()})")
+            peers.end_alone(EXIT_BAD_INPUT, lambda: print(line, file=sys.stderr))
+        else:
+            peers.end_alone(1, traceback.print_exc)
 
 
 def _start_watchdog(jax, timeout_s: float) -> None:

@@ -199,6 +199,9 @@ class RunConfig:
                                        "minutes passed since the last save")
     keep_checkpoints: int = option(3, "keep the newest N checkpoints")
     resume: bool = option(False, "continue from the latest checkpoint in --checkpoint-dir")
+    verbose: bool = option(False, "also print the compressed gather's internals: each step's "
+                           "escape rungs and exponent changes with their legend, the compiled "
+                           "programs and their padding in the summary")
     inject_cache_fault: str | None = option(
         None, "flip random bits of one rank's cache before step STEP: STEP[:RANK[:TENSOR]] "
         "(default rank 0, the largest compressed tensor); a drill of the self-check",
@@ -221,10 +224,13 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_fields(parser: argparse.ArgumentParser, cls) -> None:
-    """One flag per field of dataclass ``cls``; --help shows each default."""
+def add_fields(parser: argparse.ArgumentParser, cls, only=None, skip=()) -> None:
+    """One flag per field of dataclass ``cls`` (``only``: these fields, in this order, where
+    ``cls`` has them; ``skip``: not these); --help shows each default."""
     hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    names = [n for n in (fields if only is None else only) if n in fields and n not in skip]
+    for f in (fields[n] for n in names):
         meta = f.metadata
         if meta.get("flag") is False:
             continue

@@ -171,7 +171,7 @@ def train(tc: TrainConfig, run: RunConfig | None = None, *, mesh=None,
             log(f"done; the process exits when the {pending} program(s) still compiling beside "
                 "the steps finish (XLA cannot stop a compile; no step will run them)")
     return RunResult(params_sha256(state.params), history,
-                     metrics.summarize(history, tc, tc.gather), state.step, stopped,
+                     metrics.summarize(history, tc, tc.gather, run.verbose), state.step, stopped,
                      str(saver.directory) if saver else None)
 
 
@@ -221,8 +221,9 @@ def _start(tc: TrainConfig, run: RunConfig, mesh, saver, log):
               "optimizer": bytes_per_device(state.opt_state),
               ("caches" if tc.gather != "ciera" else f"caches ({tc.cache})"):
                   bytes_per_device(state.caches)}
-    log(metrics.memory_line(memory))
-    log("legend: " + metrics.RUNG_LEGEND)
+    log(metrics.memory_line(memory, tc.gather))
+    if run.verbose and tc.gather == "ciera":
+        log("legend: " + metrics.RUNG_LEGEND)
     meta = {"train_config": dataclasses.asdict(tc), "seed": run.seed, "mesh": layout,
             "memory_per_device": memory, "start_step": state.step}
     return tr, state, dataset, meta
@@ -263,7 +264,8 @@ def _report(rec: dict, out, run: RunConfig, tc: TrainConfig, log, saver=None) ->
                    "then rerun with --resume (the metrics file is repaired then)"
                    if newest is not None else "nothing was saved")) from None
     if run.log_every and (rec["step"] % run.log_every == 0 or rec["step"] in (1, run.steps)):
-        log(metrics.progress_line(rec, run.steps, tc.batch_size * tc.length))
+        log(metrics.progress_line(rec, run.steps, tc.batch_size * tc.length, tc.gather,
+                                  run.verbose))
     if not math.isfinite(rec["loss"]):
         # the loss is the global batch's: every process stops here
         raise everywhere(FloatingPointError(f"loss is {rec['loss']} at step {rec['step']}"))
@@ -303,8 +305,7 @@ def _after_failed_check(rec: dict, retries: int, log) -> int:
 def _first_step_note(tr, step: int) -> str:
     what = [] if tr.compiled else ["compiles the train step"]
     if tr.tc.gather == "ciera":
-        what.append("primes the caches (a plain gather of each compressed tensor; not counted "
-                    "as exponent change)")
+        what.append("fills the caches (each compressed tensor sent plainly once)")
     return f"step {step} " + " and ".join(what or ["starts"])
 
 
