@@ -294,3 +294,33 @@ def test_a_demand_or_rung_off_the_ladder_is_refused():
         policy.tensor_bytes("experts", top, np.array([0]))
     with pytest.raises(ValueError, match="outside"):
         policy.tensor_bytes("experts", PLAIN_RUNG - 1, np.array([0]))
+
+
+def _holds(rungs: dict, need: dict) -> bool:
+    return all(r == PLAIN_RUNG or int(np.max(need[k])) <= r for k, r in rungs.items())
+
+
+def test_a_holding_policy_primes_first_and_only_ever_runs_programs_holding_the_demand():
+    """``holds``: the first program gathers everything plainly (fresh caches); the first step
+    whose demand is known buys a compressed program with headroom; no step ever runs a
+    program some layer's demand is above (its gathers compile no fallback); a demand no
+    compressed program holds buys one (up to ``max_programs``), and past that runs the
+    plain-rung program."""
+    policy = RungPolicy(WIRES, SLOW, first=dict(STEADY), holds=True, exits={"experts": 3},
+                        max_programs=4)
+    rungs, new = policy.choose(PRIMING)
+    assert new and set(rungs.values()) == {PLAIN_RUNG}
+    rungs, new = policy.choose(needs(1, 1))
+    assert new and rungs == {"experts": STEADY["experts"], "attn": STEADY["attn"]}
+    rungs, new = policy.choose(needs(6, 1))  # above: headroom of 3 rungs over the need
+    assert new and rungs["experts"] == 9 and _holds(rungs, needs(6, 1))
+    rng = np.random.default_rng(3)
+    top = {k: w.rungs for k, w in WIRES.items()}
+    for _ in range(200):
+        need = {k: rng.integers(0, top[k] + 1, size=LAYERS) for k in WIRES}
+        rungs, _ = policy.choose(need, steps_left=100)
+        assert _holds(rungs, need), (rungs, need)
+        assert policy.overflows(rungs, need) == (0, 0)
+        assert rungs in [dict(p) for p in policy.programs] or set(rungs.values()) == {
+            PLAIN_RUNG}
+    assert len(policy.programs) == 4

@@ -257,3 +257,63 @@ def test_an_overflow_exit_checks_the_words_it_rebuilt():
             assert np.array_equal(bits_of(full), np.asarray(ref))
         else:  # rank 0's answer (out_specs P()): its copy failed rank 1's shard
             assert not bool(fallback) and int(failed) == 1, rung
+
+
+def _guaranteed_body(rung):
+    def body(x, c):
+        e = G.encode(x, c, "fsdp")
+        agreed = G.agree(e, "fsdp")
+        need = capacity.needed_rung(e.wire, agreed)
+        full, new_c, st = G.exchange(x, e, c, capacity.fix(agreed, rung, exits=OVERFLOW_RUNGS,
+                                                           guaranteed=True), "fsdp")
+        ref = lax.all_gather(lax.bitcast_convert_type(x, _word(x.dtype)), "fsdp", tiled=True)
+        return full, ref, new_c, need, st["sent_bytes"], st["fallback"], st["verify_failed"]
+    return body
+
+
+@pytest.mark.parametrize("mode", ["exponent", "word"])
+def test_a_guaranteed_rung_compiles_no_conditional_and_is_exact_where_it_holds(mode):
+    """The host promised the rung holds the demand: one transfer (main plane, checksum, the
+    rung's section), no conditional of any kind, no overflow rung; at the needed rung and
+    every rung above it the gather is bitwise a plain one, priced as the wire table says.
+    Below the needed rung the promise is broken: the self-check says so (the redo is exact)."""
+    wire = _wire(mode)
+    cache = ciera_jax.init_cache(SHAPE, BF16, mode)
+    fn = jax.shard_map(lambda x, c: _guaranteed_body(wire.rungs // 2)(x, c)[:3], mesh=_mesh(),
+                       in_specs=(P("fsdp"), P()), out_specs=P(), check_vma=False)
+    x0 = jax.device_put(jnp.zeros(SHAPE, BF16), NamedSharding(_mesh(), P("fsdp")))
+    jaxpr = jax.make_jaxpr(fn)(x0, cache).jaxpr
+    assert not [e for e in walk(jaxpr) if e.primitive.name in ("cond", "switch")]
+    sizes = sorted(e.invars[0].aval.size * e.invars[0].aval.dtype.itemsize
+                   for e in walk(jaxpr) if e.primitive.name in GATHERS)
+    assert sizes == sorted([wire.main_bytes + wire.section_bytes(wire.rungs // 2),
+                            wire.plain_bytes]), sizes  # the reference gather beside it
+
+    rng = np.random.default_rng(11)
+    runs = {}
+
+    def run(rung, x, c):
+        if rung not in runs:
+            runs[rung] = jax.jit(jax.shard_map(_guaranteed_body(rung), mesh=_mesh(),
+                                               in_specs=(P("fsdp"), P()), out_specs=P(),
+                                               check_vma=False))
+        return runs[rung](jax.device_put(jnp.asarray(x), NamedSharding(_mesh(), P("fsdp"))), c)
+
+    broken = 0
+    for x in _trajectory(rng, BF16):
+        need = int(_run(capacity.PLAIN_RUNG, x, cache)[3])
+        if need >= wire.rungs:  # unprimed, or above the top: the host runs a plain rung
+            cache = jax.tree.unflatten(jax.tree.structure(cache), jax.tree.leaves(
+                _run(capacity.PLAIN_RUNG, x, cache)[2]))
+            continue
+        for rung in sorted({need, wire.rungs - 1}):
+            full, ref, new_c, _, sent, fallback, failed = run(rung, x, cache)
+            assert np.array_equal(bits_of(full), np.asarray(ref)), (mode, rung, need)
+            assert not bool(fallback) and int(failed) == 0
+            assert int(sent) == wire.bytes_at(rung, need) + (12 if mode == "word" else 4)
+        if need > 0:
+            full, ref, _, _, _, _, failed = run(need - 1, x, cache)
+            broken += 1
+            assert int(failed) > 0 and not np.array_equal(bits_of(full), np.asarray(ref))
+        cache = jax.tree.unflatten(jax.tree.structure(cache), jax.tree.leaves(new_c))
+    assert broken, "the trajectory had a step whose promise could be broken"

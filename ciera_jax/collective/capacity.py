@@ -8,6 +8,13 @@ per rung vector). Its exchange sends the section at the fixed size inside the ma
 no ``lax.switch``, and no collective in a conditional except the fallback's, which runs only
 when the demand is above the fixed rung (or the cache unprimed). ``rung=PLAIN_RUNG`` compiles
 a plain gather of the bits (a priming step) and no codec at all.
+
+``guaranteed=True``: the host promises that the rung holds every layer's agreed demand (it
+picked a program whose rungs do, :class:`~ciera_models.train.rung_policy.RungPolicy` with
+``holds``), so the exchange compiles no fallback and no conditional at all: a straight line,
+what a GPU wants (a conditional there is a host sync). A broken promise drops escapes; the
+self-check then fails and the step is redone with the caches re-primed, so even that stays
+exact.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from ciera_jax.codec.wire import PLAIN_RUNG, WordWire
 from ciera_jax.codec.word_ladder import ESCAPES, RAW
 
 __all__ = ["FixedRung", "PLAIN_RUNG", "exceeded", "exit_index", "fix", "is_fixed",
-           "needed_rung", "overflows"]
+           "is_guaranteed", "needed_rung", "overflows"]
 
 
 @jax.tree_util.register_dataclass
@@ -39,12 +46,21 @@ class FixedRung:
     rung: int = dataclasses.field(metadata=dict(static=True))
     needed: jax.Array | None = None
     exits: int = dataclasses.field(default=0, metadata=dict(static=True))
+    guaranteed: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
-def fix(agreed, rung: int, needed=None, exits: int = 0) -> FixedRung:
+def fix(agreed, rung: int, needed=None, exits: int = 0, guaranteed: bool = False) -> FixedRung:
     """``exits``: word mode's overflow rungs compiled (``wire.overflow_rungs``): a demand up
-    to that many rungs above ``rung`` still sends words, in the fallback's conditional."""
-    return FixedRung(agreed, int(rung), needed, int(exits))
+    to that many rungs above ``rung`` still sends words, in the fallback's conditional.
+    ``guaranteed``: the host knows the rung holds the demand: no fallback is compiled (and no
+    overflow rung: ``exits`` is then ignored)."""
+    guaranteed = bool(guaranteed)
+    return FixedRung(agreed, int(rung), needed, 0 if guaranteed else int(exits), guaranteed)
+
+
+def is_guaranteed(agreed) -> bool:
+    """A fixed rung the host promised holds the demand (no fallback compiled)."""
+    return isinstance(agreed, FixedRung) and agreed.guaranteed
 
 
 def is_fixed(agreed) -> bool:

@@ -103,9 +103,12 @@ def send(e: Encoded, agreed, shard, axis_name) -> transfer.Sent:
     wire = e.wire
     parts, sizes = _parts(e)
     if capacity.is_fixed(agreed):
-        rung, overflow = agreed.rung, capacity.overflows(wire, agreed)
+        rung = agreed.rung
+        # a guaranteed rung compiles no fallback: nothing decides one
+        overflow = None if agreed.guaranteed else capacity.overflows(wire, agreed)
         rows = transfer.send_fixed(e.payload.reshape(-1), parts, [s[rung] for s in sizes],
                                    shard, overflow, e.checksum, axis_name)
+        overflow = jnp.bool_(False) if overflow is None else overflow
         return transfer.Sent(rows, (), rung, overflow,
                              transfer.section_bytes(wire.section_sizes, rung))
     rung, overflow = transfer.pick_rung(wire.caps, agreed)

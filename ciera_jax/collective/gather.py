@@ -22,7 +22,9 @@ Phases, per tensor:
 The rung is either traced (the agreement's output: a ``lax.switch`` picks the section's
 transfer) or fixed when the step is compiled (a :class:`~ciera_jax.collective.capacity.FixedRung`
 from a host that knew the demand before the step: the section rides in the main transfer, and
-the fallback's conditional is the only one with collectives; with overflow rungs
+the fallback's conditional is the only one with collectives, and with
+``FixedRung.guaranteed`` (the host picked a program whose rungs hold the demand) there is no
+conditional at all; with overflow rungs
 (``FixedRung.exits``) it also finishes a word tensor a few rungs above its fixed one as words,
 :func:`ciera_jax.collective.word_mode.overflow_exit`). A train step fixes it
 (:mod:`ciera_jax.fsdp.phases`); a lone :func:`all_gather` cannot know its demand in advance.
@@ -308,7 +310,11 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
     def overflow(*_):
         return typed(finish())
 
-    if finish is not None:
+    if capacity.is_guaranteed(agreed):
+        # The host promised the rung holds the demand: no fallback, no conditional (on a GPU
+        # each is a host sync); a broken promise fails the self-check, whose redo is exact.
+        out = compressed(*operands)
+    elif finish is not None:
         # The one conditional with collectives: the fixed rung held the demand (no transfer),
         # an overflow rung's exit (its transfer in a switch of its own, inside), or the plain
         # fallback; all but the first off the steady path (``sent.exit`` is rank-invariant,

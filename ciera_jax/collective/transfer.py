@@ -61,11 +61,13 @@ def send_fixed(plane_L: jax.Array, parts, sizes, shard: jax.Array, fallback: jax
 
     On a fallback step (``fallback``: rank-invariant) the same T bytes carry the first T bytes
     of the shard's bits instead, so the plain gather that follows sends only the rest
-    (:func:`plain_rest`) and a fallback step costs what a plain gather does.
+    (:func:`plain_rest`) and a fallback step costs what a plain gather does. ``fallback=None``:
+    no fallback is compiled (a guaranteed rung), so the shard's head is never read.
     """
     pieces = [plane_L] + [_to_bytes(p[:size]) for p, size in zip(parts, sizes) if size]
     buf = jnp.concatenate(pieces) if len(pieces) > 1 else plane_L
-    buf = jnp.where(fallback, _head_bytes(shard, buf.shape[0]), buf)
+    if fallback is not None:
+        buf = jnp.where(fallback, _head_bytes(shard, buf.shape[0]), buf)
     return gather_rows(selfcheck.with_checksum(buf, csum), axis_name)
 
 

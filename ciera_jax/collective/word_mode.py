@@ -119,10 +119,12 @@ def send(e: WordEncoded, agreed, shard, axis_name) -> transfer.Sent:
             exit_ = capacity.exit_index(wire, agreed)
             plain = exit_ > len(ladder)
             taken = rung + jnp.where(plain, 0, exit_)  # the rung whose section travels in all
-        else:
-            exit_, plain, taken = None, capacity.overflows(wire, agreed), None
+        else:  # a guaranteed rung compiles no fallback: nothing decides one
+            exit_, taken = None, None
+            plain = None if agreed.guaranteed else capacity.overflows(wire, agreed)
         rows = transfer.send_fixed(e.codes, [e.level1, e.level2], _sizes(wire, rung), shard,
                                    plain, e.checksum, axis_name)
+        plain = jnp.bool_(False) if plain is None else plain
         return transfer.Sent(rows, (), rung, plain, transfer.section_bytes(
             wire.section_sizes, rung if taken is None else taken), exit_, ladder, taken)
     rung1, over1 = transfer.pick_rung(wire.caps1, agreed[ESCAPES])

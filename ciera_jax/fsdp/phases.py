@@ -129,18 +129,20 @@ def needed_rungs(tensors: dict, encoded: dict, agreed: dict) -> dict:
 
 
 def fix_rungs(agreed: dict, rungs: dict, needed: dict | None = None,
-              exits: int | dict = 0) -> dict:
+              exits: int | dict = 0, guaranteed: bool = False) -> dict:
     """``agreed`` with each key's rung fixed at ``rungs[key]`` (an int, or
     :data:`~ciera_jax.collective.capacity.PLAIN_RUNG`): what :func:`~ciera_jax.fsdp.prepare`
     takes for a step compiled at those rungs. ``needed``: :func:`needed_rungs` of the same
     agreement, when it was computed with it (the gathers then need not compute it again);
     ``exits``: word mode's overflow rungs (:func:`ciera_jax.collective.capacity.fix`), for
-    every key or ``{key: exits}`` (a key left out: none)."""
+    every key or ``{key: exits}`` (a key left out: none); ``guaranteed``: the rungs hold
+    every layer's demand (the host checked ``needed``): the step compiles no fallback and no
+    conditional (:func:`ciera_jax.collective.capacity.fix`)."""
     missing = sorted(set(agreed) - set(rungs))
     if missing:
         raise ValueError(f"no rung for {missing}")
     return {k: capacity.fix(a, rungs[k], None if needed is None else needed[k],
-                            exits.get(k, 0) if isinstance(exits, dict) else exits)
+                            exits.get(k, 0) if isinstance(exits, dict) else exits, guaranteed)
             for k, a in agreed.items()}
 
 

@@ -62,7 +62,7 @@ def abstract_step_args(tr):
 def encode_report(lowered, options: dict, modules: bool = False) -> dict:
     """The encode program (``prepare_fn``: compiled once per run, beside the step programs)
     compiled with the step's ``options``: its compile, kernels and XLA's memory count."""
-    c = _compile(lowered, options)
+    c = compile_lowered(lowered, options)
     return {"compile_s": c.wall_s, "compile_cpu_s": c.cpu_s, "hlo_bytes": len(c.text),
             "fusions": c.kernels["fusions"], "distinct_fusions": c.kernels["distinct_fusions"],
             "memory_total": c.total, "collectives": len(c.collectives),
@@ -79,7 +79,7 @@ def _collective_row(c: schedule.Collective) -> dict:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Compiled:
+class CompiledStep:
     """One XLA:GPU compile of the lowered step, and what the report reads of it."""
 
     options: dict
@@ -99,7 +99,7 @@ class _Compiled:
         return schedule.overlap_share(self.collectives)
 
 
-def _compile(lowered, options: dict) -> _Compiled:
+def compile_lowered(lowered, options: dict) -> CompiledStep:
     t, c = time.perf_counter(), time.process_time()
     compiled = gpu_targets.compile_with(lowered, options)
     # CPU seconds as well as wall: on a shared machine the wall clock is mostly the load
@@ -109,12 +109,16 @@ def _compile(lowered, options: dict) -> _Compiled:
     collectives = prog.collectives()
     # off the steady path: branches that hold the fallback's (overflow, priming) transfer
     per_step = prog.per_step({c.computation for c in collectives if not _steady(c)})
-    kernels = {**prog.kernels(), **{f"steady_{k}_per_step": v for k, v in per_step.items()}}
-    return _Compiled(options, text, compiled.memory_analysis(), collectives, kernels, wall,
+    kernels = {**prog.kernels(), **{f"steady_{k}_per_step": v for k, v in per_step.items()},
+               # every path's, each weighted by its loops' trips: an upper bound of a step's
+               "conditionals_per_step": prog.per_step(set())["conditionals"],
+               "all_gathers_in_branches": sum(c.kind == "all-gather" and c.in_branch
+                                              for c in collectives)}
+    return CompiledStep(options, text, compiled.memory_analysis(), collectives, kernels, wall,
                      cpu)
 
 
-def _limit_row(kept: _Compiled, other: _Compiled | None, memory_limit: str, io: int,
+def _limit_row(kept: CompiledStep, other: CompiledStep | None, memory_limit: str, io: int,
                target) -> dict:
     slop = kept.options.get(gpu_targets.SLOP_FLAG, gpu_targets.DEFAULT_SLOP_PERCENT)
     row = {"memory_limit": memory_limit, "slop_percent": slop, "io": io,
@@ -260,7 +264,7 @@ def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: i
             f"{tc.memory_limit})")
     options = functools.partial(gpu_targets.compiler_options, tc.xla_flags)
     kept, other = memory_limit.compile_within(
-        limit, tc.memory_limit, lambda slop: _compile(lowered, options(slop)),
+        limit, tc.memory_limit, lambda slop: compile_lowered(lowered, options(slop)),
         lambda c: c.total, log, who="ciera aot")
     text = kept.text
     if hlo_out:

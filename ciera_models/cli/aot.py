@@ -83,6 +83,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "of a word tensor's elements escaping, 1/512 of an exponent tensor's "
                    "exponents changing; the program a run starts with) or priming (every "
                    "gather plain) (default: steady)")
+    g.add_argument("--step", metavar="MODULE:FUNCTION", default=None,
+                   help="compile your own train step instead of the trainer's: FUNCTION(mesh) "
+                   "in an importable MODULE returns (step, abstract arguments) on the "
+                   "compile-only mesh it gets (docs/aot.md); reports its kernels, the "
+                   "conditionals a step executes (weighted by loop trips), all-gathers in "
+                   "branches, overlap and memory")
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="PATH", default=None, help="write the report(s) as JSON")
     out.add_argument("--hlo-out", metavar="DIR", default=None,
@@ -105,6 +111,8 @@ def run(args) -> int:
         raise ValueError(f"--temporaries {args.temporaries}: list none (0) or more")
     if args.json:
         outputs.check_output_file(args.json, "--json")
+    if args.step:
+        return _run_user_step(args)
     tc = from_args(TrainConfig, args)
     if tc.schedule_steps is None:  # the cosine horizon is a constant of the step: any will do
         tc = dataclasses.replace(tc, schedule_steps=TrainConfig.schedule_steps)
@@ -258,3 +266,23 @@ def render(reports: list[dict], target, show_collectives: bool = False) -> str:
                 lines.append(f"{c['kind']:<16}{c['bytes'] / 1e6:>9.2f}{c['runs']:>6}  "
                              f"{'yes' if c['in_branch'] else 'no':<7}{c['overlap']:<9}{src}")
     return "\n".join(lines)
+
+
+def _run_user_step(args) -> int:
+    """``--step``: the user's step compiled and reported (:mod:`ciera_models.aot.user_step`)."""
+    from ciera_models.aot.user_step import REPORT_KEYS, compile_user_step, load_builder
+
+    sys.path.insert(0, ".")  # a module beside the caller, as ``python -m`` would find it
+    report = compile_user_step(load_builder(args.step), args.gpus, args.gpu, args.xla_flags,
+                               None)
+    for key in REPORT_KEYS:
+        value = report.get(key)
+        if key == "memory":
+            value = f"{_size(value['total'])} of {_size(value['capacity'])}"
+        elif isinstance(value, float):
+            value = f"{value:.3f}"
+        print(f"{key:32s} {value}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0

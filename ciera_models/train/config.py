@@ -123,6 +123,14 @@ class TrainConfig:
         "for the ones carrying at least 1/32 of the word bytes (OLMoE-1B-7B: the 3 expert "
         "tensors; tiny, small: the layer's bucket), so one program follows the demand from "
         "warm-up to decay; 0: every overflow a plain gather, a smaller compile", metavar="N")
+    fallback: str = option(
+        "auto", "where a step whose demand is above its program's rungs goes (ciera only): "
+        "program (the host, which knows each step's demand before it runs, picks a compiled "
+        "program whose rungs hold it, or one gathering those tensors plainly: the steady "
+        "program holds no conditional, which on a GPU is a host sync each), branch (every "
+        "program compiles a fallback conditional per gather: a plain gather, or "
+        "--overflow-rungs' words), auto (program where the mesh's devices are GPUs, branch "
+        "elsewhere: a CPU's conditional costs nothing)", choices=("auto", "program", "branch"))
     compile_beside: str = option(
         "auto", "a step whose program is not compiled yet (the run's first, a new rung vector "
         "the policy bought) runs one that is while it compiles in a thread: the first step "

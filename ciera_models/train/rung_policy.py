@@ -76,6 +76,11 @@ class RungPolicy:
     # word mode's overflow rungs compiled in every program (``bytes_at``): for every key, or
     # ``{key: exits}`` (a key left out: none; :func:`exits_for`)
     exits: int | dict = 0
+    # every program a step runs holds each tensor's demand in every layer (its rung at or
+    # above the layers' highest need, or plain): the steps compile no fallback and no
+    # conditional (``capacity.FixedRung.guaranteed``), and a demand no compiled program holds
+    # runs a plain-rung program instead (the priming program at worst)
+    holds: bool = False
     programs: list = dataclasses.field(default_factory=list)
     compile_s: list = dataclasses.field(default_factory=list)  # seconds of each compile
     _history: collections.deque = dataclasses.field(init=False, repr=False)
@@ -99,7 +104,10 @@ class RungPolicy:
             raise ValueError(f"first program's rungs name {sorted(self.first)}, the wires "
                              f"{sorted(self.wires)}")
         self._history = collections.deque(maxlen=self.window)
-        self._tables = {k: bytes_table(w, self.exits_of(k)) for k, w in self.wires.items()}
+        # holding programs compile no overflow rung: ``exits`` is then the first compressed
+        # program's headroom (:meth:`_raised`)
+        self._tables = {k: bytes_table(w, 0 if self.holds else self.exits_of(k))
+                        for k, w in self.wires.items()}
 
     @property
     def compile_price_s(self) -> float:
@@ -129,8 +137,16 @@ class RungPolicy:
         if any(r != PLAIN_RUNG for r in ideal.values()):  # a priming step tells nothing
             self._history.append(demand)
         if not self.programs:
-            return self._compile(dict(self.first))
+            return self._compile(ideal if self.holds else dict(self.first))
         best = self._cheapest(self.programs, demand)
+        if self.holds and len(self.programs) < self.max_programs and any(
+                best[k] == PLAIN_RUNG != ideal[k] for k in ideal):
+            # No compiled program sends a tensor compressed that could be: what a program
+            # without ``holds`` sends as words at an overflow rung or in its per-layer
+            # fallback, this one would gather plainly, the whole tensor, until a compile paid
+            # off. So buy one now (the first compressed program too): the window's, with
+            # headroom for a demand still rising (warm-up).
+            return self._compile(self._raised(self._best(list(self._history))))
         best_bytes = self._cost(best, demand)
         self._regret_s += self.seconds(best_bytes - self._cost(ideal, demand))
         price = self.compile_price_s
@@ -156,6 +172,8 @@ class RungPolicy:
         their fixed rung at ``rungs`` (a plain one does not overflow), and of those the ones
         still sent as words, at one of their overflow rungs (``wire.overflow_rungs``)."""
         over = words = 0
+        if self.holds:  # a program that runs holds its demand
+            return over, words
         for key, count in self.demand(needed).items():
             rung = rungs[key]
             if rung != PLAIN_RUNG:
@@ -186,7 +204,31 @@ class RungPolicy:
         return np.bincount(need, minlength=top + 1)
 
     def _cheapest(self, programs, demand: dict) -> dict:
+        if self.holds:  # only a program holding the demand may run; plain ones always do
+            programs = [v for v in programs if self._holding(dict(v), demand)]
+            if not programs:
+                return self._plain()
         return dict(min(programs, key=lambda v: self._cost(dict(v), demand)))
+
+    def _holding(self, rungs: dict, demand: dict) -> bool:
+        """Whether every layer of every key fits its rung at ``rungs`` (a plain rung holds
+        anything)."""
+        return all(rungs[k] == PLAIN_RUNG or not count[rungs[k] + 1:].any()
+                   for k, count in demand.items())
+
+    def _plain(self) -> dict:
+        return {k: PLAIN_RUNG for k in self.wires}
+
+    def _only_plain(self) -> bool:
+        return all(r == PLAIN_RUNG for v in self.programs for _, r in v)
+
+    def _raised(self, rungs: dict) -> dict:
+        """``rungs`` with each compressed key at least at the first program's rung and
+        ``exits`` rungs above its own (the top at most): headroom for a demand still rising
+        (warm-up), which a program without it would not hold, as overflow rungs would."""
+        return {k: r if r == PLAIN_RUNG else min(max(r + self.exits_of(k), self.first[k]),
+                                                 self.wires[k].rungs - 1)
+                for k, r in rungs.items()}
 
     def _compile(self, rungs: dict) -> tuple[dict, bool]:
         self.programs.append(program_key(rungs))
@@ -236,7 +278,10 @@ class RungPolicy:
             sent = table @ count  # per option: PLAIN_RUNG, then each rung
             above = np.cumsum(count[::-1])[::-1]  # above[n]: layers needing rung n or more
             over = (0, *above[1:].tolist())  # a fixed rung r overflows those needing > r
-            rung = min(range(len(sent)), key=lambda i: (int(sent[i]), over[i], i - 1))
+            options = range(len(sent))
+            if self.holds:  # plain, or a rung holding every layer of every step
+                options = [0] + [i for i in options[1:] if not over[i]]
+            rung = min(options, key=lambda i: (int(sent[i]), over[i], i - 1))
             out[key] = rung - 1
         return out
 

@@ -175,6 +175,15 @@ class Trainer:
         return policy.cheapest(self.programs, needed)
 
     @property
+    def holds(self) -> bool:
+        """Whether every program holds its step's demand (``--fallback program``; auto: on
+        GPUs, where a conditional is a host sync): its gathers compile no fallback and no
+        conditional, and the host runs another program for a demand above its rungs."""
+        if self.tc.fallback != "auto":
+            return self.tc.fallback == "program"
+        return gpu_targets.is_gpu(self.mesh.devices.flat[0].platform)
+
+    @property
     def compiler_options(self) -> dict:
         """XLA's options for the step: on GPUs the flag set ``ciera aot`` reports with
         (``tc.xla_flags``: the FSDP set overlaps each layer's gathers with compute), none on
@@ -311,7 +320,7 @@ class Trainer:
             link = costmodel.get_link(self.tc.profile or default_profile(platform))
             self.policy = RungPolicy(fsdp.wires(self.tensors, shapes, self.n),
                                      seconds_per_byte(link, self.n),
-                                     exits=self.unit_exits(shapes),
+                                     exits=self.unit_exits(shapes), holds=self.holds,
                                      **self.tc.rung_policy_options())
         return self.policy
 
@@ -338,7 +347,7 @@ class Trainer:
         exits = (self.policy.exits if self.policy is not None
                  else self.unit_exits(ahead["encoded"]))
         ahead = {**ahead, "agreed": fsdp.fix_rungs(ahead["agreed"], rungs, ahead["needed"],
-                                                   exits)}
+                                                   exits, guaranteed=self.holds)}
         return params, caches, opt_state, ahead, tokens
 
     def step(self, state: TrainState, tokens: jax.Array,

@@ -1,0 +1,73 @@
+"""The README's Flax example (its ``MLP`` under the user's own jitted train step) as a step
+``ciera aot --step`` and ``ciera_models.aot.user_step`` compile: ``build_<gather>(mesh)``
+returns the step and its abstract arguments on the mesh it is given."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ciera_jax
+from ciera_jax import fsdp
+
+D, F, BATCH = 256, 1024, 64
+
+part = lambda *names: nnx.with_partitioning(nnx.initializers.lecun_normal(), names)  # noqa: E731
+
+
+class MLP(nnx.Module):
+    def __init__(self, d, f, rngs):
+        self.norm = nnx.LayerNorm(d, rngs=rngs)
+        self.up = nnx.Linear(d, f, kernel_init=part("fsdp", None), rngs=rngs)
+        self.down = nnx.Linear(f, d, kernel_init=part(None, "fsdp"), rngs=rngs)
+
+    @ciera_jax.gathered(axis_name="fsdp")
+    def __call__(self, x):
+        return x + self.down(jax.nn.gelu(self.up(self.norm(x))))
+
+
+def build(mesh, mode: str | None = "word", d: int = D, f: int = F, batch: int = BATCH):
+    """``(step, (state, x))``: the README's ``train_step`` over the model and optimizer's
+    state, abstract and placed as their partition names say; ``mode=None``: no caches (the
+    decorator gathers plainly)."""
+    def make():
+        model = MLP(d, f, nnx.Rngs(0))
+        if mode:
+            model = fsdp.attach_caches(model, mode=mode)
+        else:
+            fsdp.set_gather_mode(model, "plain")
+        return model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+
+    made = {}
+
+    def state_of():  # the graph kept aside; jax.eval_shape allocates nothing
+        made["graphdef"], state = nnx.split(make())
+        return state
+
+    state = jax.eval_shape(state_of)
+    graphdef = made["graphdef"]
+    specs = nnx.get_partition_spec(state)
+    state = jax.tree.map(lambda s, sub: jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+        a.shape, a.dtype, sharding=NamedSharding(mesh, s if isinstance(s, P) else P())), sub),
+        specs, state, is_leaf=lambda s: isinstance(s, P) or s is None)
+
+    @jax.jit
+    def step(state, x):
+        model, opt = nnx.merge(graphdef, state)
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(jnp.square(m(x) - x)))(model)
+        opt.update(model, grads)
+        return loss, fsdp.gather_stats(model), nnx.state((model, opt))
+
+    x = jax.ShapeDtypeStruct((batch, d), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+    return step, (state, x)
+
+
+build_plain = functools.partial(build, mode=None)
+build_word = functools.partial(build, mode="word")
+build_exponent = functools.partial(build, mode="exponent")

@@ -1,0 +1,43 @@
+"""Pre-flight of a user's own step (``ciera_models.aot.user_step``, ``ciera aot --step``): the
+README's Flax example compiled for 8 compile-only H100s and reported as the trainer's step is."""
+
+from __future__ import annotations
+
+import pytest
+
+from ciera_models.aot import user_step
+from ciera_models.cli import aot as aot_cli
+
+import readme_step
+
+
+def test_a_step_is_named_module_colon_function_with_one_line_errors():
+    assert user_step.load_builder("readme_step:build_word") is readme_step.build_word
+    for bad, says in [("readme_step", "module:function"), ("no_such_mod:f", "no_such_mod"),
+                      ("readme_step:nothing", "nothing"), ("readme_step:D", "not a function")]:
+        with pytest.raises(ValueError, match=says):
+            user_step.load_builder(bad)
+
+
+@pytest.mark.slow
+def test_the_readme_example_compiles_for_8_h100s_plain_and_word(tmp_path, capsys):
+    """Plain: no conditional, no all-gather in a branch, every gathered byte overlapped. The
+    bare decorator in word mode (the per-call path, no agreement ahead): its rung switch is
+    compiled, a conditional a step executes, with all-gathers in its branches: what the docs
+    say it costs on a GPU."""
+    plain = user_step.compile_user_step(readme_step.build_plain, gpus=8)
+    assert set(user_step.REPORT_KEYS) <= set(plain)
+    assert plain["conditionals"] == plain["steady_conditionals_per_step"] == 0
+    assert plain["all_gathers_in_branches"] == 0 and plain["fusions"] > 0
+    assert 0 < plain["memory"]["total"] < plain["memory"]["capacity"]
+    word = user_step.compile_user_step(readme_step.build_word, gpus=8)
+    assert word["conditionals_per_step"] >= word["conditionals"] >= 1
+    assert word["all_gathers_in_branches"] >= 1
+    assert word["fusions"] > plain["fusions"]
+    # the command: the same report, as a table and JSON
+    out = tmp_path / "r.json"
+    parser = aot_cli.argparse.ArgumentParser()
+    aot_cli.add_arguments(parser)
+    assert aot_cli.run(parser.parse_args(["--step", "readme_step:build_plain", "--gpus", "8",
+                                          "--json", str(out)])) == 0
+    assert "steady_conditionals_per_step" in capsys.readouterr().out and out.exists()
