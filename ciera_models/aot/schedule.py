@@ -191,8 +191,7 @@ class Program:
         fusion identical to an earlier one that one's kernel, so a layer loop's body, its
         double-buffered clone and a repeated shape count once). Not what the compile follows:
         XLA:GPU compiles an LLVM module and a PTX assembly per kernel it emits, and its count of
-        those moved the other way from this one in round 4's tenth stop (OLMoE-1B-7B on 16
-        H100s: 860 -> 693 distinct fusions, 815 -> 831 PTX modules; ``docs/aot.md``)."""
+        those can move the other way from this one (``docs/aot.md``)."""
         every = [i for instrs in self.comps.values() for i in instrs]
         fusions = [i for i in every if i.op == "fusion"]
         return {"fusions": len(fusions), "distinct_fusions": len({_kernel_of(i) for i in fusions}),
