@@ -8,8 +8,9 @@ bytes through HBM too). Bookkeeping (parameters, tuples, bitcasts, constants) an
 on a GPU rather than a kernel. A conditional's branch that reaches a fallback's transfer
 (``off_path``) is left out, as :meth:`~ciera_models.aot.schedule.Program.per_step` does.
 
-Bytes from shapes are an upper bound on a kernel's traffic where it touches part of a buffer
-(a dynamic-update-slice in place, a slice read) and a lower bound where it reads a buffer twice;
+Bytes from shapes: a fusion's operand that its body reads only through slices counts the
+slices' bytes; otherwise each operand counts whole, an upper bound where a kernel touches part
+of a buffer (a dynamic-update-slice in place, a gather) and a lower bound where it reads twice;
 the roofline (each kernel at least :data:`LAUNCH_S`, else its bytes at the GPU's HBM rate) is
 what the program would cost with every kernel at HBM speed.
 """
@@ -24,6 +25,7 @@ from ciera_models.aot import schedule
 LAUNCH_S = 4e-6  # a kernel's launch and its shortest run on an H100, about
 # what launches nothing, besides schedule's idle instructions
 _CONTROL = {"while", "conditional", "call", "async-start", "async-update", "async-done"}
+_SLICES = ("slice", "dynamic-slice")
 _TARGETS = {"mosaic_gpu": "mosaic", "triton": "triton", "gemm": "gemm", "cudnn": "cudnn"}
 
 
@@ -44,26 +46,51 @@ def kind_of(ins: schedule.Instr) -> str:
     return ins.op.removesuffix("-start")
 
 
-def _operands(rest: str) -> list[str]:
-    """The instruction names an instruction's operand list holds (up to its closing paren)."""
+def _operands_in_order(rest: str) -> list[str]:
+    """The instruction names of an instruction's operand list (up to its closing paren), in
+    order, repeats kept."""
     depth = 0
     for at, ch in enumerate(rest):
         depth += ch == "("
         if ch == ")":
             if depth == 0:
-                return list(dict.fromkeys(re.findall(r"%([\w.\-]+)", rest[:at])))
+                return re.findall(r"%([\w.\-]+)", rest[:at])
             depth -= 1
     return []
 
 
-def kernel_bytes(ins: schedule.Instr, types: dict[str, str]) -> int:
+def _operands(rest: str) -> list[str]:
+    return list(dict.fromkeys(_operands_in_order(rest)))
+
+
+def _sliced_reads(body: list[schedule.Instr]) -> dict[int, int]:
+    """``{parameter number: bytes}`` for a fusion's parameters that its body reads only through
+    slices (``slice``, ``dynamic-slice``): those bytes are the slices', not the operand's."""
+    params = {i.name: int(re.match(r"(\d+)", i.rest).group(1)) for i in body
+              if i.op == "parameter"}
+    sliced: dict[int, int] = {}
+    for name, number in params.items():
+        users = [i for i in body if name in _operands(i.rest)]
+        if users and all(i.op in _SLICES and _operands(i.rest)[0] == name for i in users):
+            sliced[number] = sum(schedule.type_bytes(i.type) for i in users)
+    return sliced
+
+
+def kernel_bytes(ins: schedule.Instr, types: dict[str, str],
+                 body: list[schedule.Instr] | None = None) -> int:
     """HBM bytes ``ins`` reads and writes: its result and each distinct operand (``types``: the
-    computation's instruction types by name). A collective's ``-start`` types its result as
-    the tuple (input, output): that alone."""
+    computation's instruction types by name; ``body``: a fusion's computation, whose parameters
+    read through slices count the slices' bytes). A collective's ``-start`` types its result
+    as the tuple (input, output): that alone."""
     written = schedule.type_bytes(ins.type)
     if ins.op.endswith("-start") and ins.type.startswith("("):
         return written
-    return written + sum(schedule.type_bytes(types.get(o, "")) for o in _operands(ins.rest))
+    sliced = _sliced_reads(body) if body else {}
+    read = {}
+    for number, name in enumerate(_operands_in_order(ins.rest)):
+        full = schedule.type_bytes(types.get(name, ""))
+        read[name] = max(read.get(name, 0), min(full, sliced.get(number, full)))
+    return written + sum(read.values())
 
 
 def launching(prog: schedule.Program) -> list[str]:
@@ -97,7 +124,8 @@ def steady_kernels(prog: schedule.Program, off_path: set[str]) -> tuple[list[Ker
             if i.op in schedule.IDLE or i.op in _CONTROL or i.op.endswith("-done"):
                 continue
             src = prog.sources(i.rest)
-            out.append(Kernel(i.name, kind_of(i), kernel_bytes(i, types), runs,
+            body = prog.comps.get(schedule.called(i)[0]) if i.op == "fusion" else None
+            out.append(Kernel(i.name, kind_of(i), kernel_bytes(i, types, body), runs,
                               src[0] if src else "-"))
     return out, conditionals
 
