@@ -82,10 +82,18 @@ def lowered_programs(mode: str, shape, axis: int, mesh, dtype=jnp.bfloat16) -> t
                                   sharding=NamedSharding(mesh, P()))
     needed = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
 
-    def exchange(s, e, c, d, n):
-        return collective.exchange(s, _unlead(e), c, capacity.fix(d, rung, n, exits), AXIS)
+    word = mode == "word"
 
-    step = sm(exchange, (spec, P(AXIS), cspec, P(), P()), (P(), cspec, P()))
+    def exchange(s, e, c, d, n):
+        full, new_cache, stats = collective.exchange(s, _unlead(e), c,
+                                                     capacity.fix(d, rung, n, exits), AXIS)
+        # A word cache's words are the full tensor's bits: returned twice, one output would be
+        # a copy of the other, which a train step (the tensor to its layer, the cache to the
+        # next step) never makes.
+        return (new_cache, stats) if word else (full, new_cache, stats)
+
+    step = sm(exchange, (spec, P(AXIS), cspec, P(), P()),
+              (cspec, P()) if word else (P(), cspec, P()))
     ahead = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                         sharding=NamedSharding(mesh, P(AXIS))),
                          lowered_encode.out_info)
