@@ -7,6 +7,10 @@ time, HLO size, kernels, conditionals, every collective (bytes, in a conditional
 what is scheduled between its start and its done) and XLA's memory per GPU against the GPU's
 memory, beside the plan and memory model the trainer used. Needs the CUDA plugin equal to the
 installed jaxlib (``pip install -e ".[gpu-aot]"``). How to read it: docs/aot.md.
+
+``ciera aot --gather-shape 16,2048,1024 --axis 1 --mode word --gpus 8`` compiles one gather
+instead (:mod:`ciera_models.aot.gather_cost`): its kernels, their HBM bytes, the launch floor
+and the roofline.
 """
 
 from __future__ import annotations
@@ -83,6 +87,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "of a word tensor's elements escaping, 1/512 of an exponent tensor's "
                    "exponents changing; the program a run starts with) or priming (every "
                    "gather plain) (default: steady)")
+    one = p.add_argument_group("one gather instead of the step (its GPU cost: kernels, HBM "
+                               "bytes, launch floor, roofline)")
+    one.add_argument("--gather-shape", metavar="D,D,...", default=None,
+                     help="compile one bf16 gather of this global shape, e.g. 16,2048,1024, "
+                     "as `ciera train` runs it (plain; encode + exchange at the steady rung)")
+    one.add_argument("--axis", type=int, default=0, help="its gather axis (default: 0)")
+    one.add_argument("--mode", choices=("all", "plain", "exponent", "word"), default="all",
+                     help="which gather (default: all three)")
+    one.add_argument("--kernels", action="store_true", help="also list every kernel")
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="PATH", default=None, help="write the report(s) as JSON")
     out.add_argument("--hlo-out", metavar="DIR", default=None,
@@ -105,6 +118,8 @@ def run(args) -> int:
         raise ValueError(f"--temporaries {args.temporaries}: list none (0) or more")
     if args.json:
         outputs.check_output_file(args.json, "--json")
+    if args.gather_shape is not None:
+        return run_gather(args, target)
     tc = from_args(TrainConfig, args)
     if tc.schedule_steps is None:  # the cosine horizon is a constant of the step: any will do
         tc = dataclasses.replace(tc, schedule_steps=TrainConfig.schedule_steps)
@@ -124,6 +139,30 @@ def run(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"target": dataclasses.asdict(target), "reports": reports}, f, indent=1)
+    return 0
+
+
+def run_gather(args, target) -> int:
+    """``--gather-shape``: one gather's GPU cost per mode, a table and ``--json``."""
+    from ciera_models.aot import gather_cost
+
+    try:
+        shape = tuple(int(d) for d in args.gather_shape.split(","))
+    except ValueError:
+        raise ValueError(f"--gather-shape {args.gather_shape!r}: give integers separated by "
+                         "commas, e.g. 16,2048,1024") from None
+    modes = gather_cost.MODES if args.mode == "all" else (args.mode,)
+    for mode in modes:
+        gather_cost.check_gather(shape, args.axis, args.gpus, mode)
+    if args.hlo_out:
+        from pathlib import Path
+        Path(args.hlo_out).mkdir(parents=True, exist_ok=True)
+    reports = [gather_cost.gather_cost(m, shape, args.axis, args.gpus, target, args.hlo_out)
+               for m in modes]
+    print(gather_cost.render(reports, kernels=args.kernels))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"target": dataclasses.asdict(target), "gathers": reports}, f, indent=1)
     return 0
 
 
