@@ -9,6 +9,12 @@ the encode and the exchange at the steady program's fixed rung, self-check on) f
 GPUs with the FSDP flags, and its steady path read off the scheduled program: every kernel
 (fusions, custom calls such as Mosaic GPU kernels, copies, collectives) with the bytes its
 operands and result hold. The roofline is the sum over kernels of max(bytes / HBM rate, 4 us).
+
+    python benchmarks/gather_cost.py --table ciera_jax/planning/data/codec_cost.json \
+        [--from benchmarks/results/gather_cost_<...>.json] [--measured <1-GPU gather_bench>.json]
+
+also writes the codec cost table the step model reads (``ciera_jax.planning.codec_costs``),
+from this compile or a recorded one (``--from``), with a one-GPU measurement where there is one.
 """
 
 from __future__ import annotations
@@ -33,11 +39,21 @@ def parse_args(argv=None):
     p.add_argument("--gpu", default="h100-80gb")
     p.add_argument("--modes", nargs="+", default=["plain", "exponent", "word"])
     p.add_argument("--kernels", action="store_true", help="also list every kernel")
+    p.add_argument("--table", default=None, help="also write the step model's codec table here")
+    p.add_argument("--from", dest="recorded", default=None,
+                   help="read the reports from this recorded run instead of compiling")
+    p.add_argument("--measured", default=None,
+                   help="a one-GPU gather_bench.py result to add to the table as measurements")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.recorded:
+        import codec_table  # benchmarks/codec_table.py
+
+        codec_table.write(args.table, args.recorded, args.measured)
+        return
     from ciera_jax.runtime import gpu_targets
 
     gpu_targets.prepare_environment()
@@ -54,7 +70,11 @@ def main(argv=None) -> None:
                    for m in args.modes]
         print(gather_cost.render(reports, kernels=args.kernels), end="\n\n", flush=True)
         results += reports
-    write_results(args.out, results)
+    doc = write_results(args.out, results)
+    if args.table:
+        import codec_table
+
+        codec_table.write(args.table, doc, args.measured)
 
 
 if __name__ == "__main__":
