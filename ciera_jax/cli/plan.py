@@ -115,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
     print()
     _print_summary(s, u, budget)
     if args.json:
-        out = {"config": cfg.name, "gpus": args.gpus, "profile": profile.name,
+        out = {"config": cfg.name, "gpus": args.gpus,
+               "profile": args.profile or f"{args.gpus}x{clusters.parse(args.cluster)[0].name}",
                "memory_gb": gb, "cache_budget_bytes": budget, "phase": args.phase,
                "memory": mem.to_json(), "summary": s, "summary_unlimited": u,
                "decisions": [_decision(c) for c in plan]}

@@ -387,7 +387,8 @@ def _wire_and_codec(method: str, n: int, N: int, bytes_per_elem: int, link: Link
     n_local = math.ceil(n / max(N, 1))
     if method == "plain":  # its own device kernels, where the compiled program prices them
         return GatherCost("plain", n * b, (codec_time("plain", n, N, b, link)
-                                           if link.codec_pricing == "compiled" else 0.0))
+                                           if link.codec_pricing == "compiled" and N > 1
+                                           else 0.0))
     if method == "payload":
         return GatherCost("payload", n * (b - 1), codec_time("payload", n, N, b, link))
     if method == "int8":

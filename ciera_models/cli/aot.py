@@ -64,8 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpus", type=int, default=None, help="GPUs on the fsdp axis, hosts of 8 "
                    "(default: the cluster name's count, else 16)")
     cluster_flags.add_cluster(g)
-    g.add_argument("--gpu", dest="gpu", default=None, action=cluster_flags.DeprecatedAlias,
-                   new="--cluster", help="the target GPU alone (h100-80gb, h200-141gb): "
+    g.add_argument("--gpu", default=None, help="the target GPU alone (h100-80gb, h200-141gb): "
                    "deprecated, use --cluster")
     g.add_argument("--tokens-per-gpu", type=int, default=4096, help="tokens each GPU trains "
                    "on per step; the global batch follows (default: 4096)")
@@ -161,6 +160,7 @@ def cluster_of(args) -> tuple:
 
     if args.gpu is not None:
         target = gpu_targets.get_target(args.gpu)
+        print("note: --gpu is deprecated; use --cluster", file=sys.stderr)
         spec = next(c for c in clusters.CLUSTERS.values() if c.gpu == target.name)
         args.gpus = 16 if args.gpus is None else args.gpus
         return target, spec
