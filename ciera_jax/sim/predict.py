@@ -37,7 +37,7 @@ class Prediction:
         return self.step_s("plain") / self.step_s(method)
 
     def line(self) -> str:
-        ms = lambda m: f"{self.step_s(m) * 1e3:.0f} ms"  # noqa: E731
+        ms = lambda m: f"{self.step_s(m) * 1e3:.{0 if self.step_s(m) >= 0.01 else 3}f} ms"  # noqa: E731
         fits = lambda m: "" if self.steps[m].fits else ", does not fit"  # noqa: E731
         word = self.steps["word"]
         return (f"predicted step of {self.config} on {self.machine}: plain {ms('plain')}, "
