@@ -21,25 +21,29 @@ def split_of(dtype, shape, seed=0):
 
 
 # (shape, how the bf16 pairing goes): pairs along the last dim, along the shard axis, none.
-SHAPES = [((N * 4, 1024), "last dim"), ((N * 512, 3), "shard axis"),
-          ((N * 2, 256 * 3), "last dim, 3 blocks a row")]
+# (shape, gather axis, how the bf16 pairing goes): pairs along the last dim, along the shard
+# axis, none; off axis 0 within the rows after the gather axis.
+SHAPES = [((N * 4, 1024), 0, "last dim"), ((N * 512, 3), 0, "shard axis"),
+          ((N * 2, 256 * 3), 0, "last dim, 3 blocks a row"),
+          ((3, N * 2, 512), 1, "axis 1"), ((2, 3, N, 2, 256), 2, "axis 2 of 5")]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", list(WORDS), ids=["bf16", "f32"])
-@pytest.mark.parametrize("shape", [s for s, _ in SHAPES], ids=[why for _, why in SHAPES])
-def test_fused_matches_reference(shape, dtype, backend):
+@pytest.mark.parametrize("shape,axis", [s[:2] for s in SHAPES], ids=[s[2] for s in SHAPES])
+def test_fused_matches_reference(shape, axis, dtype, backend):
     x, exp, payload = split_of(dtype, shape, seed=len(shape) + shape[-1])
-    assert K.fusable(shape, dtype, N) is not None
-    full, sums = K.decode_checksum_pallas(exp, payload, dtype, N, seed=11, backend=backend,
-                                          interpret=not ON_GPU)
-    full_ref, sums_ref = K.decode_checksum_reference(exp, payload, dtype, N, seed=11)
+    assert K.fusable(shape, dtype, N, axis=axis) is not None
+    full, sums = K.decode_checksum_pallas(exp, payload, dtype, N, axis=axis, seed=11,
+                                          backend=backend, interpret=not ON_GPU)
+    full_ref, sums_ref = K.decode_checksum_reference(exp, payload, dtype, N, axis=axis, seed=11)
     np.testing.assert_array_equal(bits_of(full), bits_of(x))
     np.testing.assert_array_equal(bits_of(full), bits_of(full_ref))
     np.testing.assert_array_equal(np.asarray(sums), np.asarray(sums_ref))
     # and what each sender would have sent for its own shard
-    shards = np.split(bits_of(x), N, axis=0)
-    want = [checksum.checksum_np(s, r * s.size, seed=11) for r, s in enumerate(shards)]
+    shards = np.split(bits_of(x), N, axis=axis)
+    want = [checksum.checksum_np(s, r * s.size, axis=axis, seed=11)
+            for r, s in enumerate(shards)]
     np.testing.assert_array_equal(np.asarray(sums), np.asarray(want, np.uint32))
 
 
@@ -54,7 +58,8 @@ def test_a_flipped_bit_changes_only_its_rank():
 
 @pytest.mark.parametrize("shape,axis", [((N * 3, 5), 0), ((4, N * 256), 1)])
 def test_unfusable_shapes_fall_back(shape, axis):
-    """Odd sizes and other gather axes: the dispatch decodes, then checksums in jnp."""
+    """Odd sizes, and rows after the gather axis too short for a block: the dispatch decodes,
+    then checksums in jnp."""
     for dtype in WORDS:
         x, exp, payload = split_of(dtype, shape)
         assert K.fusable(shape, dtype, N, axis=axis) is None

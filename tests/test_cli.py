@@ -88,7 +88,7 @@ def test_demo_shows_word_mode_by_default_and_exponent_mode_on_request(capsys):
 @pytest.mark.parametrize("argv, meant", [
     (["train", "--stpes", "5"], "--steps"),
     (["train", "--gather", "plain", "--batchsize", "8"], "--batch-size"),
-    (["simulate", "--config", "olmoe-1b-7b"], "--model"),
+    (["simulate", "--clsuter", "h100-ib400"], "--cluster"),
     (["plan", "--gpu", "8"], "--gpus"),
     (["plan", "--model", "tiny"], "--config"),
     (["demo", "--mdoe", "word"], "--mode"),

@@ -61,8 +61,8 @@ def test_profiles_round_trip_the_new_fields(tmp_path):
     MEASURED.save(tmp_path / "p.json")
     back = cm.Profile.load(tmp_path / "p.json")
     assert (back.codec_pricing, back.word_codec_Bps, back.escape_s) == ("measured", 5e7, 2e-7)
-    # the built-in GPU profiles keep the counted bytes
-    assert cm.Profile.load("h100-ib400").codec_pricing == "counted"
+    # the built-in GPU profiles price the codec from its compiled program
+    assert cm.Profile.load("h100-ib400").codec_pricing == "compiled"
     with pytest.raises(ValueError, match="codec_pricing"):
         cm.codec_time("ciera", n, N, 2, dataclasses.replace(COUNTED, codec_pricing="guess"))
 

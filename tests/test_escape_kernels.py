@@ -200,7 +200,7 @@ def test_no_loop_under_jit():
         np.asarray(K.escape_fill_exponents(cached, words, section, limit, impl="xla")))
 
 
-def gather_fn(impl: str):
+def gather_fn(impl: str, axis: int = 0):
     """One compressed gather on the 8-device CPU mesh -> (full, new cache, stats), returned
     replicated, hence ``check_vma=False`` (as for ``lax.all_gather``; and Triton's CPU
     interpreter runs a kernel's body under the checks: test_cuda_lowering lowers the kernels
@@ -210,17 +210,20 @@ def gather_fn(impl: str):
     import ciera_jax
 
     mesh = jax.make_mesh((8,), ("fsdp",))
+    spec = P(*[None] * axis, "fsdp")
     fn = jax.jit(jax.shard_map(
-        lambda x, c: ciera_jax.all_gather(x, c, "fsdp", impl=impl), mesh=mesh,
-        in_specs=(P("fsdp"), P()), out_specs=(P(), P(), P()), check_vma=False))
-    sharding = jax.sharding.NamedSharding(mesh, P("fsdp"))
+        lambda x, c: ciera_jax.all_gather(x, c, "fsdp", axis=axis, impl=impl), mesh=mesh,
+        in_specs=(spec, P()), out_specs=(P(), P(), P()), check_vma=False))
+    sharding = jax.sharding.NamedSharding(mesh, spec)
     return lambda x, c: fn(jax.device_put(x, sharding), c)
 
 
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (the CPU mesh)")
 @pytest.mark.slow  # ~20 s each: two gathers compiled, one with every kernel interpreted
-@pytest.mark.parametrize("mode", ["exponent", "word"])
-def test_gather_with_escape_kernels_matches_jnp(mode):
+@pytest.mark.parametrize("mode,shape,axis", [
+    ("exponent", (8 * 16, 96), 0), ("word", (8 * 16, 96), 0),  # a ragged last block a shard
+    ("exponent", (3, 8 * 2, 256), 1)])  # off axis 0: the fused decode + checksum
+def test_gather_with_escape_kernels_matches_jnp(mode, shape, axis):
     """Whole gathers on the 8-device CPU mesh, ``impl="pallas"`` (every kernel in Triton's
     interpreter, the escape kernels included) against ``impl="xla"``: the same weights, caches
     and stats, bit for bit, over a priming step and steps with escapes (exponent changes; word
@@ -229,7 +232,6 @@ def test_gather_with_escape_kernels_matches_jnp(mode):
     from ciera_jax.codec import bitfields
 
     rng = np.random.default_rng(6)
-    shape = (8 * 16, 96)  # 1536 elements per shard: a ragged last block
     x = rng.standard_normal(shape).astype(np.float32)
     xs = [x]
     for share, scale in ((0.02, 3.0), (0.2, 1e-2)):  # exponent flips; small and far moves
@@ -238,7 +240,8 @@ def test_gather_with_escape_kernels_matches_jnp(mode):
     xs = [jnp.asarray(v, jnp.bfloat16) for v in xs]
     runs = {}
     for impl in ("pallas", "xla"):
-        fn, cache, out = gather_fn(impl), ciera_jax.init_cache(shape, jnp.bfloat16, mode=mode), []
+        fn, out = gather_fn(impl, axis), []
+        cache = ciera_jax.init_cache(shape, jnp.bfloat16, mode=mode)
         for v in xs:
             full, cache, stats = fn(v, cache)
             out.append((bitfields.to_bits(full), cache, stats))

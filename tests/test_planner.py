@@ -22,7 +22,9 @@ def test_builtin_profiles_load_with_sources():
     for n in ("h100-nvlink", "h200-nvlink", "h100-ib400", "h200-ib400", "cpu-emulated"):
         assert n in names
         p = cm.Profile.load(n)
-        assert p.alpha_s > 0 and p.beta_Bps > 0 and p.codec_Bps > 0 and p.sources
+        assert p.alpha_s > 0 and p.beta_Bps > 0 and p.sources
+        # a GPU's codec is priced from its compiled program; a calibrated host's as measured
+        assert (p.gpu and p.codec_pricing == "compiled") or p.codec_Bps > 0
     assert cm.Profile.load("h100-ib400").beta_Bps < cm.Profile.load("h100-nvlink").beta_Bps
 
 
@@ -107,7 +109,7 @@ def test_tiny_tensors_never_compressed(profile):
         assert not plan_tensor(shape, "bfloat16", 16, profile, 1e-3).compress
 
 
-@pytest.mark.parametrize("profile", ["h100-ib400", "h200-nvlink", "h200-ib400"])
+@pytest.mark.parametrize("profile", ["h100-ib400", "h200-ib400"])
 def test_olmoe_16_experts_compressed_norms_routers_plain(profile):
     ds = plan_model("olmoe-1b-7b", 16, profile)
     assert len(ds) == len(tensor_inventory(get_config("olmoe-1b-7b")))
@@ -120,15 +122,13 @@ def test_olmoe_16_experts_compressed_norms_routers_plain(profile):
     assert s["saving_per_step_s"] > 0 and s["speedup"] > 1
 
 
-def test_h100_nvlink_exponent_codec_costs_about_what_it_saves():
-    """Counted, not assumed: on one flat H100 NVLink ring, exponent mode's codec (about 5 B of
-    HBM traffic per gathered element at 0.8 of 3 TB/s) costs about what the halved wire saves
-    when nothing hides it: within 3% either way, decided by which is faster."""
+def test_h100_nvlink_exponent_codec_costs_more_than_it_saves():
+    """On one flat H100 NVLink ring the compiled exponent codec costs more than the halved
+    wire saves: the planner keeps the experts plain, decided by which is faster."""
     experts = [d for d in plan_model("olmoe-1b-7b", 16, "h100-nvlink")
                if d.kind.startswith("expert_")]
     for d in experts:
-        assert d.t_ciera == pytest.approx(d.t_plain, rel=0.03), d
-        assert d.compress == (d.t_ciera < d.t_plain), d
+        assert d.t_ciera > d.t_plain and not d.compress, d
 
 
 def test_other_dtypes_plain():

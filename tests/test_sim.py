@@ -76,7 +76,10 @@ def test_speedups_bounded_by_byte_ratio(olmoe):
         # keep every tensor plain there (then the bytes are plain's)
         assert m["ciera"]["wire_bytes_per_gather_pass"] <= m["plain"]["wire_bytes_per_gather_pass"]
         assert m["ciera"]["wire_bytes_per_gather_pass"] >= 0.5 * m["plain"]["wire_bytes_per_gather_pass"]
-    for N in ("16", "128", "1024"):  # across nodes the gather is exposed: CIERA helps
+    # at 16 GPUs over InfiniBand the compiled codec costs about what the exponent mode saves:
+    # the step keeps plain where it does not pay, never slower
+    assert olmoe["results"]["16"]["speedup_ciera_over"]["plain"] >= 1.0 - 1e-9
+    for N in ("128", "1024"):  # many hosts: the gather is exposed and CIERA helps
         m = olmoe["results"][N]["methods"]
         assert m["ciera"]["wire_bytes_per_gather_pass"] < m["plain"]["wire_bytes_per_gather_pass"]
         assert olmoe["results"][N]["speedup_ciera_over"]["plain"] > 1.0
@@ -87,7 +90,8 @@ def test_comm_bound_ceiling_is_three_halves():
     # forward gather + backward re-gather + plain reduce-scatter: halving two of three -> <= 1.5x
     r = sweep("olmoe-1b-7b", [16, 128], tokens_per_gpu=64, methods=("plain", "ciera"))
     for e in r["results"].values():
-        assert 1.0 < e["speedup_ciera_over"]["plain"] <= 1.5
+        assert 1.0 - 1e-9 <= e["speedup_ciera_over"]["plain"] <= 1.5
+    assert r["results"]["128"]["speedup_ciera_over"]["plain"] > 1.0
 
 
 def test_more_gpus_more_comm_share(olmoe):
@@ -134,6 +138,9 @@ def test_word_mode_gathers_once_and_states_its_memory(olmoe):
         # no backward re-gather of word-mode groups (the overlap-aware step leaves groups whose
         # gathers hide behind compute plain, and those re-gather: a small share here)
         assert w["wire_bytes_per_step"] < 0.3 * p["wire_bytes_per_step"]
+        if N == "16":  # two hosts: the compiled codec pays on fewer groups; a few stay plain
+            assert w["wire_bytes_per_gather_pass"] < 0.5 * p["wire_bytes_per_gather_pass"]
+            continue
         assert nr["wire_bytes_per_step"] == pytest.approx(nr["wire_bytes_per_gather_pass"])
         assert p["wire_bytes_per_step"] == pytest.approx(2 * p["wire_bytes_per_gather_pass"])
         assert w["wire_bytes_per_gather_pass"] < 0.35 * p["wire_bytes_per_gather_pass"]
@@ -141,9 +148,9 @@ def test_word_mode_gathers_once_and_states_its_memory(olmoe):
         assert nr["extra_memory_bytes"] == held and p["extra_memory_bytes"] == 0
         assert 0 < w["extra_memory_bytes"] <= held
         assert m["ciera"]["extra_memory_bytes"] <= held // 2 + len(gathered)
-        # across nodes word mode beats both plain FSDP and the equal-memory baseline
-        assert e["speedup_word_over"]["plain-noreshard"] > 1.0
-        assert e["speedup_word_over"]["plain"] > e["speedup_word_over"]["plain-noreshard"]
+        # across many hosts word mode beats plain FSDP (the equal-memory baseline is compared
+        # in docs/results.md: which wins follows the codec's cost)
+        assert e["speedup_word_over"]["plain"] > 1.0
         # comm per layer: forward gather + backward re-gather + reduce-scatter of equal size;
         # word mode drops one and shrinks one: at most 3x even with comm fully exposed
         assert e["speedup_word_over"]["plain"] < 3.0
@@ -202,6 +209,11 @@ def test_simulate_cli(tmp_path, capsys):
         assert set(e["speedup_ciera_over"]) == set(METHODS) - {"ciera"}
         assert set(e["speedup_word_over"]) == set(METHODS) - {"word"}
     assert png.stat().st_size > 1000
+    text = capsys.readouterr().out
+    assert "word x plain" not in text  # the wide table is behind --table
+    assert text.count("predicted step of olmoe-1b-7b on ") == 2
+    assert "equal-memory plain FSDP" in text and "codec: compile roofline" in text
+    assert simulate(["--config", "olmoe-1b-7b", "--gpus", "16", "--table"]) == 0
     text = capsys.readouterr().out
     assert "word x plain" in text and "word x noreshard" in text and "word +GB" in text
     assert simulate(["--model", "mixtral-8x7b", "--gpus", "64", "--cluster", "h200",

@@ -30,7 +30,7 @@ def bad_input_line(command: str, e: BaseException, who: str = "") -> str:
 
 # Flags another command (or a common tool) spells differently: suggested where the closest
 # spelling is not close enough, and only when this command has the flag.
-ALIASES = {"--config": "--model", "--model": "--config", "--gpu-count": "--gpus",
+ALIASES = {"--model": "--config", "--gpu-count": "--gpus",
            "--num-gpus": "--gpus", "--n-gpus": "--gpus", "--num-devices": "--devices",
            "--device-count": "--devices", "--num-steps": "--steps", "--iters": "--steps",
            "--output": "--out", "--verbosity": "--verbose"}

@@ -6,16 +6,21 @@ import argparse
 import json
 from pathlib import Path
 
+from ciera_jax.cli import cluster_flags
+from ciera_jax.planning import clusters
 from ciera_jax.planning import costmodel as cm
 from ciera_jax.planning.shapes import get_config
 from ciera_jax.planning.traces import PHASES, default_word_trace, load_trace, load_word_trace
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default="olmoe-1b-7b", help="model config name")
-    p.add_argument("--gpus", type=int, default=16, help="ranks on the fsdp axis")
-    p.add_argument("--profile", default="h100-ib400",
-                   help="built-in profile name or a profile JSON file (default h100-ib400)")
+    cluster_flags.add_config(p)
+    p.add_argument("--gpus", type=int, default=None, help="ranks on the fsdp axis (default: "
+                   "the cluster name's count, else 16)")
+    cluster_flags.add_cluster(p)
+    p.add_argument("--profile", default=None,
+                   help="price the gathers on one flat link instead of the cluster: a "
+                        "built-in profile name or a JSON file from `ciera calibrate`")
     p.add_argument("--memory-gb", default=None,
                    help="device memory per GPU in GB (1e9 bytes) to plan within (default: the "
                         "profile's memory_gb; unlimited if it has none); 'inf' for unlimited")
@@ -97,9 +102,8 @@ def run(args: argparse.Namespace) -> int:
     mem = memory.memory_per_gpu(cfg, args.gpus, modes, tokens_per_gpu=args.tokens_per_gpu,
                                 remat=args.remat)
 
-    print(f"{cfg.name} on {args.gpus} ranks, profile {profile.name} "
-          f"(alpha {profile.alpha_s * 1e6:g} us, beta {profile.beta_Bps / 1e9:g} GB/s, "
-          f"codec {profile.codec_Bps / 1e9:g} GB/s), memory "
+    print(f"{cfg.name} on {args.gpus} ranks, {_link_words(profile, args)}; "
+          f"{cm.codec_source(profile)}; memory "
           + ("unlimited" if gb is None else f"{gb:g} GB per GPU")
           + f", word mode at {word.bpw('default', args.phase):.2f} B/weight ({args.phase})")
     _print_tensors(plan)
@@ -111,23 +115,42 @@ def run(args: argparse.Namespace) -> int:
     print()
     _print_summary(s, u, budget)
     if args.json:
-        out = {"config": cfg.name, "gpus": args.gpus, "profile": profile.name,
+        out = {"config": cfg.name, "gpus": args.gpus,
+               "profile": args.profile or f"{args.gpus}x{clusters.parse(args.cluster)[0].name}",
                "memory_gb": gb, "cache_budget_bytes": budget, "phase": args.phase,
                "memory": mem.to_json(), "summary": s, "summary_unlimited": u,
                "decisions": [_decision(c) for c in plan]}
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
         print(f"wrote {args.json}")
+    if args.profile is None:
+        print(cluster_flags.prediction(cfg, args.gpus, args.cluster, args.codec,
+                                       args.tokens_per_gpu or 4096, remat=args.remat).line())
+    else:
+        print("(no step prediction: --profile prices the gathers on one link; name a "
+              "--cluster for the step)")
     return 0
+
+
+def _link_words(link, args) -> str:
+    """The link the gathers are priced on, in words."""
+    if args.profile is not None:
+        return (f"profile {link.name} (alpha {link.alpha_s * 1e6:g} us, "
+                f"beta {link.beta_Bps / 1e9:g} GB/s)")
+    spec, _ = clusters.parse(args.cluster)
+    return f"cluster {clusters.describe(spec, args.gpus)} ({args.gpus}x{spec.name})"
 
 
 def _inputs(args: argparse.Namespace) -> tuple:
     """``(config, profile, trace, word trace, memory GB)`` from the flags, each checked."""
     cfg = get_config(args.config)
+    spec, args.gpus = clusters.parse(args.cluster, args.gpus)
+    args.gpus = 16 if args.gpus is None else args.gpus
     if args.gpus < 1:
         raise ValueError("--gpus must be positive")
     if args.tokens_per_gpu < 0:
         raise ValueError("--tokens-per-gpu must be non-negative")
-    profile = cm.Profile.load(args.profile)
+    profile = (cm.Profile.load(args.profile) if args.profile is not None
+               else clusters.link(spec, args.codec))
     if args.change_rate is not None:
         if not 0.0 <= args.change_rate <= 1.0:
             raise ValueError("--change-rate must be in [0, 1]")

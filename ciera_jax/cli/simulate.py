@@ -6,14 +6,16 @@ import argparse
 import json
 from pathlib import Path
 
+from ciera_jax.cli import cluster_flags
 from ciera_jax.planning.traces import PHASES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="olmoe-1b-7b", help="model config name")
-    p.add_argument("--gpus", default="8,16,32,64,128,256,512,1024",
-                   help="comma-separated GPU counts (default 8..1024)")
-    p.add_argument("--cluster", default="h100", help="built-in cluster: h100 or h200")
+    cluster_flags.add_config(p, old="--model")
+    p.add_argument("--gpus", default=None,
+                   help="comma-separated GPU counts (default: the cluster name's count, else "
+                        "16,128)")
+    cluster_flags.add_cluster(p)
     p.add_argument("--tokens-per-gpu", type=int, default=4096, help="tokens per GPU per step")
     p.add_argument("--mfu", type=float, default=None, help="model FLOPs utilisation (default 0.35)")
     p.add_argument("--trace", default=None,
@@ -25,6 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="training phase whose word-mode bytes per weight to use (default steady)")
     p.add_argument("--codec-stream", choices=("compute", "comm"), default="compute",
                    help="where codec work runs (default: compute stream)")
+    p.add_argument("--table", action="store_true",
+                   help="also print every method's step time, memory and speed-ups (wide)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--png", default=None, help="plot CIERA's speedup vs GPU count here")
 
@@ -103,6 +107,7 @@ def plot(result: dict, path: str | Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ciera_jax.sim.cluster import get_cluster
+    from ciera_jax.sim.predict import predict
     from ciera_jax.sim.step import sweep
     from ciera_jax.planning.traces import default_trace, default_word_trace, load_trace, load_word_trace
     from ciera_jax.runtime.outputs import check_output_file
@@ -113,11 +118,14 @@ def run(args: argparse.Namespace) -> int:
             check_output_file(path, flag)
     if args.mfu is not None and not 0 < args.mfu <= 1:
         raise ValueError(f"--mfu must be a fraction in (0, 1], got {args.mfu:g}")
-    cfg = get_config(args.model)
-    gpus = parse_gpus(args.gpus)
+    cfg = get_config(args.config)
+    from ciera_jax.planning import clusters
+
+    count = clusters.parse(args.cluster)[1]
+    gpus = parse_gpus(args.gpus) if args.gpus else [count] if count else [16, 128]
     if args.tokens_per_gpu < 1:
         raise ValueError("--tokens-per-gpu must be positive")
-    cluster = get_cluster(args.cluster, mfu=args.mfu)
+    cluster = get_cluster(args.cluster, mfu=args.mfu, calibration=args.codec)
     trace = load_trace(args.trace) if args.trace else default_trace()
     word = load_word_trace(args.word_trace) if args.word_trace else default_word_trace()
     word.bpw("default", args.phase)  # a trace without the phase: a clear error here, before the sweep
@@ -127,11 +135,17 @@ def run(args: argparse.Namespace) -> int:
           f"{args.tokens_per_gpu} tokens/GPU, trace: {Path(trace.source).name}"
           + (" (placeholder)" if trace.placeholder else "")
           + f", word trace: {Path(word.source).name} ({args.phase})")
-    print(format_table(result))
+    if args.table:
+        print(format_table(result))
+    lines = [predict(cfg, n, cluster, args.tokens_per_gpu, trace=trace, word_trace=word,
+                     phase=args.phase, codec_stream=args.codec_stream) for n in gpus]
+    result["predictions"] = [p.to_json() for p in lines]
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.json}")
     if args.png:
         plot(result, args.png)
         print(f"wrote {args.png}")
+    for p in lines:
+        print(p.line())
     return 0

@@ -11,9 +11,12 @@ The one coupling is the bf16 pairing: term = ``lo | hi << 16``, where ``hi`` is 
 partner half a dimension away (the last dimension when it is even, else the shard axis: see
 ``checksum._sums``). The kernel therefore views the flat tensor as (groups, 2, dist): each
 program decodes ``block`` lo words and their ``block`` hi partners, so each term is complete
-inside one program. Fusable when the gather axis is 0 and ``dist`` (or, unpaired, a rank's
-shard) is a whole number of blocks of at least one warpgroup (128 elements): :func:`fusable`.
-Anything else takes the unfused path (decode kernel, then the jnp checksum), same values.
+inside one program. Fusable when ``dist`` (or, unpaired, a rank's shard) is a whole number of
+blocks of at least one warpgroup (128 elements): :func:`fusable`. On another gather axis the
+groups are the rows of the last dimensions (pairs within a row), a row lies in one rank's shard,
+and each program computes its rows' global positions from their (before, rank, shard axis)
+index: the checksum's order, with no transpose. Anything else takes the unfused path (decode
+kernel, then the jnp checksum), same values.
 """
 
 from __future__ import annotations
@@ -39,13 +42,18 @@ def decode_checksum_reference(exp, payload_Pxn, dtype, n_ranks: int, *, axis: in
 
 
 def fusable(shape, dtype, n_ranks: int, *, axis: int = 0, block: int = BLOCK):
-    """``(Pairs layout, block, paired)`` for the fused kernel, or None when the tensor takes
-    the unfused path (gather axis not 0, or sizes that do not split into whole blocks)."""
-    if axis % max(len(shape), 1) != 0 or not shape or shape[0] % n_ranks:
+    """``(Pairs layout, block, paired, rows)`` for the fused kernel, or None when the tensor
+    takes the unfused path (sizes that do not split into whole blocks). ``rows``: on a gather
+    axis other than 0, (dims before it, ranks, a rank's part of it) flattened, whose index a
+    group (a row of the last dimensions) is; else None."""
+    if not shape or math.prod(shape) == 0:
         return None
+    axis %= len(shape)
+    if shape[axis] % n_ranks:
+        return None
+    if axis:
+        return _fusable_rows(shape, dtype, n_ranks, axis, block)
     n = math.prod(shape)
-    if n == 0:
-        return None
     d, post = shape[0] // n_ranks, math.prod(shape[1:])
     n_local = d * post
     itemsize = bitfields.word_format(dtype).word.itemsize
@@ -59,7 +67,21 @@ def fusable(shape, dtype, n_ranks: int, *, axis: int = 0, block: int = BLOCK):
     blk = _pow2_factor(dist, block)
     if blk < WARPGROUP or (not paired and n_local % (2 * dist)):
         return None
-    return Pairs(groups, dist), blk, paired
+    return Pairs(groups, dist), blk, paired, None
+
+
+def _fusable_rows(shape, dtype, n_ranks: int, axis: int, block: int):
+    """:func:`fusable` off axis 0: pairs (or, for 4-byte words, lo and hi terms) within each
+    row of the dims after the gather axis, as the checksum pairs them there."""
+    pre, post = math.prod(shape[:axis]), math.prod(shape[axis + 1:])
+    if post % 2:
+        return None
+    blk = _pow2_factor(post // 2, block)
+    if blk < WARPGROUP:
+        return None
+    paired = bitfields.word_format(dtype).word.itemsize == 2
+    rows = (pre, n_ranks, shape[axis] // n_ranks)
+    return Pairs(math.prod(shape) // post, post // 2), blk, paired, rows
 
 
 def _pow2_factor(m: int, cap: int) -> int:
@@ -68,14 +90,20 @@ def _pow2_factor(m: int, cap: int) -> int:
 
 
 def decode_checksum_body(blk, exp, planes, *, fmt, layout: Pairs, block: int, paired: bool,
-                         seed: int):
+                         seed: int, rows=None):
     """One program: (lo, hi) exponent and payload blocks -> ((lo, hi) words, [partial sum])."""
     u32 = jnp.uint32
     w_lo = decode_body(exp[0], [p[0] for p in planes], fmt=fmt)
     w_hi = decode_body(exp[1], [p[1] for p in planes], fmt=fmt)
     per_group = layout.dist // block
     g, j = blk.index // per_group, blk.index % per_group
-    pos = (g * (2 * layout.dist) + j * block).astype(u32) + blk.lanes  # global lo positions
+    start = g * (2 * layout.dist)  # a group's first position: its flat index ...
+    if rows is not None:  # ... or, off axis 0, in the checksum's (rank, axis, before) order
+        pre, ranks, d = rows
+        post = 2 * layout.dist
+        b, r, i = g // (ranks * d), (g // d) % ranks, g % d
+        start = r * (pre * d * post) + i * (pre * post) + b * post
+    pos = (start + j * block).astype(u32) + blk.lanes  # global lo positions
     if paired:
         terms = [(w_lo.astype(u32) | (w_hi.astype(u32) << u32(16)), pos)]
     else:
@@ -98,18 +126,20 @@ def decode_checksum_pallas(exp, payload_Pxn, dtype, n_ranks: int, *, axis: int =
     if plan is None:
         raise ValueError(f"decode_checksum: shape {shape} (axis {axis}, {n_ranks} ranks) does "
                          "not split into fused blocks; use decode_checksum(...) for a fallback")
-    layout, blk, paired = plan
+    layout, blk, paired, rows = plan
     view = (layout.groups, 2, layout.dist)
     call = stream_call(
         lambda b, e, p: decode_checksum_body(b, e, p, fmt=fmt, layout=layout, block=blk,
-                                             paired=paired, seed=seed),
+                                             paired=paired, seed=seed, rows=rows),
         [Operand(jnp.uint8), Operand(jnp.uint8, planes=P)],
         [Operand(fmt.word), Operand(jnp.uint32, per_block=1)],
         layout=layout, block=blk, backend=backend, interpret=interpret, with_block=True,
         name=f"ciera_decode_checksum_{fmt.dtype.name}")
     words, partials = call(exp.astype(jnp.uint8).reshape(view),
                            payload_Pxn.astype(jnp.uint8).reshape(P, *view))
-    sums = jnp.sum(partials.reshape(n_ranks, -1), axis=1, dtype=jnp.uint32)
+    # programs in (before, rank, the rest) order; on axis 0 nothing comes before
+    pre = rows[0] if rows is not None else 1
+    sums = jnp.sum(partials.reshape(pre, n_ranks, -1), axis=(0, 2), dtype=jnp.uint32)
     return bitfields.from_bits(words.reshape(shape), fmt.dtype), sums
 
 

@@ -19,10 +19,15 @@ Wire bytes are what the gathers send (``sent_bytes`` in their stats, tested equa
 block (as ``quantized.py`` sends). Word mode gathers once per step (the backward reads the
 cache); every other method gathers twice.
 
-Codec time is counted, not assumed: the bytes each pass reads and writes per element
-(:data:`CODEC_PASS_BYTES`: the sender's encode over its shard, the receiver's decode and
-self-check over the full tensor) at :data:`CODEC_HBM_FRACTION` of the device's memory
-bandwidth, plus a launch cost per gather. A calibrated profile (``codec_pricing="measured"``)
+Codec time on a GPU profile (``codec_pricing="compiled"``) is the compiled program's: the
+kernels and bytes of one gather as XLA:GPU compiles it, scaled to the tensor
+(:mod:`ciera_jax.planning.codec_costs`, a recorded table with its source), at its roofline or
+calibrated by a GPU measurement (``codec_calibration``); the plain gather pays its own device
+kernels the same way. A profile with ``codec_pricing="counted"`` counts the bytes each pass
+reads and writes per element instead (:data:`CODEC_PASS_BYTES`: the sender's encode over its
+shard, the receiver's decode and self-check over the full tensor) at
+:data:`CODEC_HBM_FRACTION` of the device's memory bandwidth, plus a launch cost per gather. A
+calibrated profile (``codec_pricing="measured"``)
 prices what was measured where it is slower than the counted bytes: on a CPU the codec is
 bound by its ops, not its bytes (many times its counted time; ``docs/results.md``, section 6,
 "Real-socket crossovers"). Its dense passes then run at the measured end-to-end rate of each mode
@@ -59,6 +64,7 @@ import math
 from pathlib import Path
 from typing import Union
 
+from ciera_jax.planning import codec_costs
 from ciera_jax.codec.wire import (CHECKSUM_BYTES, DEFAULT_CODE_BITS, ExponentWire, WordWire,
                                   int8_wire_bytes)
 # Memory traffic of each codec pass per element of bf16 (b = 2 bytes a word), counted from
@@ -87,14 +93,18 @@ class Profile:
     alpha_s     latency per ring hop (s)
     beta_Bps    bytes/s per link per direction as a ring collective achieves it (bus bandwidth)
     codec_Bps   CIERA encode+decode rate a calibration measured, bytes of bf16 input per second
-                (reported; the cost model counts the codec's bytes at hbm_Bps instead)
+                (measured pricing only; None: not measured)
     agreement_s one tiny pmax over the mesh (s)
     hbm_Bps     achievable device-memory bandwidth (int8 quantize/dequantize run at this rate)
     entropy_Bps encode+decode rate of a single-pass entropy codec, bytes of input per second
     codec_launch_s fixed cost of the codec kernels (encode + decode launches) per gather
     memory_gb   device memory (GB, 1e9 bytes) the planner may fill; None: unlimited
-    codec_pricing  "counted": the codec's bytes per pass at a fraction of ``hbm_Bps`` (built-in
-                GPU profiles); "measured": a calibration's rates where they are slower
+    codec_pricing  "compiled": the compiled program's kernels and bytes for ``gpu``
+                (:mod:`~ciera_jax.planning.codec_costs`; built-in GPU profiles); "counted": the
+                codec's bytes per pass at a fraction of ``hbm_Bps``; "measured": a
+                calibration's rates where they are slower
+    gpu         the GPU target whose compiled codec prices this profile (compiled pricing)
+    codec_calibration  compiled pricing at the "roofline" or scaled to a GPU "measured" time
     word_codec_Bps word mode's measured end-to-end codec rate at its steady-state escapes
                 (bytes of bf16 full tensor per second); None: not measured
     escape_s    seconds per escaped exponent of the full tensor, beyond the dense passes
@@ -112,8 +122,8 @@ class Profile:
     name: str
     alpha_s: float
     beta_Bps: float
-    codec_Bps: float
     agreement_s: float
+    codec_Bps: float | None = None
     hbm_Bps: float = 3.0e12
     entropy_Bps: float = 4.0e11
     codec_launch_s: float = 5e-6
@@ -127,6 +137,8 @@ class Profile:
     llc_bytes: float = 0.0
     host_cores: int = 0
     spill_Bps: float = 0.0
+    gpu: str | None = None
+    codec_calibration: str = "roofline"
     sources: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
@@ -142,7 +154,7 @@ class Profile:
             raise FileNotFoundError(f"profile file not found: {p}")
         d = json.loads(p.read_text())
         fields = {f.name for f in dataclasses.fields(cls)}
-        missing = {"alpha_s", "beta_Bps", "codec_Bps", "agreement_s"} - set(d)
+        missing = {"alpha_s", "beta_Bps", "agreement_s"} - set(d)
         if missing:
             raise ValueError(f"profile {p} lacks {', '.join(sorted(missing))}")
         d.setdefault("name", p.stem)
@@ -194,6 +206,8 @@ class Topology:
     llc_bytes = _from_intra("llc_bytes")
     host_cores = _from_intra("host_cores")
     spill_Bps = _from_intra("spill_Bps")
+    gpu = _from_intra("gpu")
+    codec_calibration = _from_intra("codec_calibration")
 
     def agreement(self, N: int) -> float:
         return self.intra.agreement_s if N <= self.gpus_per_node else self.inter.agreement_s
@@ -289,6 +303,8 @@ def codec_time(method: str, n: int, N: int, bytes_per_elem: int, link,
 
     With measured pricing the dense passes take the longer of that and the mode's measured
     rate, and ``escapes`` (escaped elements of the full tensor) cost ``escape_s`` each."""
+    if link.codec_pricing == "compiled":
+        return compiled_codec(method, n * bytes_per_elem, N, link).seconds
     enc, dec = CODEC_PASS_BYTES[method]
     scale = bytes_per_elem / 2
     moved = scale * (enc * n / max(N, 1) + dec * n)
@@ -299,8 +315,25 @@ def codec_time(method: str, n: int, N: int, bytes_per_elem: int, link,
             t = max(t, n * bytes_per_elem / rate)
         t += escapes * link.escape_s
     elif link.codec_pricing != "counted":
-        raise ValueError(f"codec_pricing {link.codec_pricing!r}: use 'counted' or 'measured'")
+        raise ValueError(f"codec_pricing {link.codec_pricing!r}: use 'compiled', 'counted' or "
+                         "'measured'")
     return t + link.codec_launch_s
+
+
+def compiled_codec(method: str, n_bytes: float, N: int, link) -> codec_costs.CodecCost:
+    """The compiled program's device seconds of ``method`` on ``n_bytes`` (compiled pricing)."""
+    if not link.gpu:
+        raise ValueError("a profile with codec_pricing 'compiled' names its GPU (gpu=)")
+    return codec_costs.codec_cost(method, n_bytes, link.gpu, N, link.codec_calibration)
+
+
+def codec_source(link) -> str:
+    """Where ``link``'s codec term comes from, in words."""
+    if link.codec_pricing == "compiled":
+        return codec_costs.source(link.gpu, link.codec_calibration)
+    if link.codec_pricing == "measured":
+        return "codec: measured by ciera calibrate (this profile's rates)"
+    return "codec: bytes counted per pass at a fraction of HBM bandwidth, not measured"
 
 
 def measured_codec_Bps(method: str, link) -> float | None:
@@ -352,8 +385,10 @@ def _wire_and_codec(method: str, n: int, N: int, bytes_per_elem: int, link: Link
     """
     b = bytes_per_elem
     n_local = math.ceil(n / max(N, 1))
-    if method == "plain":
-        return GatherCost("plain", n * b, 0.0)
+    if method == "plain":  # its own device kernels, where the compiled program prices them
+        return GatherCost("plain", n * b, (codec_time("plain", n, N, b, link)
+                                           if link.codec_pricing == "compiled" and N > 1
+                                           else 0.0))
     if method == "payload":
         return GatherCost("payload", n * (b - 1), codec_time("payload", n, N, b, link))
     if method == "int8":

@@ -27,6 +27,7 @@ import numpy as np
 
 from ciera_jax.codec import bitfields
 from ciera_jax.planning import costmodel as cm
+from ciera_jax.planning import clusters
 from ciera_jax.planning import memory
 from ciera_jax.planning.shapes import get_config, tensor_inventory
 from ciera_jax.planning.traces import default_trace, default_word_trace
@@ -75,7 +76,7 @@ def _bytes_per_elem(dtype: str) -> int:
 def plan_tensor(spec_or_shape: Any, dtype: Any, N: int, profile: Union[str, cm.Link],
                 change_rate: float, agreement_share_s: float | None = None) -> Decision:
     """Decide one tensor. ``spec_or_shape`` is a :class:`ciera_jax.planning.shapes.TensorSpec` or a shape."""
-    link = cm.get_link(profile)
+    link = clusters.get_link(profile)
     name, kind, layer = "", "", None
     if hasattr(spec_or_shape, "shape") and hasattr(spec_or_shape, "kind"):
         name, kind, layer = spec_or_shape.name, spec_or_shape.kind, spec_or_shape.layer
@@ -124,7 +125,7 @@ def plan_model(cfg: Any, N: int, profile: Union[str, cm.Link], trace: Any = None
     """
     if isinstance(cfg, str):
         cfg = get_config(cfg)
-    link = cm.get_link(profile)
+    link = clusters.get_link(profile)
     inv = tensor_inventory(cfg)
     share = cm.agreement_time(N, link) / max(len(inv), 1)
     return [plan_tensor(t, dtype, N, link, _rate(trace, t.kind), share) for t in inv]
@@ -134,7 +135,7 @@ def plan_tree(params_tree: Any, axis_size: int, profile: Union[str, cm.Link],
               change_rate: float = 1e-3) -> Any:
     """A pytree of bools matching ``params_tree`` (leaves: arrays or ShapeDtypeStructs): True
     where the leaf should go through the compressed gather. Non-codec dtypes are False."""
-    link = cm.get_link(profile)
+    link = clusters.get_link(profile)
     leaves, treedef = jax.tree_util.tree_flatten(params_tree)
     share = cm.agreement_time(axis_size, link) / max(len(leaves), 1)
 
@@ -385,7 +386,7 @@ def plan_model_modes(cfg: Any, N: int, profile: Union[str, cm.Link],
     if isinstance(cfg, str):
         cfg = get_config(cfg)
     budget = check_budget(cache_budget_bytes)
-    link = cm.get_link(profile)
+    link = clusters.get_link(profile)
     inv = [t for t in tensor_inventory(cfg) if memory.gathered(t)]
     share = cm.agreement_time(N, link) / max(len(inv), 1)
     opts = [mode_options(t.size, N, "bfloat16", link, _rate(trace, t.kind),
@@ -416,7 +417,7 @@ def plan_modes(params_tree: Any, axis_size: int, profile: Union[str, cm.Link],
     device (None: unlimited; 0: all plain). ``change_rate`` / ``word_bpw`` default to the
     shipped traces' steady-state figures (default rate; overall bytes per weight)."""
     budget = check_budget(cache_budget_bytes)
-    link = cm.get_link(profile)
+    link = clusters.get_link(profile)
     if change_rate is None:
         change_rate = _rate(None, "default")
     if word_bpw is None:

@@ -1,9 +1,11 @@
-"""The simulated machine: NVLink nodes joined by InfiniBand, and what one GPU computes."""
+"""The simulated machine: a named cluster's links (:mod:`ciera_jax.planning.clusters`), and
+what one GPU computes."""
 
 from __future__ import annotations
 
 import dataclasses
 
+from ciera_jax.planning import clusters
 from ciera_jax.planning import costmodel as cm
 
 # vendor spec: H100 SXM and H200 SXM dense bf16 tensor-core peak, 989 TFLOP/s (no sparsity)
@@ -21,6 +23,7 @@ class Cluster:
     gpus_per_node: int = 8
     peak_flops: float = PEAK_BF16_FLOPS
     mfu: float = DEFAULT_MFU
+    spec: clusters.ClusterSpec | None = None
 
     @property
     def topology(self) -> cm.Topology:
@@ -31,20 +34,24 @@ class Cluster:
         """Sustained bf16 FLOP/s of one GPU."""
         return self.peak_flops * self.mfu
 
+    def describe(self, gpus: int) -> str:
+        """``16×H100 (2 hosts, IB NDR 400)``."""
+        return clusters.describe(self.spec, gpus) if self.spec else f"{gpus}x {self.name}"
+
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         for k in ("intra", "inter"):
             d[k].pop("sources", None)
+        d.pop("spec", None)
         return d
 
 
-CLUSTERS = {"h100": ("h100-nvlink", "h100-ib400"), "h200": ("h200-nvlink", "h200-ib400")}
-
-
-def get_cluster(name: str = "h100", mfu: float | None = None,
-                gpus_per_node: int = 8) -> Cluster:
-    if name not in CLUSTERS:
-        raise KeyError(f"unknown cluster {name!r}; choose one of: {', '.join(CLUSTERS)}")
-    intra, inter = (cm.Profile.load(p) for p in CLUSTERS[name])
-    return Cluster(name, intra, inter, gpus_per_node, PEAK_BF16_FLOPS,
-                   DEFAULT_MFU if mfu is None else mfu)
+def get_cluster(name: str = clusters.DEFAULT, mfu: float | None = None,
+                gpus_per_node: int = clusters.GPUS_PER_HOST,
+                calibration: str = "roofline") -> Cluster:
+    """A named cluster (:data:`ciera_jax.planning.clusters.CLUSTERS`; a leading GPU count, as
+    in ``16xh100-ib400``, is allowed and ignored here)."""
+    spec, _ = clusters.parse(name)
+    topo = clusters.link(spec, calibration)
+    return Cluster(spec.name, topo.intra, topo.inter, gpus_per_node, PEAK_BF16_FLOPS,
+                   DEFAULT_MFU if mfu is None else mfu, spec)

@@ -307,7 +307,7 @@ def overlap_aware(planned: list[Group], plain: list[Group], agreement_s: float,
     return groups
 
 
-def simulate_step(cfg: Any, gpus: int, cluster: Cluster | str = "h100", method: str = "plain",
+def simulate_step(cfg: Any, gpus: int, cluster: Cluster | str = "h100-ib400", method: str = "plain",
                   tokens_per_gpu: int = 4096, trace: Trace | None = None,
                   codec_stream: str = "compute", *, word_trace: WordTrace | None = None,
                   phase: str = "steady", plan: Mapping | None = None,
@@ -362,7 +362,7 @@ def simulate_step(cfg: Any, gpus: int, cluster: Cluster | str = "h100", method: 
                       total, room is None or total <= room_bytes(room))
 
 
-def sweep(cfg: Any, gpu_counts: list[int], cluster: Cluster | str = "h100",
+def sweep(cfg: Any, gpu_counts: list[int], cluster: Cluster | str = "h100-ib400",
           tokens_per_gpu: int = 4096, trace: Trace | None = None,
           methods: tuple[str, ...] = METHODS,
           codec_stream: str = "compute", *, word_trace: WordTrace | None = None,

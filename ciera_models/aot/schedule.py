@@ -15,7 +15,7 @@ from ciera_jax.runtime import hlo
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute",
                "all-to-all", "ragged-all-to-all", "collective-broadcast")
 # instructions that do no work of their own (bookkeeping, layout, other transfers)
-_IDLE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "copy-start",
+IDLE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "copy-start",
          "copy-done", "after-all", "add-dependency", "opt-barrier", "partition-id",
          "replica-id", "domain"}
 _INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$")
@@ -76,7 +76,7 @@ def instructions(body: str) -> list[Instr]:
     return out
 
 
-def _called(ins: Instr) -> list[str]:
+def called(ins: Instr) -> list[str]:
     names = re.findall(r"(?:calls|to_apply|body|condition|true_computation|false_computation)"
                        r"=%?([\w.\-]+)", ins.rest)
     for group in re.findall(r"branch_computations=\{([^}]*)\}", ins.rest):
@@ -101,7 +101,7 @@ def _collective_kind(ins: Instr, comps: dict[str, list[Instr]]) -> tuple[str, st
         if ins.op in (f"{kind}-start", f"{kind}-done"):
             return kind, ins.op.rsplit("-", 1)[1]
     if ins.op in ("async-start", "async-done"):
-        for c in _called(ins):
+        for c in called(ins):
             for inner in comps.get(c, []):
                 if inner.op in COLLECTIVES:
                     return inner.op, ins.op.split("-")[1]
@@ -132,7 +132,7 @@ class Program:
             runs[name] = n
             for ins in self.comps.get(name, []):
                 k = _trip_count(ins) if ins.op == "while" else 1
-                todo += [(c, n * k) for c in _called(ins)]
+                todo += [(c, n * k) for c in called(ins)]
         return runs
 
     def has_gemm(self, comp: str) -> bool:
@@ -150,11 +150,11 @@ class Program:
             return bool(target) and bool(re.search(r"gemm|matmul|cudnn|conv", target.group(1),
                                                    re.I))
         if ins.op in ("fusion", "call", "while", "conditional", "async-start"):
-            return any("gemm" in c or self.has_gemm(c) for c in _called(ins))
+            return any("gemm" in c or self.has_gemm(c) for c in called(ins))
         return False
 
     def overlap_of(self, between: list[Instr]) -> str:
-        work = [i for i in between if i.op not in _IDLE
+        work = [i for i in between if i.op not in IDLE
                 and not (i.op.endswith(("-start", "-done")) and _collective_kind(i, self.comps))]
         if not work:
             return "nothing"
@@ -211,14 +211,7 @@ class Program:
         ``conditionals``. A conditional's branch that reaches a computation of ``off_path``
         (where a fallback's transfer sits: :attr:`Collective.computation`) is left out: a step
         takes it only on overflow or priming."""
-        off = set()
-        for branch in self.branches:
-            below = self._reachable(branch)
-            if below & off_path:
-                off |= below
-        # a fusion's computation is its kernel's body: a copy in it is no copy of its own
-        fused = {c for instrs in self.comps.values() for i in instrs if i.op == "fusion"
-                 for c in _called(i)}
+        off, fused = self.off_branches(off_path), self.fused()
         out = {"launches": 0, "copies": 0, "copy_bytes": 0, "branch_copies": 0,
                "conditionals": 0}
         for comp, instrs in self.comps.items():
@@ -234,6 +227,22 @@ class Program:
                     out["branch_copies"] += runs * (comp in self.branches)
         return out
 
+    def off_branches(self, off_path: set[str]) -> set[str]:
+        """Every computation of a conditional's branch that reaches one of ``off_path`` (a
+        fallback's transfer), at any depth: what a step runs only on overflow or priming."""
+        off = set()
+        for branch in self.branches:
+            below = self._reachable(branch)
+            if below & off_path:
+                off |= below
+        return off
+
+    def fused(self) -> set[str]:
+        """The computations fusions call: a kernel's body, whose instructions are not
+        launches of their own."""
+        return {c for instrs in self.comps.values() for i in instrs if i.op == "fusion"
+                for c in called(i)}
+
     def _reachable(self, comp: str) -> set[str]:
         """``comp`` and every computation it calls, at any depth."""
         seen, todo = set(), [comp]
@@ -241,7 +250,7 @@ class Program:
             c = todo.pop()
             if c not in seen:
                 seen.add(c)
-                todo += [x for i in self.comps.get(c, []) for x in _called(i)]
+                todo += [x for i in self.comps.get(c, []) for x in called(i)]
         return seen
 
 

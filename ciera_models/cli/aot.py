@@ -1,12 +1,17 @@
 """Compile the train step for a GPU cluster without a GPU, and report the program it would run.
 
-``ciera aot --config olmoe-1b-7b --gpus 16 --gpu h100-80gb --compare plain`` builds the trainer
+``ciera aot --config olmoe-1b-7b --cluster 16xh100-ib400 --compare plain`` builds the trainer
 on a compile-only mesh of 16 H100s (hosts of 8), lowers its step from abstract state (nothing
 is allocated) and compiles it with XLA:GPU and the FSDP flags GPU users run. It prints compile
 time, HLO size, kernels, conditionals, every collective (bytes, in a conditional branch or not,
 what is scheduled between its start and its done) and XLA's memory per GPU against the GPU's
-memory, beside the plan and memory model the trainer used. Needs the CUDA plugin equal to the
+memory, beside the plan and memory model the trainer used, and ends with the step prediction ``ciera plan`` and ``ciera
+simulate`` make for the same cluster (:mod:`ciera_jax.sim.predict`). Needs the CUDA plugin equal to the
 installed jaxlib (``pip install -e ".[gpu-aot]"``). How to read it: docs/aot.md.
+
+``ciera aot --gather-shape 16,2048,1024 --axis 1 --mode word --gpus 8`` compiles one gather
+instead (:mod:`ciera_models.aot.gather_cost`): its kernels, their HBM bytes, the launch floor
+and the roofline.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import dataclasses
 import json
 import sys
 
+from ciera_jax.cli import cluster_flags
+from ciera_jax.planning import clusters
 from ciera_jax.runtime.units import fmt_bytes
 from ciera_models.train.config import TrainConfig, add_fields, from_args
 
@@ -54,10 +61,11 @@ def _compile_runs(r: dict) -> dict[str, str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("the cluster")
-    g.add_argument("--gpus", type=int, default=16, help="GPUs on the fsdp axis, hosts of 8 "
-                   "(default: 16)")
-    g.add_argument("--gpu", default="h100-80gb", help="target GPU: h100-80gb, h200-141gb "
-                   "(default: h100-80gb)")
+    g.add_argument("--gpus", type=int, default=None, help="GPUs on the fsdp axis, hosts of 8 "
+                   "(default: the cluster name's count, else 16)")
+    cluster_flags.add_cluster(g)
+    g.add_argument("--gpu", default=None, help="the target GPU alone (h100-80gb, h200-141gb): "
+                   "deprecated, use --cluster")
     g.add_argument("--tokens-per-gpu", type=int, default=4096, help="tokens each GPU trains "
                    "on per step; the global batch follows (default: 4096)")
     g.add_argument("--compare", choices=("plain",), default=None,
@@ -89,6 +97,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "compile-only mesh it gets (docs/aot.md); reports its kernels, the "
                    "conditionals a step executes (weighted by loop trips), all-gathers in "
                    "branches, overlap and memory")
+    one = p.add_argument_group("one gather instead of the step (its GPU cost: kernels, HBM "
+                               "bytes, launch floor, roofline)")
+    one.add_argument("--gather-shape", metavar="D,D,...", default=None,
+                     help="compile one bf16 gather of this global shape, e.g. 16,2048,1024, "
+                     "as `ciera train` runs it (plain; encode + exchange at the steady rung)")
+    one.add_argument("--axis", type=int, default=0, help="its gather axis (default: 0)")
+    one.add_argument("--mode", choices=("all", "plain", "exponent", "word"), default="all",
+                     help="which gather (default: all three)")
+    one.add_argument("--kernels", action="store_true", help="also list every kernel")
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="PATH", default=None, help="write the report(s) as JSON")
     out.add_argument("--hlo-out", metavar="DIR", default=None,
@@ -103,7 +120,7 @@ def run(args) -> int:
     from ciera_jax.runtime import gpu_targets, outputs
 
     gpu_targets.prepare_environment()  # before JAX starts its backends
-    target = gpu_targets.get_target(args.gpu)
+    target, spec = cluster_of(args)
     gpu_targets.check_cluster(args.gpus)
     if args.repeat < 1:
         raise ValueError(f"--repeat {args.repeat}: compile each program at least once")
@@ -112,8 +129,12 @@ def run(args) -> int:
     if args.json:
         outputs.check_output_file(args.json, "--json")
     if args.step:
-        return _run_user_step(args)
+        return _run_user_step(args, target)
+    if args.gather_shape is not None:
+        return run_gather(args, target)
     tc = from_args(TrainConfig, args)
+    if tc.profile is None:  # the trainer plans on the cluster's links, as the prediction prices
+        tc = dataclasses.replace(tc, profile=f"{args.gpus}x{spec.name}")
     if tc.schedule_steps is None:  # the cosine horizon is a constant of the step: any will do
         tc = dataclasses.replace(tc, schedule_steps=TrainConfig.schedule_steps)
     from ciera_models.model import configs
@@ -129,9 +150,61 @@ def run(args) -> int:
                                args.hlo_out, log, program=args.program, modules=args.modules,
                                phases=args.phases, temporaries=args.temporaries)
     print(render(reports, target, show_collectives=args.collectives))
+    pred = prediction(args, spec)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"target": dataclasses.asdict(target), "reports": reports}, f, indent=1)
+            json.dump({"target": dataclasses.asdict(target), "reports": reports,
+                       "prediction": pred.to_json()}, f, indent=1)
+    print(f"compiled: {100 * reports[0]['all_gather_overlap_share']:.0f}% of the all-gather "
+          "bytes overlap other work (the model prefetches one layer ahead)")
+    print(pred.line())
+    return 0
+
+
+def cluster_of(args) -> tuple:
+    """``(compile target, cluster)`` from ``--cluster`` (or the deprecated ``--gpu``); sets
+    ``args.gpus`` from the cluster name's count where ``--gpus`` is not given."""
+    from ciera_jax.runtime import gpu_targets
+
+    if args.gpu is not None:
+        target = gpu_targets.get_target(args.gpu)
+        print("note: --gpu is deprecated; use --cluster", file=sys.stderr)
+        spec = next(c for c in clusters.CLUSTERS.values() if c.gpu == target.name)
+        args.gpus = 16 if args.gpus is None else args.gpus
+        return target, spec
+    spec, gpus = clusters.parse(args.cluster, args.gpus)
+    args.gpus = 16 if gpus is None else gpus
+    return gpu_targets.get_target(spec.gpu), spec
+
+
+def prediction(args, spec):
+    """The step prediction for this run's model and cluster: ``ciera plan``'s and ``ciera
+    simulate``'s."""
+    return cluster_flags.prediction(args.config, args.gpus, spec.name, args.codec,
+                                    args.tokens_per_gpu, remat=args.remat)
+
+
+def run_gather(args, target) -> int:
+    """``--gather-shape``: one gather's GPU cost per mode, a table and ``--json``."""
+    from ciera_models.aot import gather_cost
+
+    try:
+        shape = tuple(int(d) for d in args.gather_shape.split(","))
+    except ValueError:
+        raise ValueError(f"--gather-shape {args.gather_shape!r}: give integers separated by "
+                         "commas, e.g. 16,2048,1024") from None
+    modes = gather_cost.MODES if args.mode == "all" else (args.mode,)
+    for mode in modes:
+        gather_cost.check_gather(shape, args.axis, args.gpus, mode)
+    if args.hlo_out:
+        from pathlib import Path
+        Path(args.hlo_out).mkdir(parents=True, exist_ok=True)
+    reports = [gather_cost.gather_cost(m, shape, args.axis, args.gpus, target, args.hlo_out)
+               for m in modes]
+    print(gather_cost.render(reports, kernels=args.kernels))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"target": dataclasses.asdict(target), "gathers": reports}, f, indent=1)
     return 0
 
 
@@ -268,12 +341,12 @@ def render(reports: list[dict], target, show_collectives: bool = False) -> str:
     return "\n".join(lines)
 
 
-def _run_user_step(args) -> int:
+def _run_user_step(args, target) -> int:
     """``--step``: the user's step compiled and reported (:mod:`ciera_models.aot.user_step`)."""
     from ciera_models.aot.user_step import REPORT_KEYS, compile_user_step, load_builder
 
     sys.path.insert(0, ".")  # a module beside the caller, as ``python -m`` would find it
-    report = compile_user_step(load_builder(args.step), args.gpus, args.gpu, args.xla_flags,
+    report = compile_user_step(load_builder(args.step), args.gpus, target.name, args.xla_flags,
                                None)
     for key in REPORT_KEYS:
         value = report.get(key)

@@ -122,7 +122,7 @@ def choose_compressed(tc, tensors: dict, n: int, platform: str) -> tuple[dict, s
     frac = sum(size[k] for k in tensors if compress[k]) / max(sum(size.values()), 1)
     n_cost = sum(by_cost.values())
     n_forced = sum(1 for k in tensors if compress[k] and not by_cost[k])
-    summary = (f"plan: profile={getattr(planner.cm.get_profile(profile), 'name', profile)} "
+    summary = (f"plan: profile={getattr(planner.clusters.get_link(profile), 'name', profile)} "
                f"ranks={n} --plan {tc.plan}: compress {sum(compress.values())}/{len(tensors)} "
                f"tensors ({100 * frac:.1f}% of gathered bytes): {n_cost} by the cost model"
                + (f", {n_forced} forced ({'expert weights' if tc.plan == 'auto' else 'all'})"

@@ -26,7 +26,7 @@ from ciera_jax import fsdp
 from ciera_jax.collective import PLAIN_RUNG
 from ciera_jax.collective.cache import EMPTY_SHAPE
 from ciera_jax.fsdp import AXIS
-from ciera_jax.planning import costmodel
+from ciera_jax.planning import clusters
 from ciera_jax.runtime import gpu_targets
 from ciera_models.train.rung_policy import (RungPolicy, exits_for, program_key, rungs_holding,
                                            seconds_per_byte)
@@ -317,7 +317,7 @@ class Trainer:
         if self.policy is None:
             shapes = self._ahead_shapes()["encoded"]
             platform = self.mesh.devices.flat[0].platform
-            link = costmodel.get_link(self.tc.profile or default_profile(platform))
+            link = clusters.get_link(self.tc.profile or default_profile(platform))
             self.policy = RungPolicy(fsdp.wires(self.tensors, shapes, self.n),
                                      seconds_per_byte(link, self.n),
                                      exits=self.unit_exits(shapes), holds=self.holds,
