@@ -122,6 +122,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if "disk_ckpt_message" in args.cases and os.geteuid() != 0:
         p.error("disk_ckpt_message mounts a tmpfs: run as root, or leave it out of --cases")
+    # SIGTERM runs the clean-ups below too: a drill stopped mid-case unmounts its tmpfs
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     root = Path(tempfile.mkdtemp(prefix="ciera-drill-"))
     saved = root / "saved"
     if any(c in RESUME_FLAGS for c in args.cases):
