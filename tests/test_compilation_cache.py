@@ -7,6 +7,10 @@
   does, in both cache modes; so does the README's decorated Flax model. Each case loads the
   step in ``LOADED`` fresh processes (two at a time): a loaded run that fails one time in
   three is caught with probability 1 - (2/3)**10 = 98%.
+- Over two processes, ``LOADED_TWO_PROCESS`` fresh runs after the writing one end bitwise at
+  the uncached run's params. On CPUs only process 0 loads the step: each process's step runs
+  on its own devices, which are in the program's key there, and only process 0 writes the
+  cache; so process 1 compiles while process 0 waits for it before their first collective.
 """
 
 from __future__ import annotations
@@ -20,7 +24,11 @@ from pathlib import Path
 
 import pytest
 
+from ciera_harness.launch import free_port
+from processes import finish  # tests/processes.py
+
 LOADED = 10  # fresh processes that load the step from the cache, per case
+LOADED_TWO_PROCESS = 5  # fresh two-process runs that load the step
 
 LOWERED_HASH = """
 from ciera_jax.runtime.devices import setup_devices
@@ -115,3 +123,35 @@ def test_the_readme_decorated_model_loads_its_step_from_the_cache_bitwise(tmp_pa
     script = tmp_path / "decorated.py"
     script.write_text("import hashlib\n" + code + DECORATED_TAIL)
     _loads_bitwise([str(script)], tmp_path / "jax_cache", "jit_train_step")
+
+
+def _two_processes(env: dict) -> list[str]:
+    """A 2-process ``ciera train`` (4 CPU devices each): each process's stderr."""
+    port = free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "ciera_jax.cli.main", "train", "--config", "tiny", "--steps", "3",
+         "--devices", "4", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+         "--process-id", str(i)], env={**env, "JAX_PLATFORMS": "cpu"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    ended = finish(procs, 900)
+    for i, (rc, out, err) in enumerate(ended):
+        assert rc == 0, f"process {i} exit {rc}: " + out[-2000:] + err[-3000:]
+    return [_sha_of(ended[0][1])] + [err for _, _, err in ended]
+
+
+def _sha_of(out: str) -> str:
+    return re.search(r"params_sha256=(\w+)", out).group(1)
+
+
+@pytest.mark.slow
+def test_two_processes_load_the_step_from_the_cache_bitwise(tmp_path):
+    cache_dir = tmp_path / "jax_cache"
+    want = _two_processes(_env())[0]
+    sha, *_ = _two_processes(_cached_env(cache_dir))
+    assert any("jit_local_step" in f.name for f in cache_dir.iterdir()), "the step was not cached"
+    assert sha == want
+    hit = "Persistent compilation cache hit for 'jit_local_step'"
+    for _ in range(LOADED_TWO_PROCESS):
+        sha, err0, _ = _two_processes(_cached_env(cache_dir))
+        assert hit in err0, "process 0 did not load its step from the cache"
+        assert sha == want, "a step loaded from the cache trained differently"

@@ -56,7 +56,13 @@ def close(mgr) -> None:
 class _AbandonedFutures(logging.Filter):
     """asyncio's "... exception was never retrieved" for the write fragments of a save that
     failed: orbax awaits the first fragment's error and abandons the others' futures, which
-    report the same error (a full disk) when collected. The failure is one line already."""
+    report the same error (a full disk) when collected. The failure is one line already.
+
+    The reports are dropped here, not prevented where they arise: the fragments are gathered
+    inside orbax's private serialization module (``asyncio.gather`` without
+    ``return_exceptions``, in a coroutine local to one of its functions), and neither its
+    public API nor the manager's hands the caller those futures to collect. Only records with
+    that message are dropped; asyncio's other reports pass."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "exception was never retrieved" not in str(record.msg)

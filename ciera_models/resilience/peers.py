@@ -24,6 +24,7 @@ bounds the join. A peer that stops while alive (its beats go on) is the watchdog
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import sys
@@ -209,6 +210,24 @@ def _never_joined(process_id: int, num_processes: int, coordinator: str,
         f"form within --peer-timeout {timeout_s}s (not every one of the {num_processes} "
         "processes started, or they disagree on --coordinator / --num-processes); nothing "
         "was trained", file=sys.stderr))
+
+
+BARRIER_TIMEOUT_S = 6 * 3600  # a compile on one process, while the others wait for it
+_barriers = itertools.count()
+
+
+def all_arrived(what: str) -> None:
+    """Wait until every process has come here (the coordination service's barrier; every
+    process calls this the same number of times, so the n-th call of each meets the others'
+    n-th). Before a collective that follows work of uneven length: gloo gives up on a peer that
+    comes later than its own fixed timeout, the barrier waits as long as a compile takes, and a
+    peer that dies meanwhile is the beat watcher's to report."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:  # one process
+        return
+    client.wait_at_barrier(f"ciera/{what}/{next(_barriers)}", BARRIER_TIMEOUT_S * 1000)
 
 
 def publish_with_beats(mark: Callable[[], str]) -> None:

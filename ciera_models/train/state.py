@@ -31,7 +31,7 @@ from ciera_jax.runtime import gpu_targets
 from ciera_models.train.rung_policy import (RungPolicy, exits_for, program_key, rungs_holding,
                                            seconds_per_byte)
 from ciera_models.train import memory_limit
-from ciera_models.resilience import watchdog
+from ciera_models.resilience import peers, watchdog
 from ciera_models.train.beside import CompilesBeside, abstract_like, in_thread
 from ciera_models.train.data import Dataset
 from ciera_models.model.transformer import Transformer
@@ -92,6 +92,11 @@ def agreed_seconds(seconds: float) -> float:
     program): each process's policy must decide the same, and each measures its own."""
     if jax.process_count() == 1:
         return seconds
+    # Processes come here after compiles of uneven length (one that loads the program from
+    # JAX's compilation cache is done long before one that compiles it: on CPUs each process's
+    # program has a key of its own, and only process 0 writes the cache), and the broadcast
+    # may be their first collective, which gloo abandons when a peer is late past its timeout.
+    peers.all_arrived("compiled")
     return float(multihost_utils.broadcast_one_to_all(np.float32(seconds)))
 
 
