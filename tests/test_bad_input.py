@@ -80,6 +80,11 @@ ROWS = [
     (["aot", "--repeat", "0"], "--repeat 0: compile each program at least once"),
     (["aot", "--temporaries", "-1"], "--temporaries -1: list none (0) or more"),
     (["aot", "--json", "{tmp}"], "--json {tmp} is a directory"),
+    (["aot", "--gather-shape", "8,255,128", "--axis", "1", "--gpus", "8"],
+     "--gather-shape (8, 255, 128): axis 1 (255) must divide among 8 GPUs"),
+    (["aot", "--gather-shape", "8,x"], "--gather-shape '8,x': give integers separated by commas"),
+    (["aot", "--gather-shape", "8,256", "--axis", "2"],
+     "--axis 2: the shape (8, 256) has axes 0..1"),
 ]
 
 

@@ -74,6 +74,14 @@ def kernel_calls(dtype, backend):
         ("word_decode", lambda w, c: K.word_decode_pallas(w, c, 3, **kw), (words, u8)),
         ("decode_checksum", lambda e, p: K.decode_checksum_pallas(e, p, dtype, 8, **kw),
          (jax.ShapeDtypeStruct(full, jnp.uint8), jax.ShapeDtypeStruct((P_, *full), jnp.uint8))),
+        ("decode_checksum off axis 0",
+         lambda e, p: K.decode_checksum_pallas(e, p, dtype, 8, axis=1, **kw),
+         (jax.ShapeDtypeStruct((2, 8, 256), jnp.uint8),
+          jax.ShapeDtypeStruct((P_, 2, 8, 256), jnp.uint8))),
+        ("word_decode_rows",  # the cache (2, 8 x 2, 4096) read in place, rows of (2, 2, 4096)
+         lambda w, c: K.word_decode_rows_pallas(w, c, 3, (2, 2, 4096), 1, **kw),
+         (jax.ShapeDtypeStruct((2, 16, 4096), WORDS[dtype]),
+          jax.ShapeDtypeStruct((8, 2 * 2 * 4096), jnp.uint8))),
     ]
 
 

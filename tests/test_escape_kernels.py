@@ -222,7 +222,8 @@ def gather_fn(impl: str, axis: int = 0):
 @pytest.mark.slow  # ~20 s each: two gathers compiled, one with every kernel interpreted
 @pytest.mark.parametrize("mode,shape,axis", [
     ("exponent", (8 * 16, 96), 0), ("word", (8 * 16, 96), 0),  # a ragged last block a shard
-    ("exponent", (3, 8 * 2, 256), 1)])  # off axis 0: the fused decode + checksum
+    ("exponent", (3, 8 * 2, 256), 1),  # off axis 0: the fused decode + checksum
+    ("word", (2, 8 * 2, 2048), 1)])  # off axis 0: the word decode reads the cache in place
 def test_gather_with_escape_kernels_matches_jnp(mode, shape, axis):
     """Whole gathers on the 8-device CPU mesh, ``impl="pallas"`` (every kernel in Triton's
     interpreter, the escape kernels included) against ``impl="xla"``: the same weights, caches

@@ -97,3 +97,34 @@ def test_empty_and_shape_errors():
         K.word_encode(jnp.zeros((4,), jnp.float32), jnp.zeros((5,), jnp.uint32), impl="xla")
     with pytest.raises(ValueError, match="codes shape"):
         K.word_decode_pallas(jnp.zeros((4,), jnp.uint16), jnp.zeros((5,), jnp.uint8), 4)
+
+
+# (shard shape, gather axis): a rank's run of the full layout is whole blocks (8 ranks)
+ROWS = [((2, 4, 1024), 1), ((2, 2, 512, 2), 2), ((8, 512), 0)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shard_shape,axis", ROWS, ids=["axis 1", "axis 2", "axis 0"])
+def test_word_decode_of_rows_reads_the_full_cache_in_place(shard_shape, axis, backend):
+    """The decode of a gather's rank rows against a cache in the full layout equals the
+    reference decode of the cache's rows, bit for bit, with no transpose of the cache; a
+    shape whose runs are not whole blocks takes the transposing path, same values."""
+    from ciera_jax.codec.layout import full_to_rows, gathered_shape
+
+    n_ranks, block = 8, 1024
+    full_shape = gathered_shape(shard_shape, axis, n_ranks)
+    dtype = jnp.bfloat16
+    bits = adversarial_bits(dtype, int(np.prod(full_shape)), seed=9)
+    cached = jnp.asarray(cached_like(bits, "near").reshape(full_shape))
+    rng = np.random.default_rng(3)
+    codes = jnp.asarray(rng.integers(0, 8, (n_ranks, int(np.prod(shard_shape))), np.uint8))
+    want = K.word_decode_reference(full_to_rows(cached, shard_shape, axis, n_ranks), codes, 3)
+    got = K.word_decode_rows_pallas(cached, codes, 3, shard_shape, axis, block=block,
+                                    backend=backend, interpret=not ON_GPU)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(ValueError, match="whole 8192-element runs"):
+        K.word_decode_rows_pallas(cached, codes, 3, shard_shape, axis, block=8192,
+                                  backend=backend, interpret=not ON_GPU)
+    for impl in ("xla", "pallas"):
+        np.testing.assert_array_equal(np.asarray(K.word_decode_rows(
+            cached, codes, 3, shard_shape, axis, impl=impl)), np.asarray(want))

@@ -27,7 +27,7 @@ import numpy as np
 from ciera_jax import kernels
 from ciera_jax.codec import bitfields, escapes, wordcodec
 from ciera_jax.collective import capacity, selfcheck, transfer
-from ciera_jax.codec.layout import full_to_rows, gathered_shape, rows_to_full
+from ciera_jax.codec.layout import gathered_shape, rows_to_full
 from ciera_jax.codec.wire import WordWire
 from ciera_jax.codec.word_ladder import (CODE_BITS, ESCAPES, EXP_CHANGED, LEVEL1_LIMIT, LEVEL2,
                                          RAW, code_limit, escape_code)
@@ -162,8 +162,9 @@ def receive(e: WordEncoded, sent: transfer.Sent, cache_words, impl: str) -> Rece
         sent.rows, e.codes.shape[0], [e.level1.dtype, e.level2.dtype], at,
         [max(c, 1) for c in at])
     codes_Nxn = wordcodec.unpack_codes(plane_NxL, b, wire.n)
-    cached_Nxn = full_to_rows(cache_words, e.shard_shape, e.axis, e.n_ranks)
-    dense_Nxn = kernels.word_decode(cached_Nxn, codes_Nxn, b, impl=impl)
+    # the cache's rank rows, read in place by the kernel where it can (no transpose of it)
+    dense_Nxn = kernels.word_decode_rows(cache_words, codes_Nxn, b, e.shard_shape, e.axis,
+                                         impl=impl)
     esc_NxW = escapes.pack_flags(codes_Nxn == escape_code(b))
     return Received(sent_N, dense_Nxn, esc_NxW, tuple(sent.sections or fixed),
                     escapes.running_count(esc_NxW))

@@ -18,11 +18,12 @@ from ciera_jax.kernels.decode_checksum import (decode_checksum, decode_checksum_
                                                decode_checksum_reference, fusable)
 from ciera_jax.kernels.dispatch import (IMPLS, decode, encode, escape_fill_exponents,
                                         escape_fill_words, escape_impl, escape_pack, resolve,
-                                        resolve_impl, word_decode, word_encode)
+                                        resolve_impl, word_decode, word_decode_rows, word_encode)
 from ciera_jax.kernels.encode import BLOCK, encode_pallas, encode_reference
 from ciera_jax.kernels.escape import (ESCAPE_BLOCK, fill_exponents_pallas, fill_words_pallas,
                                       pack_pallas)
-from ciera_jax.kernels.word_decode import word_decode_pallas, word_decode_reference
+from ciera_jax.kernels.word_decode import (word_decode_pallas, word_decode_reference,
+                                           word_decode_rows_pallas)
 from ciera_jax.kernels.word_encode import word_encode_pallas, word_encode_reference
 
 __all__ = [
@@ -56,6 +57,8 @@ __all__ = [
     "word_decode",
     "word_decode_pallas",
     "word_decode_reference",
+    "word_decode_rows",
+    "word_decode_rows_pallas",
     "word_encode",
     "word_encode_pallas",
     "word_encode_reference",

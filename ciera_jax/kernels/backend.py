@@ -148,11 +148,14 @@ class Operand:
     """One kernel operand. ``planes=None``: one array over the element axis, the body sees /
     returns one block value. ``planes=P``: P such arrays stacked in front, the body sees /
     returns a list of P block values. ``per_block=S`` (outputs only): shape (programs, S),
-    the body returns S scalars per program (block reductions)."""
+    the body returns S scalars per program (block reductions). ``blocks`` (an input of a
+    :class:`Flat` layout): program i's block of this operand is block ``blocks(i)`` (a scalar
+    function of the traced program index), read in place where it lies, not block i."""
 
     dtype: jnp.dtype
     planes: int | None = None
     per_block: int = 0
+    blocks: Callable | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,15 +258,18 @@ def _mosaic_call(body, inputs, outputs, out_types, *, layout, programs, block, i
         in_refs, out_refs = refs[:n_in], refs[n_in:]
         i = lax.axis_index("blocks")
         if isinstance(layout, Flat):
-            sl = pl.ds(pl.multiple_of(i * block, block), block)
-            views = lambda r: r.at[sl]  # noqa: E731
+            def views_of(op):
+                j = i if op.blocks is None else op.blocks(i)
+                sl = pl.ds(pl.multiple_of(j * block, block), block)
+                return lambda r: r.at[sl]
         else:
             per_group = layout.dist // block
             g, sl = i // per_group, pl.ds(pl.multiple_of((i % per_group) * block, block), block)
-            views = lambda r: (r.at[g, 0, sl], r.at[g, 1, sl])  # noqa: E731
+            views_of = lambda op: lambda r: (r.at[g, 0, sl], r.at[g, 1, sl])  # noqa: E731
 
         def each(fn, r, op):  # apply fn to every (plane, half) view of an operand
             one = lambda v: fn(v) if not isinstance(v, tuple) else tuple(map(fn, v))  # noqa: E731
+            views = views_of(op)
             if op.planes is None:
                 return one(views(r))
             return [one(views(r.at[k])) for k in range(op.planes)]
@@ -324,6 +330,8 @@ def _triton_call(body, inputs, outputs, out_types, *, layout, programs, block, i
         if paired:
             where = lambda i: (i // per_group, 0, i % per_group)  # noqa: E731
             blk = (None, 2, block)
+        elif op.blocks is not None:
+            where, blk = lambda i: (op.blocks(i),), (block,)  # noqa: E731
         else:
             where, blk = lambda i: (i,), (block,)  # noqa: E731
         if op.planes is None:

@@ -20,15 +20,18 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from ciera_jax.codec import escapes
+from ciera_jax.codec.layout import full_to_rows
 from ciera_jax.kernels.backend import IMPLS, available_backends, resolve
 from ciera_jax.kernels.decode import decode_pallas, decode_reference
 from ciera_jax.kernels.encode import encode_pallas, encode_reference
 from ciera_jax.kernels.escape import fill_exponents_pallas, fill_words_pallas, pack_pallas
-from ciera_jax.kernels.word_decode import word_decode_pallas, word_decode_reference
+from ciera_jax.kernels.word_decode import (reads_in_place, word_decode_pallas,
+                                           word_decode_reference, word_decode_rows_pallas)
 from ciera_jax.kernels.word_encode import word_encode_pallas, word_encode_reference
 
 __all__ = ["IMPLS", "decode", "encode", "escape_fill_exponents", "escape_fill_words",
-           "escape_impl", "escape_pack", "resolve", "resolve_impl", "word_decode", "word_encode"]
+           "escape_impl", "escape_pack", "resolve", "resolve_impl", "word_decode", "word_decode_rows",
+           "word_encode"]
 
 
 def resolve_impl(impl: str) -> tuple[str, bool]:
@@ -83,6 +86,19 @@ def word_decode(cached_bits: jnp.ndarray, codes: jnp.ndarray, code_bits: int, *,
     if kw is None:
         return word_decode_reference(cached_bits, codes, code_bits)
     return word_decode_pallas(cached_bits, codes, code_bits, **kw)
+
+
+def word_decode_rows(cached_full: jnp.ndarray, codes_Nxn: jnp.ndarray, code_bits: int,
+                     shard_shape, axis: int, *, impl: str = "auto"):
+    """:func:`word_decode` of the cache's rank rows (``full_to_rows(cached_full)``) and the
+    codes' (N, n): the kernel reads the cache in place where its blocks allow
+    (:func:`~ciera_jax.kernels.word_decode.reads_in_place`), else the rows are made first."""
+    kw = _pallas(impl)
+    if kw is not None and reads_in_place(shard_shape, axis):
+        return word_decode_rows_pallas(cached_full, codes_Nxn, code_bits, shard_shape, axis,
+                                       **kw)
+    cached_Nxn = full_to_rows(cached_full, shard_shape, axis, codes_Nxn.shape[0])
+    return word_decode(cached_Nxn, codes_Nxn, code_bits, impl=impl)
 
 
 def escape_impl(impl: str) -> str:

@@ -9,9 +9,11 @@ lists (a scatter of at most the rung's capacity, found block-wise: see
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 
-from ciera_jax.codec import bitfields, wordcodec
+from ciera_jax.codec import bitfields, layout, wordcodec
 from ciera_jax.kernels import _layout
 from ciera_jax.kernels.backend import Operand, check_backend, stream_call
 from ciera_jax.kernels.encode import BLOCK
@@ -55,6 +57,42 @@ def word_decode_pallas(cached_bits: jnp.ndarray, codes: jnp.ndarray, code_bits: 
         name=f"ciera_word_decode_{fmt.dtype.name}_b{code_bits}")
     (out_N,) = call(cache_N, codes_N)
     return _layout.unflatten(out_N, shape)
+
+
+def reads_in_place(shard_shape, axis: int, block: int = BLOCK) -> bool:
+    """Whether :func:`word_decode_rows_pallas` can read a full-layout cache in place: a rank's
+    run of the full tensor (its part of the gather axis and the dims after it) is a whole
+    number of blocks, so each block of a rank's row lies in one place of the full layout."""
+    _, s, post = layout.dims(shard_shape, axis)
+    return math.prod(shard_shape) % block == 0 and (s * post) % block == 0
+
+
+def word_decode_rows_pallas(cached_full, codes_Nxn, code_bits: int, shard_shape, axis: int, *,
+                            block: int = BLOCK, backend: str | None = None,
+                            interpret: bool = False):
+    """:func:`word_decode_pallas` of ``full_to_rows(cached_full)`` and the codes' rank rows,
+    without that transpose: each program reads its block of the cache where it lies in the
+    full layout (:func:`reads_in_place`). Returns the new words as rank rows (N, n)."""
+    fmt = bitfields.word_format(_float_of(cached_full.dtype))
+    backend = check_backend(backend)
+    n_ranks, n = codes_Nxn.shape
+    if not reads_in_place(shard_shape, axis, block) or n != math.prod(shard_shape):
+        raise ValueError(f"word_decode_rows: shard {tuple(shard_shape)} (axis {axis}) does not "
+                         f"split into whole {block}-element runs; use word_decode_rows(...)")
+    _, s, post = layout.dims(shard_shape, axis)
+    per_shard, per_run = n // block, s * post // block
+
+    def cache_block(i):  # program i: rank r's block k; in the full layout (before, rank, run)
+        r, k = i // per_shard, i % per_shard
+        return ((k // per_run) * n_ranks + r) * per_run + k % per_run
+
+    call = stream_call(
+        lambda old, c: (word_decode_body(old, c, fmt=fmt, code_bits=code_bits),),
+        [Operand(fmt.word, blocks=cache_block), Operand(jnp.uint8)], [Operand(fmt.word)],
+        n_pad=n_ranks * n, block=block, backend=backend, interpret=interpret,
+        name=f"ciera_word_decode_rows_{fmt.dtype.name}_b{code_bits}")
+    (out,) = call(cached_full.reshape(-1), codes_Nxn.astype(jnp.uint8).reshape(-1))
+    return out.reshape(n_ranks, n)
 
 
 def _float_of(word_dtype):
