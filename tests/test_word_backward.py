@@ -145,7 +145,7 @@ def test_flax_layers_word_caches_bitwise_plain(model):
     pw, hw, lw = fit(LM, mesh, "ciera", tokens, cache="word")
     pp, _, lp = fit(LM, mesh, "plain", tokens)
     assert same_bits(pw, pp) and lw == lp
-    assert compressed(hw)
+    assert compressed(hw) and all_compressed(hw[-1]), hw[-1]
 
 
 def test_nnx_remat_word_caches_bitwise_plain():
@@ -178,9 +178,10 @@ class WordScanNet(nnx.Module):
 
 def test_nnx_scan_word_caches_bitwise_plain():
     mesh = make_mesh((2, 4), ("data", "fsdp"))
-    (pw, _, cw), (pp, _, _) = [fit_jit(WordScanNet, call, mode, mesh, cache="word")
+    (pw, hw, cw), (pp, _, _) = [fit_jit(WordScanNet, call, mode, mesh, cache="word")
                                 for mode in ("ciera", "plain")]
     assert same_bits(pw, pp)
+    assert all(all_compressed(st) for st in hw[1:]), hw[1:]
     words = [c for c in jax.tree.leaves(cw) if np.asarray(c).dtype == np.uint16]
     assert words and all(np.asarray(w).shape[0] == 3 for w in words)  # word caches per layer
 
