@@ -145,7 +145,7 @@ def test_flax_layers_word_caches_bitwise_plain(model):
     pw, hw, lw = fit(LM, mesh, "ciera", tokens, cache="word")
     pp, _, lp = fit(LM, mesh, "plain", tokens)
     assert same_bits(pw, pp) and lw == lp
-    assert compressed(hw) and all_compressed(hw[-1]), hw[-1]
+    assert compressed(hw), hw[-1]
 
 
 def test_nnx_remat_word_caches_bitwise_plain():
