@@ -374,13 +374,15 @@ def test_gradients_equal_plain_gather():
     word-coded one through the cache it left."""
     mesh = mesh_of((8,), ("fsdp",))
     rng = np.random.default_rng(8)
-    x = weights(rng, (64, 16), F32)
+    # bf16, as weights travel: a word one unit off moves the loss and its gradient visibly
+    # (in f32 a last-place error would vanish in their rounding)
+    x = weights(rng, (64, 16), BF16)
     w = rng.standard_normal((64, 16)).astype(np.float32)
 
     def loss(x, cache, word):
         full, new_cache, stats = (ciera_jax.all_gather(x, cache, "fsdp") if word
                                   else (ciera_jax.plain_all_gather(x, "fsdp"), cache, {}))
-        return jnp.sum(jnp.sin(full * 8) * w), (new_cache, stats)
+        return jnp.sum(jnp.sin(full.astype(jnp.float32) * 8) * w), (new_cache, stats)
 
     def body(x, cache):
         (l_word, (new_cache, stats)), g_word = jax.value_and_grad(loss, has_aux=True)(
@@ -391,7 +393,7 @@ def test_gradients_equal_plain_gather():
 
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("fsdp"), P()),
                                out_specs=(P("fsdp"),) * 4 + (P(), P("fsdp"))))
-    cache = ciera_jax.init_cache(x.shape, F32, mode="word")
+    cache = ciera_jax.init_cache(x.shape, BF16, mode="word")
     modes = []
     for step in range(2):
         g_word, g_plain, l_word, l_plain, cache, stats = fn(
