@@ -3,7 +3,8 @@
 Also what the suite shares to stay fast on 2 cores: one 20-step ``tiny`` training per gather
 mode for the whole session (``tiny_run``), and the tests that drop JAX's compiled functions
 (``jax.clear_caches()``) run last, so that the steps compiled before them are not compiled again;
-under ``-n``, the files that use ``tiny_run`` run on one worker (``xdist_group``).
+under ``-n``, the files that use ``tiny_run`` run on one worker (``xdist_group``), and each other
+file runs whole on one worker.
 """
 
 import functools
@@ -47,6 +48,10 @@ def pytest_collection_modifyitems(session, config, items):
     for i in items:
         if i.path in shared:
             i.add_marker(pytest.mark.xdist_group("tiny_run"))
+        elif not any(True for _ in i.iter_markers("xdist_group")):
+            # every other file on one worker too: the programs its tests share (module-level
+            # caches, its parametrized cases' common runs) compile once, not once per worker
+            i.add_marker(pytest.mark.xdist_group(i.path.stem))
 
 
 @pytest.fixture(scope="session")

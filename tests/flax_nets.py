@@ -76,6 +76,15 @@ def same_bits(a, b) -> bool:
     return all(np.array_equal(x, y) for x, y in zip(bits(a), bits(b)))
 
 
+def all_compressed(stats) -> bool:
+    """Every tensor (every layer of a stacked one) of one step's ``fsdp.gather_stats`` went
+    compressed: no plain fallback, and fewer bytes sent than a plain gather sends."""
+    return bool(stats) and all(
+        np.all(np.asarray(s["fallback"]) == 0)
+        and np.all(np.asarray(s["sent_bytes"]) < np.asarray(s["plain_bytes"]))
+        for s in stats.values())
+
+
 def wire_ratio(history, skip=1) -> float:
     """Bytes ciera sent over the bytes plain sends, after the priming step(s)."""
     sent = sum(int(s["sent_bytes"]) for st in history[skip:] for s in st.values())

@@ -1,16 +1,20 @@
 """Every Flax layer kind under a decorated block is gathered: ``nnx.MultiHeadAttention`` (its
 ``LinearGeneral`` projections), ``nnx.Conv``, ``nnx.Einsum``, ``nnx.Linear``, ``nnx.Embed``.
-The gathered forward and gradients are bitwise those of the plain gather, and the same math as
-the unsharded module."""
+With exponent and with word caches, the step after the priming one sends every kernel
+compressed, and its forward and gradients are bitwise those of the plain gather; the same math
+as the unsharded module."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 from ciera_jax import fsdp
-from flax_nets import LM, MLP, make_mesh, part, same_bits
+from flax_nets import LM, MLP, all_compressed, make_mesh, part, same_bits
 
 D, H, F, V = 16, 8, 32, 24
 
@@ -32,32 +36,48 @@ class Block(nnx.Module):
         return x + self.down(jax.nn.gelu(self.up(x)))
 
 
-def test_every_flax_layer_kind_is_gathered():
+@pytest.mark.parametrize("cache", ["exponent", "word"])
+def test_every_flax_layer_kind_is_gathered(cache):
+    """Two steps on the same caches: the first primes them (a plain fallback), the second
+    sends every layer kind's kernel compressed; both are bitwise plain's."""
     mesh = make_mesh((8,), ("fsdp",))
     toks = jax.random.randint(jax.random.key(1), (8, 5), 0, V)
     with jax.set_mesh(mesh):
-        model = fsdp.attach_caches(Block(nnx.Rngs(0)))
+        model = fsdp.attach_caches(Block(nnx.Rngs(0)), cache)
     graphdef, state = nnx.split(model)
 
+    @functools.partial(jax.jit, static_argnums=0)
     def run(mode, state, toks):
+        """One SGD step: (loss, grads, stats, the state after it: caches and params)."""
         m = nnx.merge(graphdef, state)
         with fsdp.gather_mode(m, mode):
             y, grads = nnx.value_and_grad(lambda m: jnp.sum(jnp.square(m(toks))))(m)
-        return y, grads, fsdp.gather_stats(m)
+        params = nnx.state(m, nnx.Param)
+        nnx.update(m, jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads))
+        return y, grads, fsdp.gather_stats(m), nnx.state(m)
 
     with jax.set_mesh(mesh):
         toks_s = jax.device_put(toks, jax.sharding.NamedSharding(mesh, jax.P("fsdp")))
-        out = {mode: jax.jit(run, static_argnums=0)(mode, state, toks_s)
-               for mode in ("ciera", "plain")}
-    assert same_bits(out["ciera"][:2], out["plain"][:2])
-    stats = out["ciera"][2]
-    assert sorted(stats) == ["attn/key/kernel", "attn/out/kernel", "attn/query/kernel",
-                             "attn/value/kernel", "conv/kernel", "down/kernel",
-                             "embed/embedding", "up/kernel"]
+        out = {}
+        for mode in ("ciera", "plain"):
+            first = run(mode, state, toks_s)
+            out[mode] = first, run(mode, first[3], toks_s)
+    for step in (0, 1):
+        assert same_bits(out["ciera"][step][:2], out["plain"][step][:2]), step
+    assert same_bits(nnx.state(nnx.merge(graphdef, out["ciera"][1][3]), nnx.Param),
+                     nnx.state(nnx.merge(graphdef, out["plain"][1][3]), nnx.Param))
+    first, second = out["ciera"][0][2], out["ciera"][1][2]
+    assert sorted(second) == ["attn/key/kernel", "attn/out/kernel", "attn/query/kernel",
+                              "attn/value/kernel", "conv/kernel", "down/kernel",
+                              "embed/embedding", "up/kernel"]
+    assert all(int(s["fallback"]) == 1 for s in first.values())  # priming
+    assert all_compressed(second), second
+    if cache == "word":
+        return
     # the same math as the unsharded module (no mesh: it runs on what it holds, cast to bf16)
-    ref_y, ref_g, _ = jax.jit(run, static_argnums=0)("ciera", jax.device_get(state), toks)
-    np.testing.assert_allclose(float(out["ciera"][0]), float(ref_y), rtol=1e-3)
-    for a, b in zip(jax.tree.leaves(out["ciera"][1]), jax.tree.leaves(ref_g)):
+    ref_y, ref_g, _, _ = run("ciera", jax.device_get(state), toks)
+    np.testing.assert_allclose(float(out["ciera"][0][0]), float(ref_y), rtol=1e-3)
+    for a, b in zip(jax.tree.leaves(out["ciera"][0][1]), jax.tree.leaves(ref_g)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=5e-2, atol=5e-2)
 
 

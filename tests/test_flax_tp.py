@@ -3,7 +3,7 @@ example writes it (``kernel_metadata={'out_sharding': ...}`` over ``('fsdp', 'tp
 Explicit mesh, ``nnx.jit``, ``jax.set_mesh``), wrapped by instance with ``fsdp.shard``.
 
 The gathers run over ``fsdp`` only; ``tp`` / ``expert`` stay split. Plain, exponent and word
-caches end bitwise equal after training, every step function is traced and compiled once,
+caches end bitwise equal after training through compressed steps, every step function is traced and compiled once,
 and the mode a step was traced with is the mode it runs."""
 
 import functools
@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 from ciera_jax import fsdp
+from flax_nets import all_compressed
 from gemma_like import (Block, DecoratedBlock, DecoratedTransformer, MoEModel,
                         ScannedTransformer, Transformer, batches, loss_fn, make_mesh,
                         params_sha256, shard_gemma, train)
@@ -31,11 +32,13 @@ def primed(model) -> bool:
 
 
 def check_run(model, history, counts, settle: int = 1):
-    """Traced once, compiled during the first ``settle`` steps only; caches filled; wire below
-    plain."""
+    """Traced once, compiled during the first ``settle`` steps only; caches filled; the first
+    step primes them, the last sends every tensor compressed (no fallback, below plain)."""
     assert counts["traces"] == 1, counts
     assert counts["compiles"][0] >= 1 and sum(counts["compiles"][settle:]) == 0, counts
     assert primed(model)
+    assert all(np.all(np.asarray(s["fallback"]) == 1) for s in history[0].values())
+    assert all_compressed(history[-1]), history[-1]
     assert fsdp.wire_ratio(history[-1]) < 1.0, fsdp.wire_ratio(history[-1])
 
 
@@ -97,9 +100,10 @@ def test_experts_split_over_an_expert_axis():
 
 
 @pytest.mark.slow
-def test_stacked_scanned_layers_wrapped_equal_decorated():
+def test_stacked_scanned_layers_wrapped_and_decorated_bitwise_plain():
     """nnx.vmap-stacked blocks run with nnx.scan: attach_caches on the whole model gives each
-    layer its own cache and stats; wrapping by instance equals the decorator, bitwise."""
+    layer its own cache and stats; wrapped by instance and decorated, each trains plain's
+    parameters bitwise through compressed steps."""
     mesh = make_mesh((4, 2))
     toks = batches(mesh, 3)
 
@@ -118,23 +122,31 @@ def test_stacked_scanned_layers_wrapped_equal_decorated():
         return model
 
     runs = {"wrapped": train(wrapped(ScannedTransformer), mesh, toks, mode="exponent"),
-            "decorated": train(decorated, mesh, toks, mode="exponent")}
+            "decorated": train(decorated, mesh, toks, mode="exponent"),
+            "plain": train(wrapped(ScannedTransformer), mesh, toks, mode="exponent",
+                           gather="plain")}
     model, history, counts = runs["wrapped"]
-    assert params_sha256(model) == params_sha256(runs["decorated"][0])
+    assert params_sha256(model) == params_sha256(runs["plain"][0])
+    assert params_sha256(runs["decorated"][0]) == params_sha256(runs["plain"][0])
     check_run(model, history, counts)
+    check_run(*runs["decorated"])
     assert np.asarray(history[0]["layers/ffw/down/kernel"]["rung"]).shape == (2,)
     assert model.layers.ffw.down.kernel_gather_cache.get_value().exp.shape == (2, 32, 16)
 
 
-@pytest.mark.slow
-def test_nnx_list_wrapped_equals_decorated():
-    mesh = make_mesh((4, 2))
-    toks = batches(mesh, 2)
-    a = train(wrapped(Transformer), mesh, toks, mode="exponent")
-    b = train(DecoratedTransformer, mesh, toks, mode="exponent")
-    assert params_sha256(a[0]) == params_sha256(b[0])
-    assert type(a[0].blocks[0]).__name__ == "ShardedBlock" and isinstance(a[0].blocks[0], Block)
-    assert isinstance(b[0].blocks[0], DecoratedBlock)
+def test_nnx_list_decorated_bitwise_plain():
+    """The decorated blocks of an ``nnx.List`` train plain's parameters bitwise through
+    compressed steps (the wrapped ones: test_fsdp_beside_tp_explicit_mesh_all_modes_bitwise,
+    on the same mesh, tokens and plain run)."""
+    runs = gemma_runs((4, 2), True)
+    mesh = make_mesh((4, 2), explicit_axes=True)
+    decorated = train(functools.partial(DecoratedTransformer, layers=1), mesh,
+                      batches(mesh, STEPS), mode="exponent")
+    assert params_sha256(decorated[0]) == params_sha256(runs["plain"][0])
+    check_run(*decorated)
+    wrapped_block = runs["exponent"][0].blocks[0]
+    assert type(wrapped_block).__name__ == "ShardedBlock" and isinstance(wrapped_block, Block)
+    assert isinstance(decorated[0].blocks[0], DecoratedBlock)
 
 
 def test_a_step_traced_under_one_mode_never_runs_it_under_another():

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 import ciera_jax
 from ciera_jax import fsdp
 from ciera_jax.collective import quantized
+from flax_nets import all_compressed
 
 N = 8
 
@@ -212,31 +213,50 @@ def test_prepared_step_leaves_caches_and_stats_in_module_state(mesh, layers):
     specs = fsdp.state_specs(model, params, n=N)
     compress = {k: True for k in tensors}
 
+    def forward(params, caches, x, mode):
+        """Prepared (one encode and agreement for the step) and per call (each call encodes
+        and agrees itself): ``(caches, stats, y)`` of each."""
+        encoded = fsdp.encode_tensors(tensors, fsdp.param_dict(params), fsdp.cache_dict(caches),
+                                      compress)
+        m = fsdp.prepare(fsdp.merge(graphdef, params, caches), encoded,
+                         fsdp.agree_tensors(tensors, encoded), mode)
+        y = m(x)
+        with fsdp.gather_mode(fsdp.merge(graphdef, params, caches), mode) as per_call:
+            y_call = per_call(x)
+        return ((nnx.state(m, fsdp.GatherCacheVar), fsdp.gather_stats(m), y),
+                (nnx.state(per_call, fsdp.GatherCacheVar), fsdp.gather_stats(per_call), y_call))
+
     @jax.jit
     @functools.partial(jax.shard_map, mesh=mesh, in_specs=(specs, P(), P("fsdp")),
-                       out_specs=(P(), P(), P("fsdp"), P(), P(), P("fsdp")))
+                       out_specs=((P(), P(), P("fsdp")),) * 2 + ((P("fsdp"),) * 2,))
     def step(params, caches, x):
-        caches_d = fsdp.cache_dict(caches)
-        encoded = fsdp.encode_tensors(tensors, fsdp.param_dict(params), caches_d, compress)
-        m = fsdp.prepare(fsdp.merge(graphdef, params, caches), encoded,
-                         fsdp.agree_tensors(tensors, encoded))
-        y = m(x)
-        per_call = fsdp.merge(graphdef, params, caches)  # each call encodes and agrees itself
-        y_call = per_call(x)
-        return (fsdp.cache_dict(nnx.state(m, fsdp.GatherCacheVar)), fsdp.gather_stats(m), y,
-                fsdp.cache_dict(nnx.state(per_call, fsdp.GatherCacheVar)),
-                fsdp.gather_stats(per_call), y_call)
+        prepared, per_call = forward(params, caches, x, "ciera")
+        plain = forward(params, caches, x, "plain")
+        return prepared, per_call, (plain[0][2], plain[1][2])
 
     x = jax.random.normal(jax.random.key(1), (16, 16), jnp.bfloat16)
-    state, leaves, y, state_call, leaves_call, y_call = step(
-        fsdp.put(params, specs, mesh), fsdp.put(caches, P(), mesh), x)
-    # the one gather, prepared or per call: the same caches, stats and outputs, bit for bit
-    for a, b in zip(_bits((state, leaves, y)), _bits((state_call, leaves_call, y_call))):
-        np.testing.assert_array_equal(a, b)
-    assert sorted(state) == sorted(tensors) and sorted(leaves) == sorted(tensors)
+    params, caches = fsdp.put(params, specs, mesh), fsdp.put(caches, P(), mesh)
+    stats = []
+    for i in range(2):  # prime, then the gathers through the caches the first step left
+        p = jax.tree.map(lambda a: a * (1 + 1e-2 * i), params)
+        prepared, per_call, plain = step(p, caches, x)
+        # the one gather, prepared or per call: the same caches and stats, bit for bit, and
+        # each path's output is bitwise that path's with plain gathers
+        for a, b in zip(_bits(prepared[:2]), _bits(per_call[:2])):
+            np.testing.assert_array_equal(a, b, err_msg=f"step {i}")
+        for a, b in zip(_bits((prepared[2], per_call[2])), _bits(plain)):
+            np.testing.assert_array_equal(a, b, err_msg=f"step {i}")
+        if i == 0:  # (the two paths' float ops differ in order: equal outputs at init only)
+            np.testing.assert_array_equal(*_bits((prepared[2], per_call[2])))
+        caches = prepared[0]
+        stats.append(prepared[1])
+    first, second = stats
+    state = fsdp.cache_dict(caches)
+    assert sorted(state) == sorted(tensors) and sorted(first) == sorted(tensors)
     assert all(bool(np.all(np.asarray(c.primed))) for c in state.values())  # the gathers primed
-    assert all(bool(np.all(np.asarray(s["fallback"]) == 1)) for s in leaves.values())
-    assert np.asarray(leaves["layers/mlp/w_in"]["rung"]).shape == (layers,)
+    assert all(bool(np.all(np.asarray(s["fallback"]) == 1)) for s in first.values())
+    assert all_compressed(second), second
+    assert np.asarray(first["layers/mlp/w_in"]["rung"]).shape == (layers,)
 
 
 def test_the_one_gather_is_values_in_values_out(mesh):
@@ -257,11 +277,14 @@ def test_the_one_gather_is_values_in_values_out(mesh):
         assert not none  # a plain gather makes no cache
         return fulls["w"][None], plain["w"][None], new["w"], stats["w"], p_stats["w"]
 
-    full, plain, new, stats, p_stats = f(fsdp.put(w, P("fsdp"), mesh),
-                                         fsdp.put(cache, P(), mesh))
-    for a, b in zip(_bits((full, plain)), _bits((np.broadcast_to(w, (N, *w.shape)),) * 2)):
-        np.testing.assert_array_equal(a, b)
-    assert bool(np.asarray(new.primed)) and int(stats["fallback"]) == 1  # primed by the gather
+    cache = fsdp.put(cache, P(), mesh)
+    for step in range(2):  # a fresh cache primes; the next gather reads the one it left
+        full, plain, cache, stats, p_stats = f(fsdp.put(w, P("fsdp"), mesh), cache)
+        for a, b in zip(_bits((full, plain)), _bits((np.broadcast_to(w, (N, *w.shape)),) * 2)):
+            np.testing.assert_array_equal(a, b)
+        assert bool(np.asarray(cache.primed)) and int(stats["fallback"]) == (step == 0)
+        w = (w.astype(jnp.float32) * 1.01).astype(jnp.bfloat16)
+    assert int(stats["sent_bytes"]) < int(stats["plain_bytes"])
     assert int(p_stats["rung"]) == -1 and int(p_stats["sent_bytes"]) == int(
         p_stats["plain_bytes"])
 

@@ -10,6 +10,7 @@ import pytest
 from ciera_harness.launch import run_local
 
 
+@pytest.mark.slow  # two processes on real sockets: the slow lane's
 def test_two_processes_over_sockets_are_bitwise_exact():
     tests_dir = str(Path(__file__).parent)
     env = {"PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")])}

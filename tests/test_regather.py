@@ -22,6 +22,7 @@ from ciera_jax.codec import bitfields
 from ciera_jax.fsdp.regather import regather
 from bitdata import BF16, F32, adversarial, bits_of, churn, weights
 from harness import mesh_of
+from flax_nets import all_compressed
 
 N = 8
 # (key, full shape, gather axis, dtype): q, k, b travel as one bucket; w32 and v alone
@@ -115,7 +116,8 @@ class _TPStack(nnx.Module):
 def test_prepared_steps_beside_tp_are_bitwise_plain(cache):
     """The prepared path on an (fsdp, tp) mesh, a stack under its one custom VJP: the
     backward's payload gather (exponent caches) or cache read (word caches) of weights that
-    stay split over ``tp`` trains the same parameters as plain gathers, bit for bit."""
+    stay split over ``tp`` trains the same parameters as plain gathers, bit for bit, through
+    steps whose gathers all compress."""
     mesh = jax.make_mesh((4, 2), ("fsdp", "tp"))
     with jax.set_mesh(mesh):
         model = fsdp.attach_caches(_TPStack(nnx.Rngs(0)), mode=cache, stats=False)
@@ -128,7 +130,7 @@ def test_prepared_steps_beside_tp_are_bitwise_plain(cache):
     def make(mode):
         @jax.jit
         @functools.partial(jax.shard_map, mesh=mesh, in_specs=(specs, cache_specs, P()),
-                           out_specs=(specs, cache_specs))
+                           out_specs=(specs, cache_specs, P(("fsdp", "tp"))))
         def step(params, caches, x):
             x = lax.pcast(x, ("fsdp", "tp"), to="varying")
             encoded = fsdp.encode_tensors(tensors, fsdp.param_dict(params),
@@ -137,19 +139,27 @@ def test_prepared_steps_beside_tp_are_bitwise_plain(cache):
 
             def loss(params):
                 m = fsdp.prepare(fsdp.merge(graphdef, params, caches), encoded, agreed, mode)
-                return jnp.sum(m(x)), nnx.state(m, fsdp.GatherCacheVar)
+                return jnp.sum(jnp.square(m(x))), (nnx.state(m, fsdp.GatherCacheVar),
+                                                   fsdp.gather_stats(m))
 
-            grads, new_caches = jax.grad(loss, has_aux=True)(params)
-            return jax.tree.map(lambda p, g: p - 0.05 * g, params, grads), new_caches
+            grads, (new_caches, stats) = jax.grad(loss, has_aux=True)(params)
+            # a step small against this loss's gradients: exponents hold, words move a little
+            return (jax.tree.map(lambda p, g: p - 1e-5 * g, params, grads), new_caches,
+                    jax.tree.map(lambda v: v[None], stats))  # every rank's stats
         return step
 
     x = jax.random.normal(jax.random.key(1), (4, 16), jnp.float32)
-    trained = {}
+    trained, history = {}, []
     for mode in ("ciera", "plain"):
         p, c = fsdp.put(params, specs, mesh), fsdp.put(caches, cache_specs, mesh)
         step = make(mode)
-        for _ in range(4):  # priming, then steps through primed caches
-            p, c = step(p, c, x)
+        for _ in range(3):  # priming, then steps through primed caches
+            p, c, stats = step(p, c, x)
+            history.append(jax.device_get(stats))
         trained[mode] = [bits_of(a) for a in jax.tree.leaves(p)]
     for a, b in zip(trained["ciera"], trained["plain"]):
         np.testing.assert_array_equal(a, b)
+    assert not all(np.array_equal(a, bits_of(b)) for a, b in zip(trained["ciera"],
+                                                                  jax.tree.leaves(params)))
+    assert all(np.all(np.asarray(s["fallback"]) == 1) for s in history[0].values())  # priming
+    assert all(all_compressed(st) for st in history[1:3]), history[1:3]

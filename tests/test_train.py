@@ -346,6 +346,7 @@ def _drill_config(**changes) -> TrainConfig:
                           **changes})
 
 
+@pytest.mark.slow  # a drill: its programs (bought at patience 0) are its own
 def test_injected_cache_fault_is_caught_healed_and_lost_nothing(runs):
     """Bits flipped in rank 2's cache before step 8: that step's row shows the failed check,
     nothing is applied, the batch runs again, and the run ends bitwise where plain ends."""

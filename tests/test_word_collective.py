@@ -369,26 +369,42 @@ def test_encode_vmaps_over_stacked_layers():
 
 
 def test_gradients_equal_plain_gather():
+    """Forward and gradient of a loss nonlinear in the gathered words (a wrong word changes
+    both), bitwise those of the plain gather: on the priming gather, then on the next step's
+    word-coded one through the cache it left."""
     mesh = mesh_of((8,), ("fsdp",))
     rng = np.random.default_rng(8)
-    x = weights(rng, (64, 16), F32)
+    # bf16, as weights travel: a word one unit off moves the loss and its gradient visibly
+    # (in f32 a last-place error would vanish in their rounding)
+    x = weights(rng, (64, 16), BF16)
     w = rng.standard_normal((64, 16)).astype(np.float32)
 
     def loss(x, cache, word):
-        full = (ciera_jax.all_gather(x, cache, "fsdp")[0] if word
-                else ciera_jax.plain_all_gather(x, "fsdp"))
-        return jnp.sum(full * w)
+        full, new_cache, stats = (ciera_jax.all_gather(x, cache, "fsdp") if word
+                                  else (ciera_jax.plain_all_gather(x, "fsdp"), cache, {}))
+        return jnp.sum(jnp.sin(full.astype(jnp.float32) * 8) * w), (new_cache, stats)
 
     def body(x, cache):
-        g_word = jax.grad(loss)(x, cache, True)
-        g_plain = jax.grad(loss)(x, cache, False)
-        return g_word, g_plain
+        (l_word, (new_cache, stats)), g_word = jax.value_and_grad(loss, has_aux=True)(
+            x, cache, True)
+        (l_plain, _), g_plain = jax.value_and_grad(loss, has_aux=True)(x, cache, False)
+        return (g_word, g_plain, l_word[None], l_plain[None], new_cache,
+                jax.tree.map(lambda v: v[None], stats))
 
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("fsdp"), P()),
-                               out_specs=(P("fsdp"), P("fsdp"))))
-    g_word, g_plain = fn(jax.device_put(jnp.asarray(x), NamedSharding(mesh, P("fsdp"))),
-                         ciera_jax.init_cache(x.shape, F32, mode="word"))
-    np.testing.assert_array_equal(bits_of(np.asarray(g_word)), bits_of(np.asarray(g_plain)))
+                               out_specs=(P("fsdp"),) * 4 + (P(), P("fsdp"))))
+    cache = ciera_jax.init_cache(x.shape, BF16, mode="word")
+    modes = []
+    for step in range(2):
+        g_word, g_plain, l_word, l_plain, cache, stats = fn(
+            jax.device_put(jnp.asarray(x), NamedSharding(mesh, P("fsdp"))), cache)
+        np.testing.assert_array_equal(bits_of(np.asarray(g_word)), bits_of(np.asarray(g_plain)))
+        np.testing.assert_array_equal(bits_of(np.asarray(l_word)), bits_of(np.asarray(l_plain)))
+        modes.append(int(np.asarray(stats["mode"])[0]))
+        x = moved(x, word_deltas(rng, x.shape))
+    assert modes == [MODE_PLAIN, MODE_WORD], modes
+    assert (np.asarray(stats["fallback"]) == 0).all()
+    assert (np.asarray(stats["sent_bytes"]) < np.asarray(stats["plain_bytes"])).all()
 
 
 def test_mismatched_encoded_and_cache_is_a_clear_error():
