@@ -324,3 +324,29 @@ def test_a_holding_policy_primes_first_and_only_ever_runs_programs_holding_the_d
         assert rungs in [dict(p) for p in policy.programs] or set(rungs.values()) == {
             PLAIN_RUNG}
     assert len(policy.programs) == 4
+
+
+def test_a_falling_demand_moves_a_holding_policy_down_to_lower_rungs():
+    """``holds``: the warm-up's demand buys a high program; as the demand falls, the wire
+    time that program loses against the window's buys a lower one (and reuses the compiled
+    ones that hold it), every step's program holding that step's demand."""
+    policy = RungPolicy(WIRES, SLOW, first=dict(STEADY), holds=True, patience=0.5)
+    policy.choose(PRIMING)
+    policy.compiled(2.0)
+    trace = [needs(10, 3)] * 5 + [needs(w, 1) for w in range(10, 2, -1) for _ in range(40)]
+    ran = []
+    for step, need in enumerate(trace):
+        rungs, new = policy.choose(need, steps_left=len(trace) - step)
+        if new:
+            policy.compiled(2.0)
+        assert _holds(rungs, need), (step, rungs, need)
+        ran.append(rungs)
+    peak = ran[4]["experts"]
+    assert peak >= 10 and ran[-1]["experts"] < peak
+    assert policy.cost(ran[-1], trace[-1]) < policy.cost(ran[4], trace[-1])
+    assert len(policy.programs) <= policy.max_programs
+    # a demand that stays put buys nothing more
+    bought = len(policy.programs)
+    for _ in range(50):
+        policy.choose(trace[-1], steps_left=1000)
+    assert len(policy.programs) == bought

@@ -247,14 +247,8 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
     all-gather.
     """
     e = encoded
-    if tuple(x.shape) != e.shard_shape:
-        raise ValueError(f"exchange: shard shape {tuple(x.shape)} differs from the encoded "
-                         f"shard {e.shard_shape}; encode and exchange the same tensor")
+    _check_exchange(x, e, cache)
     word = isinstance(cache, WordCache)
-    if word != isinstance(e, WordEncoded):
-        raise TypeError(f"exchange: a {type(cache).__name__} needs the "
-                        f"{'WordEncoded' if word else 'Encoded'} that "
-                        f"encode() made from it, got {type(e).__name__}")
     dtype = np.dtype(x.dtype)
     if capacity.is_fixed(agreed) and agreed.rung == capacity.PLAIN_RUNG:
         return _fixed_plain(x, e, cache, agreed, axis_name)
@@ -263,33 +257,80 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
     shard = lax.stop_gradient(x)
     option, cached = ((word_mode, cache.words) if word else (exponent_mode, cache.exp))
     sent = option.send(e, agreed, shard, axis_name)
-    fallback, rung, section = sent.overflow, sent.rung, sent.section_bytes
-    wire = e.wire
-    taken = sent.rung_sent  # an overflow's exit: the rung it sent at
-    # Where the decode runs. Exponent mode: in the fallback conditional's compressed branch,
-    # with its self-check, so a step that falls back does not also decode what it throws away,
-    # and XLA:GPU copies nothing through the branch (fewer copies a step, less memory). Word
-    # mode: before the conditional, where XLA fuses it with the layer's other decodes, and the
-    # branch passes one array through, the words (the tensor is their bits); in the branch it
-    # would compile slower, run slower without an overflow and launch more kernels.
-    # Its fill of the escapes, with overflow rungs on a CPU: in the branch that ends the steady
-    # path, since an overflow's exit fills every escape itself and a fill before the
-    # conditional would be thrown away on every overflow. On a GPU before it, fused with the
-    # self-check (in the branch it would take more fusions and launches a step).
-    decoded = ()
-    finish = failed = fill_section = None
+    words = _received_words(e, sent, cached, dtype, impl, axis_name) if word else None
+    out = _rebuilt(e, sent, cached, agreed, shard, words, dtype, impl, axis_name)
     if word:
-        got = word_mode.receive(e, sent, cached, impl)
-        finish = word_mode.overflow_exit(e, sent, got, impl, axis_name)
-        fill_section = functools.partial(word_mode.fill, e, got, *got.levels,
-                                         jnp.asarray(wire.caps1, jnp.int32)[rung], impl)
-        if not (finish and fills_in_branch()):
-            decoded = (fill_section(),)
-        # With overflow rungs, the check takes the conditional's words, whichever way they
-        # came (an exit fills the escapes past the fixed prefix in its branch); without, the
-        # decode's, fused with it before the conditional.
-        failed = None if finish else word_mode.check(e, got, decoded[0], dtype)
-    operands = (shard, sent.rows, decoded)
+        (new_cached,) = out
+        failed = words.failed
+        if failed is None:
+            failed = word_mode.check(e, words.got, new_cached, dtype)
+        full = bitfields.from_bits(new_cached, dtype)
+    else:
+        full, new_cached, failed = out
+    stats = _exchange_stats(e, sent, agreed, failed, dtype, word)
+    new_cache = _refreshed(cache, new_cached)
+    # The gathered tensor differs by nothing across ranks, but lax.all_gather types it as
+    # varying; match that so callers can mix it with per-rank values as they would a gather.
+    full = varying_like(full, x, None)
+    return attach_gather_grad(x, full, axis_name, e.axis), new_cache, stats
+
+
+def _check_exchange(x, e, cache) -> None:
+    """One clear error for a shard or a cache that is not the one ``e`` was encoded from."""
+    if tuple(x.shape) != e.shard_shape:
+        raise ValueError(f"exchange: shard shape {tuple(x.shape)} differs from the encoded "
+                         f"shard {e.shard_shape}; encode and exchange the same tensor")
+    word = isinstance(cache, WordCache)
+    if word != isinstance(e, WordEncoded):
+        raise TypeError(f"exchange: a {type(cache).__name__} needs the "
+                        f"{'WordEncoded' if word else 'Encoded'} that "
+                        f"encode() made from it, got {type(e).__name__}")
+
+
+class _Words(NamedTuple):
+    """Word mode's receive, before the conditional: what it got, its overflow exit (None:
+    no overflow rungs), the escapes' fill, the words decoded before the conditional (``()``:
+    in its branch) and their self-check (None: on the conditional's words)."""
+    got: object
+    finish: object
+    fill_section: object
+    decoded: tuple
+    failed: object
+
+
+def _received_words(e, sent, cached, dtype, impl, axis_name) -> _Words:
+    """Where word mode's decode runs: before the conditional, where XLA fuses it with the
+    layer's other decodes, and the branch passes one array through, the words (the tensor is
+    their bits); in the branch it would compile slower, run slower without an overflow and
+    launch more kernels. Its fill of the escapes, with overflow rungs on a CPU: in the branch
+    that ends the steady path, since an overflow's exit fills every escape itself and a fill
+    before the conditional would be thrown away on every overflow. On a GPU before it, fused
+    with the self-check (in the branch it would take more fusions and launches a step)."""
+    got = word_mode.receive(e, sent, cached, impl)
+    finish = word_mode.overflow_exit(e, sent, got, impl, axis_name)
+    fill_section = functools.partial(word_mode.fill, e, got, *got.levels,
+                                     jnp.asarray(e.wire.caps1, jnp.int32)[sent.rung], impl)
+    decoded = ()
+    if not (finish and fills_in_branch()):
+        decoded = (fill_section(),)
+    # With overflow rungs, the check takes the conditional's words, whichever way they came
+    # (an exit fills the escapes past the fixed prefix in its branch); without, the decode's,
+    # fused with it before the conditional.
+    failed = None if finish else word_mode.check(e, got, decoded[0], dtype)
+    return _Words(got, finish, fill_section, decoded, failed)
+
+
+def _rebuilt(e, sent, cached, agreed, shard, words: _Words | None, dtype, impl, axis_name):
+    """The full tensor's bits (word mode: ``(words,)``) or ``(full, exponents, failed)``
+    (exponent mode), through the conditional the rung calls for: none (a guaranteed rung),
+    the steady path / an overflow rung's exit / the plain fallback, or the steady path / the
+    plain fallback. Exponent mode decodes in the fallback conditional's compressed branch,
+    with its self-check, so a step that falls back does not also decode what it throws
+    away, and XLA:GPU copies nothing through the branch (fewer copies a step, less
+    memory)."""
+    word = words is not None
+    finish = words.finish if word else None
+    operands = (shard, sent.rows, words.decoded if word else ())
 
     def typed(*arrays):  # every branch's outputs typed alike
         return tuple(varying_like(a, operands, axis_name) for a in arrays)
@@ -304,7 +345,7 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
 
     def compressed(_, __, decoded):
         if word:
-            return typed(*(decoded or (fill_section(),)))
+            return typed(*(decoded or (words.fill_section(),)))
         return typed(*exponent_mode.decode(e, sent, cached, dtype, impl))
 
     def overflow(*_):
@@ -313,29 +354,26 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
     if capacity.is_guaranteed(agreed):
         # The host promised the rung holds the demand: no fallback, no conditional (on a GPU
         # each is a host sync); a broken promise fails the self-check, whose redo is exact.
-        out = compressed(*operands)
-    elif finish is not None:
+        return compressed(*operands)
+    if finish is not None:
         # The one conditional with collectives: the fixed rung held the demand (no transfer),
         # an overflow rung's exit (its transfer in a switch of its own, inside), or the plain
         # fallback; all but the first off the steady path (``sent.exit`` is rank-invariant,
         # from the agreement).
-        way = jnp.minimum(sent.exit, 1) + fallback.astype(jnp.int32)
-        out = lax.switch(way, [compressed, overflow, plain], *operands)
-    else:
-        # The one conditional with a large transfer: taken only when some rank overflowed its
-        # rung or a cache is unprimed (the agreement makes ``fallback`` rank-invariant).
-        out = lax.cond(fallback, plain, compressed, *operands)
-    if word:
-        (new_cached,) = out
-        if failed is None:
-            failed = word_mode.check(e, got, new_cached, dtype)
-        full = bitfields.from_bits(new_cached, dtype)
-    else:
-        full, new_cached, failed = out
+        way = jnp.minimum(sent.exit, 1) + sent.overflow.astype(jnp.int32)
+        return lax.switch(way, [compressed, overflow, plain], *operands)
+    # The one conditional with a large transfer: taken only when some rank overflowed its
+    # rung or a cache is unprimed (the agreement makes ``fallback`` rank-invariant).
+    return lax.cond(sent.overflow, plain, compressed, *operands)
+
+
+def _exchange_stats(e, sent, agreed, failed, dtype, word: bool) -> dict:
+    """What one exchange sent and found (``stats`` of :func:`exchange`)."""
+    wire, fallback, taken = e.wire, sent.overflow, sent.rung_sent
     caps = wire.caps1 if word else wire.caps
     demand = agreed.demand if capacity.is_fixed(agreed) else agreed
-    sent_bytes = jnp.where(fallback, wire.fallback_bytes, wire.main_bytes + section)
-    stats = dict(
+    sent_bytes = jnp.where(fallback, wire.fallback_bytes, wire.main_bytes + sent.section_bytes)
+    return dict(
         sent_bytes=(sent_bytes + agreement_bytes("word" if word else "exponent")
                     ).astype(jnp.int32),
         plain_bytes=jnp.int32(wire.n * dtype.itemsize),
@@ -351,11 +389,6 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
         code_bits=jnp.where(fallback, 0, e.code_bits if word else 0).astype(jnp.int32),
         verify_failed=jnp.where(fallback, 0, failed).astype(jnp.int32),
     )
-    new_cache = _refreshed(cache, new_cached)
-    # The gathered tensor differs by nothing across ranks, but lax.all_gather types it as
-    # varying; match that so callers can mix it with per-rank values as they would a gather.
-    full = varying_like(full, x, None)
-    return attach_gather_grad(x, full, axis_name, e.axis), new_cache, stats
 
 
 def _fixed_plain(x, e, cache, agreed, axis_name):

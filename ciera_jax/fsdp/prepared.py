@@ -6,8 +6,9 @@ compressed tensor at the end of the previous step and agreed on all of them with
 
 A prepared module's call gathers with them (:func:`call`), and a layer stack run by
 :func:`~ciera_jax.fsdp.scan_layers` gathers layer l+1 while layer l computes (:func:`scan`).
-Both go through :func:`_run`, the one custom VJP: the forward keeps no gathered weights as
-residuals; the backward reads a word-cache tensor's full words from the cache the forward left
+Both go through :func:`_run`, the one custom VJP (:class:`_LayerLoop`'s forward and
+backward): the forward keeps no gathered weights as residuals; the backward reads a word-cache
+tensor's full words from the cache the forward left
 (no second gather, no second copy), an exponent-cache tensor's exponents from its new cache
 beside a gather of its sign + mantissa bytes alone (:mod:`~ciera_jax.fsdp.regather`), and
 gathers every other tensor again (the same exact, pure function). Either way the compute sees
@@ -229,7 +230,43 @@ def _payload_groups(inputs: dict, keys: tuple) -> tuple:
 def _run(compute, tensors: dict, held: tuple, regathered: tuple, n: int, plan: GatherSetup,
          axis_name: str, compute_on=None, carried: tuple = ()):
     """``run(shards, others, rest, x, args, inputs) -> (x, ys, new caches, stats)`` over
-    ``n`` stacked layers (0: one call, nothing stacked), with its own backward.
+    ``n`` stacked layers (0: one call, nothing stacked), with its own backward
+    (:class:`_LayerLoop`: its forward and backward)."""
+    loop = _LayerLoop(compute, tensors, held, regathered, n, plan, axis_name, compute_on,
+                      carried)
+    run = jax.custom_vjp(lambda *a: loop.forward(*a, keep=False)[0])
+    run.defvjp(loop.forward, loop.backward)
+    return run
+
+
+def _at(tree, i):
+    """Layer ``i`` of every leaf of ``tree`` (None: ``tree``, nothing stacked). ``i`` is a
+    layer loop's counter, never negative: no index normalisation (a compare and a select
+    every slice of the layer shares)."""
+    if i is None:
+        return tree
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(
+        a, i, keepdims=False, allow_negative_indices=False), tree)
+
+
+def _put(stack, i, c):
+    """``stack`` with layer ``i`` set to ``c`` (None: ``c``, nothing stacked)."""
+    if i is None:
+        return c
+    return jax.tree.map(lambda s, v: lax.dynamic_update_index_in_dim(
+        s, v, i, 0, allow_negative_indices=False), stack, c)
+
+
+def _first(tree):
+    return jax.tree.map(lambda a: a[None], tree)
+
+
+def _cat(a, b):
+    return jnp.concatenate([a, b], axis=0)
+
+
+class _LayerLoop:
+    """The forward and backward of :func:`_run` over ``n`` stacked layers.
 
     Forward: a scan whose body gathers layer l+1 (independent of the activations) next to
     layer l's compute. The cache stack of each ``carried`` key (:func:`_carried`) is carried
@@ -245,150 +282,156 @@ def _run(compute, tensors: dict, held: tuple, regathered: tuple, n: int, plan: G
     ``plan.remat`` other than ``full``: the forward takes each layer's VJP (``compute_on``
     under the policy, :func:`~ciera_jax.fsdp.remat.vjp_saving`) and keeps its residuals but
     the weights; the backward rebuilds it on the weights it got again."""
-    saving = remat_lib.saves_activations(plan.remat)
-    layout = remat_lib.Layout()
-    if saving:
-        layer_fn = remat_lib.under_policy(lambda w, inputs: compute_on(w, *inputs), plan.remat)
-    # ``i`` is a layer loop's counter, never negative: no index normalisation (a compare and
-    # a select every slice of the layer shares)
-    def at(tree, i):
-        if i is None:
-            return tree
-        return jax.tree.map(lambda a: lax.dynamic_index_in_dim(
-            a, i, keepdims=False, allow_negative_indices=False), tree)
 
-    first = lambda tree: jax.tree.map(lambda a: a[None], tree)  # noqa: E731
-    cat = lambda a, b: jnp.concatenate([a, b], axis=0)  # noqa: E731
+    def __init__(self, compute, tensors: dict, held: tuple, regathered: tuple, n: int,
+                 plan: GatherSetup, axis_name: str, compute_on, carried: tuple):
+        self.compute, self.tensors, self.held, self.regathered = (compute, tensors, held,
+                                                                  regathered)
+        self.n, self.plan, self.axis_name, self.carried = n, plan, axis_name, carried
+        self.saving = remat_lib.saves_activations(plan.remat)
+        self.layout = remat_lib.Layout()
+        if self.saving:
+            self.layer_fn = remat_lib.under_policy(
+                lambda w, inputs: compute_on(w, *inputs), plan.remat)
+        # the forward's gathers, traced once: the first layer's (peeled off the loop) and the
+        # loop body's have the same shapes, so the second call reuses the first's trace and
+        # lowering (less StableHLO, less time to trace and lower; XLA inlines the call, so the
+        # compiled step is the same)
+        self.gather_layer_once = jax.jit(self.gather_layer)
+        self.from_cache = held + tuple(k for g in regathered for k in g)
 
-    def put(stack, i, c):
-        if i is None:
-            return c
-        return jax.tree.map(lambda s, v: lax.dynamic_update_index_in_dim(
-            s, v, i, 0, allow_negative_indices=False), stack, c)
-
-    def gather_layer(shards, inputs, keys=None):
+    def gather_layer(self, shards, inputs, keys=None):
         """:func:`~ciera_jax.fsdp.gather` of one layer's ``keys`` (all: None) and of the
         buckets all of whose members are among them; ``inputs``: ``{key: (Encoded, cache,
         agreed) or None}``."""
         keys = list(shards) if keys is None else keys
         ready = {k: g for k, g in inputs.items() if g is not None and (
             k in keys or buckets.is_bucket(g[0]) and set(g[0].members) <= set(keys))}
-        return gather({k: tensors[k] for k in keys}, {k: shards[k] for k in keys},
-                      {k: g[1] for k, g in ready.items() if g[1] is not None}, plan, axis_name,
+        return gather({k: self.tensors[k] for k in keys}, {k: shards[k] for k in keys},
+                      {k: g[1] for k, g in ready.items() if g[1] is not None}, self.plan,
+                      self.axis_name,
                       prepared={k: (g[0], g[2]) for k, g in ready.items() if g[0] is not None})
 
-    # the forward's gathers, traced once: the first layer's (peeled off the loop) and the loop
-    # body's have the same shapes, so the second call reuses the first's trace and lowering
-    # (less StableHLO, less time to trace and lower; XLA inlines the call, so the compiled step
-    # is the same)
-    gather_layer_once = jax.jit(gather_layer)
-
-    from_exponents = tuple(k for g in regathered for k in g)
-    from_cache = held + from_exponents
-
-    def backward_fulls(shards, inputs, new_caches):
+    def backward_fulls(self, shards, inputs, new_caches):
         """Held keys from their (new) word cache, exponent-cache keys from their (new)
         exponents and a payload gather (:mod:`~ciera_jax.fsdp.regather`), the rest gathered
         again."""
         shards = lax.stop_gradient(shards)
-        fulls = gather_layer(shards, inputs, [k for k in shards if k not in from_cache])[0]
-        fulls.update(regather(tensors, shards, new_caches, regathered, axis_name,
-                              axis_size(axis_name)))
-        fulls.update({k: cache_lib.cached_full(new_caches[k]) for k in held})
-        return {k: _typed_like_gather(fulls[k], shards[k], axis_name) for k in shards}
+        fulls = self.gather_layer(shards, inputs,
+                                  [k for k in shards if k not in self.from_cache])[0]
+        fulls.update(regather(self.tensors, shards, new_caches, self.regathered,
+                              self.axis_name, axis_size(self.axis_name)))
+        fulls.update({k: cache_lib.cached_full(new_caches[k]) for k in self.held})
+        return {k: _typed_like_gather(fulls[k], shards[k], self.axis_name) for k in shards}
 
-    def scatter(ct_fulls, shards):
+    def scatter(self, ct_fulls, shards):
         """Weight cotangents: the transpose of the all-gather (``psum_scatter``)."""
-        return {k: lax.psum_scatter(ct_fulls[k], axis_name, scatter_dimension=tensors[k].axis,
+        return {k: lax.psum_scatter(ct_fulls[k], self.axis_name,
+                                    scatter_dimension=self.tensors[k].axis,
                                     tiled=True).astype(shards[k].dtype) for k in shards}
 
-    def forward(shards, others, rest, x, args, inputs, keep=True):
+    def fetch(self, i, frozen, inputs, stacks):
+        """Layer ``i``'s gathers: ``(fulls, new caches not carried, stats, stacks)``, the
+        carried keys' old caches read from ``stacks`` and their new ones written back."""
+        inputs_i = {k: _at(gin, i) for k, gin in inputs.items()}
+        for k in self.carried:  # this layer's old cache from the carried stack
+            inputs_i[k] = (inputs_i[k][0], _at(stacks[k], i), inputs_i[k][2])
+        fulls, new, stats = self.gather_layer_once(_at(frozen, i), inputs_i)
+        stacks = {**stacks, **{k: _put(stacks[k], i, new[k]) for k in self.carried if k in new}}
+        return (fulls, {k: c for k, c in new.items() if k not in self.carried},
+                layer_stats(stats), stacks)
+
+    def layer(self, i, fulls, x, others, rest, args, keep):
+        """Layer ``i`` on ``fulls``: ``((x, y), residuals the policy keeps)``."""
+        call = (_at(others, i), (_at(rest, i), (x, *args)))
+        if not (self.saving and keep):
+            return self.compute(fulls, *call), []
+        return remat_lib.vjp_saving(self.layout, self.layer_fn,
+                                    lax.optimization_barrier(fulls), call)
+
+    def forward(self, shards, others, rest, x, args, inputs, keep=True):
+        """``((x, ys, new caches, stats), residuals)``: every layer gathered and run."""
+        n = self.n
         frozen = lax.stop_gradient(shards)
-        stacks = {k: inputs[k][1] for k in carried}  # old caches in; new out, in place
-
-        def fetch(i, stacks):
-            inputs_i = {k: at(gin, i) for k, gin in inputs.items()}
-            for k in carried:  # this layer's old cache from the carried stack
-                inputs_i[k] = (inputs_i[k][0], at(stacks[k], i), inputs_i[k][2])
-            fulls, new, stats = gather_layer_once(at(frozen, i), inputs_i)
-            stacks = {**stacks, **{k: put(stacks[k], i, new[k]) for k in carried if k in new}}
-            return (fulls, {k: c for k, c in new.items() if k not in carried},
-                    layer_stats(stats), stacks)
-
-        def layer(i, fulls, x):
-            """``((x, y), residuals the policy keeps)``."""
-            call = (at(others, i), (at(rest, i), (x, *args)))
-            if not (saving and keep):
-                return compute(fulls, *call), []
-            return remat_lib.vjp_saving(layout, layer_fn, lax.optimization_barrier(fulls), call)
-
-        fulls, c0, s0, stacks = fetch(0 if n else None, stacks)
+        stacks = {k: inputs[k][1] for k in self.carried}  # old caches in; new out, in place
+        fulls, c0, s0, stacks = self.fetch(0 if n else None, frozen, inputs, stacks)
         if n <= 1:
             x_in = x[None] if n else x
-            (x, y), sv = layer(0 if n else None, fulls, x)
-            ys, cs, ss, saved = ((first(y), first(c0), first(s0), first(sv)) if n
+            (x, y), sv = self.layer(0 if n else None, fulls, x, others, rest, args, keep)
+            ys, cs, ss, saved = ((_first(y), _first(c0), _first(s0), _first(sv)) if n
                                  else (y, c0, s0, sv))
         else:
-            def body(carry, i):
-                x, fulls, stacks = carry
-                nxt, c, s, stacks = fetch(i + 1, stacks)  # independent of layer i
-                (x_next, y), sv = layer(i, fulls, x)
-                return (x_next, nxt, stacks), (y, c, s, x, sv)
-
-            # compressed gathers in the loop: rolled (its docstring says why); plain ones keep
-            # XLA's scan, double-buffered as plain FSDP compiles
-            scan = rolled_scan if any(g is not None for g in inputs.values()) else lax.scan
-            (x_last, fulls, stacks), (ys, cs, ss, x_in, saved) = scan(
-                body, (x, fulls, stacks), jnp.arange(n - 1))
-            (x, y), sv = layer(n - 1, fulls, x_last)
-            x_in = cat(x_in, x_last[None])
-            ys = jax.tree.map(lambda a, b: cat(a, b[None]), ys, y)
-            saved = jax.tree.map(lambda a, b: cat(a, b[None]), saved, sv)
-            cs = jax.tree.map(lambda a, b: cat(a[None], b), c0, cs)
-            ss = jax.tree.map(lambda a, b: cat(a[None], b), s0, ss)
+            x, ys, cs, ss, x_in, saved, stacks = self._stacked(
+                fulls, c0, s0, stacks, frozen, others, rest, x, args, inputs, keep)
         cs = {**cs, **stacks}
-        res = (shards, others, rest, args, inputs, {k: cs[k] for k in from_cache}, x_in, saved)
+        res = (shards, others, rest, args, inputs, {k: cs[k] for k in self.from_cache}, x_in,
+               saved)
         return (x, ys, cs, stats_by_key(ss)), res
 
-    def backward(res, cts):
-        shards, others, rest, args, inputs, new_caches, x_in, saved = res
+    def _stacked(self, fulls, c0, s0, stacks, frozen, others, rest, x, args, inputs, keep):
+        """Layers 1.. of ``n`` > 1 in a loop (layer 0's gathers, ``fulls``, ``c0``, ``s0``,
+        done): ``(x, ys, cs, ss, x_in, saved, stacks)`` over every layer."""
+        n = self.n
+
+        def body(carry, i):
+            x, fulls, stacks = carry
+            nxt, c, s, stacks = self.fetch(i + 1, frozen, inputs, stacks)  # independent of i
+            (x_next, y), sv = self.layer(i, fulls, x, others, rest, args, keep)
+            return (x_next, nxt, stacks), (y, c, s, x, sv)
+
+        # compressed gathers in the loop: rolled (its docstring says why); plain ones keep
+        # XLA's scan, double-buffered as plain FSDP compiles
+        scan = rolled_scan if any(g is not None for g in inputs.values()) else lax.scan
+        (x_last, fulls, stacks), (ys, cs, ss, x_in, saved) = scan(
+            body, (x, fulls, stacks), jnp.arange(n - 1))
+        (x, y), sv = self.layer(n - 1, fulls, x_last, others, rest, args, keep)
+        x_in = _cat(x_in, x_last[None])
+        ys = jax.tree.map(lambda a, b: _cat(a, b[None]), ys, y)
+        saved = jax.tree.map(lambda a, b: _cat(a, b[None]), saved, sv)
+        cs = jax.tree.map(lambda a, b: _cat(a[None], b), c0, cs)
+        ss = jax.tree.map(lambda a, b: _cat(a[None], b), s0, ss)
+        return x, ys, cs, ss, x_in, saved, stacks
+
+    def layer_backward(self, res, i, x, ct_x, ct_y, saved):
+        """Layer ``i``'s VJP on its weights got again: ``(ct_x, (shard grads, others',
+        rest's, args'))``."""
+        shards, others, rest, args, inputs, new_caches, _, _ = res
+        fulls = self.backward_fulls(_at(shards, i), _at(inputs, i), _at(new_caches, i))
+        call = (_at(others, i), (_at(rest, i), (x, *args)))
+        if self.saving:  # the forward's VJP, on the weights got again
+            vjp = remat_lib.vjp_rebuilt(self.layout, lax.optimization_barrier(fulls), call,
+                                        saved)
+            ct_fulls, (ct_others, (ct_rest, (ct_x, *ct_args))) = vjp((ct_x, ct_y))
+        else:
+            _, vjp = jax.vjp(self.compute, fulls, *call)
+            ct_fulls, ct_others, (ct_rest, (ct_x, *ct_args)) = vjp((ct_x, ct_y))
+        # float0 cotangents (integer state, integer args) cannot ride in a scan
+        return ct_x, (self.scatter(ct_fulls, _at(shards, i)), ct_others,
+                      remat_lib.drop_float0(ct_rest), remat_lib.drop_float0(tuple(ct_args)))
+
+    def backward(self, res, cts):
+        """The layers in reverse: the cotangents of ``forward``'s arguments."""
+        _, _, rest, args, inputs, _, x_in, saved = res
         ct_x, ct_ys = cts[0], cts[1]
-
-        def layer_bwd(i, x, ct_x, ct_y, saved):
-            fulls = backward_fulls(at(shards, i), at(inputs, i), at(new_caches, i))
-            call = (at(others, i), (at(rest, i), (x, *args)))
-            if saving:  # the forward's VJP, on the weights got again
-                vjp = remat_lib.vjp_rebuilt(layout, lax.optimization_barrier(fulls), call, saved)
-                ct_fulls, (ct_others, (ct_rest, (ct_x, *ct_args))) = vjp((ct_x, ct_y))
-            else:
-                _, vjp = jax.vjp(compute, fulls, *call)
-                ct_fulls, ct_others, (ct_rest, (ct_x, *ct_args)) = vjp((ct_x, ct_y))
-            # float0 cotangents (integer state, integer args) cannot ride in a scan
-            return ct_x, (scatter(ct_fulls, at(shards, i)), ct_others,
-                          remat_lib.drop_float0(ct_rest), remat_lib.drop_float0(tuple(ct_args)))
-
-        if not n:
-            ct_x, (*grads, ct_args) = layer_bwd(None, x_in, ct_x, ct_ys, saved)
+        if not self.n:
+            ct_x, (*grads, ct_args) = self.layer_backward(res, None, x_in, ct_x, ct_ys, saved)
         else:
             # Every layer in the one scan (none peeled off): the backward's gathers and the
             # layer's VJP are compiled once.
             def body(carry, xs):
                 ct_x, ct_args = carry
                 i, x, ct_y, saved = xs
-                ct_x, (g_shards, g_others, g_rest, g_args) = layer_bwd(i, x, ct_x, ct_y, saved)
+                ct_x, (g_shards, g_others, g_rest, g_args) = self.layer_backward(
+                    res, i, x, ct_x, ct_y, saved)
                 ct_args = jax.tree.map(jnp.add, ct_args, g_args)
                 return (ct_x, ct_args), (g_shards, g_others, g_rest)
 
             (ct_x, ct_args), grads = lax.scan(
-                body, (ct_x, remat_lib.zero_cotangents(args)), (jnp.arange(n), x_in, ct_ys, saved),
-                reverse=True)
+                body, (ct_x, remat_lib.zero_cotangents(args)),
+                (jnp.arange(self.n), x_in, ct_ys, saved), reverse=True)
         g_shards, g_others, g_rest = grads
         return (g_shards, g_others, remat_lib.with_float0(rest, g_rest), ct_x,
                 remat_lib.with_float0(args, ct_args), remat_lib.float0_like(inputs))
-
-    run = jax.custom_vjp(lambda *a: forward(*a, keep=False)[0])
-    run.defvjp(forward, backward)
-    return run
 
 
 def rolled_scan(body, init, xs_N: jax.Array):

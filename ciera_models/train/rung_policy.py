@@ -65,7 +65,11 @@ class RungPolicy:
     ideal, summed since the last new one, passes ``patience`` compiles' seconds, and what it
     saves at this step's rate over ``steps_left`` pays for it too; it is the rung vector that
     would have sent the fewest bytes over the last ``window`` steps. ``patience=0`` buys one
-    whenever a better one exists (up to ``max_programs``)."""
+    whenever a better one exists (up to ``max_programs``). With ``holds`` the same rule moves
+    the run back down: a demand falling after the warm-up leaves the warm-up's programs
+    padded, and the wire time they lose buys the window's program, at lower rungs holding each
+    of its steps (a compiled program that holds a step's demand runs it before any is
+    bought)."""
 
     wires: dict
     seconds_per_byte: float
@@ -139,24 +143,47 @@ class RungPolicy:
         if not self.programs:
             return self._compile(ideal if self.holds else dict(self.first))
         best = self._cheapest(self.programs, demand)
-        if self.holds and len(self.programs) < self.max_programs and any(
-                best[k] == PLAIN_RUNG != ideal[k] for k in ideal):
+        if self._plain_could_compress(best, ideal):
             # No compiled program sends a tensor compressed that could be: what a program
             # without ``holds`` sends as words at an overflow rung or in its per-layer
             # fallback, this one would gather plainly, the whole tensor, until a compile paid
             # off. So buy one now (the first compressed program too): the window's, with
             # headroom for a demand still rising (warm-up).
             return self._compile(self._raised(self._best(list(self._history))))
-        best_bytes = self._cost(best, demand)
-        self._regret_s += self.seconds(best_bytes - self._cost(ideal, demand))
-        price = self.compile_price_s
-        if self._regret_s <= price or len(self.programs) >= self.max_programs:
+        return self._rent_or_buy(best, ideal, demand, steps_left)
+
+    def _plain_could_compress(self, best: dict, ideal: dict) -> bool:
+        """Whether a holding policy with room for a program runs a tensor plainly (``best``)
+        that this step could send compressed (``ideal``)."""
+        return (self.holds and len(self.programs) < self.max_programs
+                and any(best[k] == PLAIN_RUNG != ideal[k] for k in ideal))
+
+    def _rent_or_buy(self, best: dict, ideal: dict, demand: dict,
+                     steps_left: int | None) -> tuple[dict, bool]:
+        """Run ``best`` (rent) until the wire time it lost against each step's ``ideal``
+        passes a compile's price, then buy the window's program, or this step's where the
+        window's does not help it."""
+        self._regret_s += self.seconds(self._cost(best, demand) - self._cost(ideal, demand))
+        if not self._may_buy():
             return best, False
         new = self._best(list(self._history))
-        if program_key(new) in self.programs or self._cost(new, demand) >= best_bytes:
+        if program_key(new) in self.programs or self._cost(new, demand) >= self._cost(best,
+                                                                                      demand):
             new = ideal  # the window's program does not help this step: this step's does
-        saving_s = self.seconds(best_bytes - self._cost(new, demand))
-        if saving_s <= 0 or (steps_left is not None and saving_s * steps_left < price):
+        return self._buy_if_it_pays(best, new, demand, steps_left)
+
+    def _may_buy(self) -> bool:
+        """Whether the lost wire time passed a compile's price and a program is left to buy."""
+        return (self._regret_s > self.compile_price_s
+                and len(self.programs) < self.max_programs)
+
+    def _buy_if_it_pays(self, best: dict, new: dict, demand: dict,
+                        steps_left: int | None) -> tuple[dict, bool]:
+        """``new`` compiled, if what it saves against ``best`` at this step's rate over the
+        steps left pays for its compile; else ``best``."""
+        saving_s = self.seconds(self._cost(best, demand) - self._cost(new, demand))
+        if saving_s <= 0 or (steps_left is not None
+                             and saving_s * steps_left < self.compile_price_s):
             return best, False  # nothing to gain, or too late in the run to pay for itself
         return self._compile(new)
 
