@@ -139,11 +139,11 @@ def decode(e: Encoded, sent: transfer.Sent, cache_exp, dtype, impl: str):
         full_to_rows(cache_exp, e.shard_shape, e.axis, e.n_ranks), flags_NxW, patch_NxK, cap_N,
         impl=impl)
     exp_full = rows_to_full(exp_Nxn, e.shard_shape, e.axis)
-    payload_full = rows_to_full(plane_NxL.reshape(e.n_ranks, n_planes, n), e.shard_shape,
-                                e.axis)
-    # One pass: the weights and every rank's checksum of them (fused on GPU where it can be).
-    full, got_N = kernels.decode_checksum(exp_full, payload_full, dtype, e.n_ranks, axis=e.axis,
-                                          impl=impl)
+    # One pass: the weights and every rank's checksum of them (fused on GPU where it can be),
+    # the payload read as it arrived, in rank rows.
+    full, got_N = kernels.decode_checksum_rows(
+        exp_full, plane_NxL.reshape(e.n_ranks, n_planes, n), dtype, e.n_ranks, e.shard_shape,
+        e.axis, impl=impl)
     # The new cache is the exponents the decode read (bitwise exponent(full)), so no pass
     # over the full tensor is needed to make it.
     return full, exp_full, selfcheck.failed_shards(full, sent_N, e.axis, got_N)
