@@ -116,13 +116,15 @@ def _escape_pallas(impl: str):
     return dict(interpret=resolve(impl).interpret)
 
 
-def escape_pack(values, words_W: jnp.ndarray, capacity: int, *, impl: str = "auto"):
+def escape_pack(values, words_W: jnp.ndarray, capacity: int, *, impl: str = "auto",
+                running_W=None):
     """Exactly ``escapes.pack(values, words_W, capacity)``: the flagged values in position
     order in a (capacity,) buffer, zeros after the last. ``values``: (n,) or
-    :class:`ciera_jax.codec.escapes.PerElement`."""
+    :class:`ciera_jax.codec.escapes.PerElement`; ``running_W``: the flags' running count, when
+    the caller has it (the jnp path's; the Triton kernel counts its own)."""
     kw = _escape_pallas(impl)
     if kw is None:
-        return escapes.pack(values, words_W, capacity)
+        return escapes.pack(values, words_W, capacity, running_W=running_W)
     if isinstance(values, escapes.PerElement):
         values = values.whole()
     return pack_pallas(values, words_W, capacity, **kw)
