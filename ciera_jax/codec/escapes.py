@@ -186,12 +186,6 @@ def pack_nonzero(words_W: jax.Array, capacity: int, running_W: jax.Array) -> jax
     return jnp.zeros((capacity,), words_W.dtype).at[slot].set(words_W, mode="drop")
 
 
-def running_counts(*words_W: jax.Array) -> jax.Array:
-    """int32 (R, W): :func:`running_count` of several rows of flag words of one length in one
-    scan (the kernels of one running count, not one set per row)."""
-    return running_count(jnp.stack(words_W))
-
-
 def expand_dense(section_RxC: jax.Array, words_RxW: jax.Array, n: int) -> jax.Array:
     """Inverse of :func:`pack_dense` per row: (R, n), each flagged element's value, zero
     elsewhere."""
@@ -356,6 +350,24 @@ def pack(values: jax.Array | PerElement, words_W: jax.Array, capacity: int,
         return pack_dense(values.whole(), words_W, capacity, running[0])
 
     return _walk(lambda: _dense(running, n, capacity), dense, by_loop, walk, n)
+
+
+def pack_rows(values: list, words_RxW: jax.Array, capacities: list[int],
+              running_RxW: jax.Array, walk: str | None = None) -> list[jax.Array]:
+    """:func:`pack` of ``values[r]`` flagged by row ``r`` of ``words_RxW`` (one length; its
+    running count ``running_RxW``) at ``capacities[r]``, for every row. On the dense walk the
+    rows share one unpacking of the flags and one rank pass (a kernel each for all rows, not
+    per row); else one pack per row."""
+    values = [v if isinstance(v, PerElement) else PerElement.of(v) for v in values]
+    n = values[0].n
+    walk = walk_for(n) if walk is None else walk
+    if walk != "dense" or 0 in capacities:
+        return [pack(v, w, c, walk, r)
+                for v, w, c, r in zip(values, words_RxW, capacities, running_RxW)]
+    flags_RxN = unpack_flags(words_RxW, n)
+    slot_RxN = ranks(words_RxW, n, running_RxW)
+    return [jnp.zeros((c,), v.dtype).at[jnp.where(f, s, c)].set(v.whole(), mode="drop")
+            for v, f, s, c in zip(values, flags_RxN, slot_RxN, capacities)]
 
 
 def fill(dest_RxN: jax.Array, words_RxW: jax.Array, limit_R: jax.Array, values_at, init=None,

@@ -80,7 +80,7 @@ def encode(x, cached_exp, primed, axis: int, n_ranks: int, csum, impl: str) -> E
     summary_S = escapes.pack_flags(nonzero_W[None])[0]
     # One scan for both packs: the flags before each word (where its changed exponents go)
     # and the nonzero words before it (where it goes); the first's total is the count.
-    running_2xW = escapes.running_counts(flags_W, nonzero_W.astype(flags_W.dtype))
+    running_2xW = escapes.running_count(jnp.stack([flags_W, nonzero_W.astype(flags_W.dtype)]))
     listed_C = escapes.pack_nonzero(flags_W, wire.word_caps[-1], running_2xW[1])
     x_N = x.reshape(-1)  # the new exponents read at the changed elements only
     patch_exp = kernels.escape_pack(

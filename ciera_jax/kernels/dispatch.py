@@ -30,7 +30,7 @@ from ciera_jax.kernels.word_decode import (reads_in_place, word_decode_pallas,
 from ciera_jax.kernels.word_encode import word_encode_pallas, word_encode_reference
 
 __all__ = ["IMPLS", "decode", "encode", "escape_fill_exponents", "escape_fill_words",
-           "escape_impl", "escape_pack", "resolve", "resolve_impl", "word_decode", "word_decode_rows",
+           "escape_impl", "escape_pack", "escape_pack_rows", "resolve", "resolve_impl", "word_decode", "word_decode_rows",
            "word_encode"]
 
 
@@ -128,6 +128,17 @@ def escape_pack(values, words_W: jnp.ndarray, capacity: int, *, impl: str = "aut
     if isinstance(values, escapes.PerElement):
         values = values.whole()
     return pack_pallas(values, words_W, capacity, **kw)
+
+
+def escape_pack_rows(values: list, words_RxW: jnp.ndarray, capacities: list[int],
+                     running_RxW: jnp.ndarray, *, impl: str = "auto") -> list:
+    """:func:`escape_pack` of each row of flags (one length) at its capacity: on the jnp
+    path ``escapes.pack_rows`` (the rows' bitmaps and ranks made together); the Triton
+    kernel packs each row."""
+    kw = _escape_pallas(impl)
+    if kw is None:
+        return escapes.pack_rows(values, words_RxW, capacities, running_RxW)
+    return [escape_pack(v, w, c, impl=impl) for v, w, c in zip(values, words_RxW, capacities)]
 
 
 def escape_fill_exponents(cached_Rxn: jnp.ndarray, flags_RxW: jnp.ndarray,
