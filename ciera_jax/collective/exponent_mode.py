@@ -87,7 +87,8 @@ def encode(x, cached_exp, primed, axis: int, n_ranks: int, csum, impl: str) -> E
         escapes.PerElement(x.size, jnp.uint8, lambda i: bitfields.exponent(x_N[i])), flags_W,
         wire.caps[-1], impl=impl, running_W=running_2xW[0])
     # An unprimed cache knows no exponent: all of them count as changed.
-    count = jnp.where(primed, running_2xW[0, -1], x.size).astype(jnp.int32)
+    changes = running_2xW[0, -1] if flags_W.shape[0] else 0  # an empty shard has no words
+    count = jnp.where(primed, changes, x.size).astype(jnp.int32)
     demand = jnp.where(primed, count, jnp.int32(INT32_MAX))
     return Encoded(payload, summary_S, listed_C, patch_exp, count, demand, csum, axis, n_ranks)
 

@@ -15,8 +15,7 @@ from ciera_jax.kernels.backend import (BACKENDS, CUSTOM_CALL, available_backends
                                        lowering_for)
 from ciera_jax.kernels.decode import decode_pallas, decode_reference
 from ciera_jax.kernels.decode_checksum import (decode_checksum, decode_checksum_pallas,
-                                               decode_checksum_reference, decode_checksum_rows,
-                                               fusable)
+                                               decode_checksum_reference, fusable)
 from ciera_jax.kernels.dispatch import (IMPLS, decode, encode, escape_fill_exponents,
                                         escape_fill_words, escape_impl, escape_pack,
                                         escape_pack_rows, resolve,
@@ -39,7 +38,6 @@ __all__ = [
     "decode_checksum",
     "decode_checksum_pallas",
     "decode_checksum_reference",
-    "decode_checksum_rows",
     "decode_pallas",
     "decode_reference",
     "encode",

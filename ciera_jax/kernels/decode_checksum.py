@@ -26,7 +26,6 @@ import math
 import jax.numpy as jnp
 
 from ciera_jax.codec import checksum, bitfields
-from ciera_jax.codec.layout import rows_to_full as layout_rows_to_full
 from ciera_jax.kernels import _layout
 from ciera_jax.kernels.backend import (Operand, Pairs, WARPGROUP, check_backend, resolve,
                                        stream_call)
@@ -174,20 +173,6 @@ def _row_group(rows, n_planes: int, plane: int):
         return ((r * n_planes + plane) * pre + b) * d + i
 
     return group
-
-
-def decode_checksum_rows(exp, payload_NxPxn, dtype, n_ranks: int, shard_shape, axis: int, *,
-                         seed: int = 0, impl: str = "auto"):
-    """:func:`decode_checksum` of the full-layout exponents and the payload's rank rows
-    (N, P, n), read in place by the fused kernel where it runs, else moved to the full layout
-    first."""
-    c = resolve(impl)
-    if c.kind == "pallas" and fusable(exp.shape, dtype, n_ranks, axis=axis):
-        return decode_checksum_pallas(exp, payload_NxPxn, dtype, n_ranks, axis=axis, seed=seed,
-                                      backend=c.backend, interpret=c.interpret,
-                                      payload_rows=True)
-    payload_full = layout_rows_to_full(payload_NxPxn, shard_shape, axis)
-    return decode_checksum(exp, payload_full, dtype, n_ranks, axis=axis, seed=seed, impl=impl)
 
 
 def decode_checksum(exp, payload_Pxn, dtype, n_ranks: int, *, axis: int = 0, seed: int = 0,

@@ -30,8 +30,8 @@ from ciera_jax.kernels.word_decode import (reads_in_place, word_decode_pallas,
 from ciera_jax.kernels.word_encode import word_encode_pallas, word_encode_reference
 
 __all__ = ["IMPLS", "decode", "encode", "escape_fill_exponents", "escape_fill_words",
-           "escape_impl", "escape_pack", "escape_pack_rows", "resolve", "resolve_impl", "word_decode", "word_decode_rows",
-           "word_encode"]
+           "escape_impl", "escape_pack", "escape_pack_rows", "resolve", "resolve_impl",
+           "word_decode", "word_decode_rows", "word_encode"]
 
 
 def resolve_impl(impl: str) -> tuple[str, bool]:
