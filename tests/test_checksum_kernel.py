@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from ciera_jax.codec import checksum, bitfields
+from ciera_jax.codec.layout import full_to_rows
 from ciera_jax import kernels as K
 from test_kernels import BACKENDS, ON_GPU, WORDS, adversarial_bits, bits_of, make_x
 
@@ -45,6 +46,27 @@ def test_fused_matches_reference(shape, axis, dtype, backend):
     want = [checksum.checksum_np(s, r * s.size, axis=axis, seed=11)
             for r, s in enumerate(shards)]
     np.testing.assert_array_equal(np.asarray(sums), np.asarray(want, np.uint32))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", list(WORDS), ids=["bf16", "f32"])
+@pytest.mark.parametrize("shape,axis", [s[:2] for s in SHAPES], ids=[s[2] for s in SHAPES])
+def test_payload_read_in_rank_rows(shape, axis, dtype, backend):
+    """The payload as it arrives (rank rows, N x P x n) gives the same words and sums as the
+    payload moved to the full layout."""
+    x, exp, payload = split_of(dtype, shape, seed=len(shape) + shape[-1] + 1)
+    shard_shape = list(shape)
+    shard_shape[axis] //= N
+    P_ = payload.shape[0]
+    rows = jnp.stack([full_to_rows(payload[k], tuple(shard_shape), axis, N)
+                      for k in range(P_)], axis=1)  # (N, P, n)
+    full, sums = K.decode_checksum_pallas(exp, rows, dtype, N, axis=axis, seed=11,
+                                          backend=backend, interpret=not ON_GPU,
+                                          payload_rows=True)
+    full_ref, sums_ref = K.decode_checksum_reference(exp, payload, dtype, N, axis=axis, seed=11)
+    np.testing.assert_array_equal(bits_of(full), bits_of(full_ref))
+    np.testing.assert_array_equal(bits_of(full), bits_of(x))
+    np.testing.assert_array_equal(np.asarray(sums), np.asarray(sums_ref))
 
 
 def test_a_flipped_bit_changes_only_its_rank():

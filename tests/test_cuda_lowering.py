@@ -78,6 +78,10 @@ def kernel_calls(dtype, backend):
          lambda e, p: K.decode_checksum_pallas(e, p, dtype, 8, axis=1, **kw),
          (jax.ShapeDtypeStruct((2, 8, 256), jnp.uint8),
           jax.ShapeDtypeStruct((P_, 2, 8, 256), jnp.uint8))),
+        ("decode_checksum of payload rows",  # (2, 8, 256) on axis 1, rows (8, P, 2 x 256)
+         lambda e, p: K.decode_checksum_pallas(e, p, dtype, 8, axis=1, payload_rows=True, **kw),
+         (jax.ShapeDtypeStruct((2, 8, 256), jnp.uint8),
+          jax.ShapeDtypeStruct((8, P_, 2 * 256), jnp.uint8))),
         ("word_decode_rows",  # the cache (2, 8 x 2, 4096) read in place, rows of (2, 2, 4096)
          lambda w, c: K.word_decode_rows_pallas(w, c, 3, (2, 2, 4096), 1, **kw),
          (jax.ShapeDtypeStruct((2, 16, 4096), WORDS[dtype]),

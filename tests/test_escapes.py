@@ -109,6 +109,32 @@ def test_more_escapes_than_one_chunk(density):
     np.testing.assert_array_equal(back[0], np.where(flags, values, 7))
 
 
+@pytest.mark.parametrize("walk", ["dense", "either"])
+def test_pack_rows_and_pack_nonzero_are_the_packs_they_replace(walk):
+    """Two rows packed together (one bitmap and rank pass on the dense walk) give each row's
+    own :func:`escapes.pack`, capacities short of the flags included; the nonzero words packed
+    by their running count give :func:`escapes.pack_dense` over their summary bitmap."""
+    n = 3000
+    rng = np.random.default_rng(5)
+    flags = np.stack([rng.random(n) < 0.3, rng.random(n) < 0.01])
+    values = [rng.integers(0, 1 << 16, n).astype(np.uint16),
+              rng.integers(-128, 128, n).astype(np.int8)]
+    words = escapes.pack_flags(jnp.asarray(flags))
+    running = escapes.running_count(words)
+    caps = [int(flags[0].sum()) - 5, int(flags[1].sum()) + 3]
+    got = escapes.pack_rows([jnp.asarray(v) for v in values], words, caps, running, walk)
+    for g, v, w, c in zip(got, values, words, caps):
+        want = escapes.pack(jnp.asarray(v), w, c, walk)
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(want))
+        assert g.dtype == v.dtype
+    nonzero = (words[1] != 0)
+    want = escapes.pack_dense(words[1], escapes.pack_flags(nonzero[None])[0], 40)
+    got = escapes.pack_nonzero(words[1], 40, escapes.running_count(
+        nonzero.astype(jnp.uint32)[None])[0])
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert int(nonzero.sum()) > 0
+
+
 def test_pack_drops_what_does_not_fit():
     """More flags than capacity: the first ``capacity`` values, in order (the agreement sends
     such a step to the plain fallback, so what is dropped never matters)."""

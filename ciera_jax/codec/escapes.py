@@ -178,6 +178,14 @@ def pack_dense(values_N: jax.Array, words_W: jax.Array, capacity: int,
     return jnp.zeros((capacity,), values_N.dtype).at[slot].set(values_N, mode="drop")
 
 
+def pack_nonzero(words_W: jax.Array, capacity: int, running_W: jax.Array) -> jax.Array:
+    """The nonzero words in order in a (capacity,) buffer, zeros after the last: exactly
+    :func:`pack_dense` of ``words_W`` flagged by ``words_W != 0``, given ``running_W``, the
+    running count of the nonzero words (one scatter of the words, no bitmap of them)."""
+    slot = jnp.where(words_W != 0, running_W - 1, capacity)
+    return jnp.zeros((capacity,), words_W.dtype).at[slot].set(words_W, mode="drop")
+
+
 def expand_dense(section_RxC: jax.Array, words_RxW: jax.Array, n: int) -> jax.Array:
     """Inverse of :func:`pack_dense` per row: (R, n), each flagged element's value, zero
     elsewhere."""
@@ -311,18 +319,19 @@ def _dense(running_RxW, n: int, limit_R) -> jax.Array:
 
 
 def pack(values: jax.Array | PerElement, words_W: jax.Array, capacity: int,
-         walk: str | None = None) -> jax.Array:
+         walk: str | None = None, running_W=None) -> jax.Array:
     """Sender: the values of the flagged elements (``values``: (n,), or :class:`PerElement`;
     ``words_W``: the flags, packed) in position order, in a (capacity,) buffer, zeros after the
     last (flags past ``capacity`` are dropped: the agreement sends such a step to the
-    fallback). ``walk``: one of :data:`WALKS`, or None for :func:`walk_for`."""
+    fallback). ``walk``: one of :data:`WALKS`, or None for :func:`walk_for`; ``running_W``:
+    :func:`running_count` of ``words_W``, when the caller has it."""
     if not isinstance(values, PerElement):
         values = PerElement.of(values)
     if capacity == 0:
         return jnp.zeros((0,), values.dtype)
     n = values.n
     padded = -(-capacity // _chunk(words_W[None])) * _chunk(words_W[None])
-    running = running_count(words_W[None])
+    running = running_count(words_W[None]) if running_W is None else running_W[None]
 
     def body(slot, element, live, out):
         v = jnp.where(live[0], values.at(jnp.minimum(element[0], n - 1)), 0)
@@ -341,6 +350,24 @@ def pack(values: jax.Array | PerElement, words_W: jax.Array, capacity: int,
         return pack_dense(values.whole(), words_W, capacity, running[0])
 
     return _walk(lambda: _dense(running, n, capacity), dense, by_loop, walk, n)
+
+
+def pack_rows(values: list, words_RxW: jax.Array, capacities: list[int],
+              running_RxW: jax.Array, walk: str | None = None) -> list[jax.Array]:
+    """:func:`pack` of ``values[r]`` flagged by row ``r`` of ``words_RxW`` (one length; its
+    running count ``running_RxW``) at ``capacities[r]``, for every row. On the dense walk the
+    rows share one unpacking of the flags and one rank pass (a kernel each for all rows, not
+    per row); else one pack per row."""
+    values = [v if isinstance(v, PerElement) else PerElement.of(v) for v in values]
+    n = values[0].n
+    walk = walk_for(n) if walk is None else walk
+    if walk != "dense" or 0 in capacities:
+        return [pack(v, w, c, walk, r)
+                for v, w, c, r in zip(values, words_RxW, capacities, running_RxW)]
+    flags_RxN = unpack_flags(words_RxW, n)
+    slot_RxN = ranks(words_RxW, n, running_RxW)
+    return [jnp.zeros((c,), v.dtype).at[jnp.where(f, s, c)].set(v.whole(), mode="drop")
+            for v, f, s, c in zip(values, flags_RxN, slot_RxN, capacities)]
 
 
 def fill(dest_RxN: jax.Array, words_RxW: jax.Array, limit_R: jax.Array, values_at, init=None,

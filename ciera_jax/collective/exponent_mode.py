@@ -76,14 +76,19 @@ def encode(x, cached_exp, primed, axis: int, n_ranks: int, csum, impl: str) -> E
     wire = ExponentWire(x.size, x.dtype.itemsize)
     changed_N = changed.reshape(-1)
     flags_W = escapes.pack_flags(changed_N[None])[0]
-    summary_S = escapes.pack_flags((flags_W != 0)[None])[0]
-    listed_C = escapes.pack_dense(flags_W, summary_S, wire.word_caps[-1])
+    nonzero_W = flags_W != 0
+    summary_S = escapes.pack_flags(nonzero_W[None])[0]
+    # One scan for both packs: the flags before each word (where its changed exponents go)
+    # and the nonzero words before it (where it goes); the first's total is the count.
+    running_2xW = escapes.running_count(jnp.stack([flags_W, nonzero_W.astype(flags_W.dtype)]))
+    listed_C = escapes.pack_nonzero(flags_W, wire.word_caps[-1], running_2xW[1])
     x_N = x.reshape(-1)  # the new exponents read at the changed elements only
     patch_exp = kernels.escape_pack(
         escapes.PerElement(x.size, jnp.uint8, lambda i: bitfields.exponent(x_N[i])), flags_W,
-        wire.caps[-1], impl=impl)
+        wire.caps[-1], impl=impl, running_W=running_2xW[0])
     # An unprimed cache knows no exponent: all of them count as changed.
-    count = jnp.where(primed, escapes.count(flags_W[None])[0], x.size).astype(jnp.int32)
+    changes = running_2xW[0, -1] if flags_W.shape[0] else 0  # an empty shard has no words
+    count = jnp.where(primed, changes, x.size).astype(jnp.int32)
     demand = jnp.where(primed, count, jnp.int32(INT32_MAX))
     return Encoded(payload, summary_S, listed_C, patch_exp, count, demand, csum, axis, n_ranks)
 
@@ -142,6 +147,8 @@ def decode(e: Encoded, sent: transfer.Sent, cache_exp, dtype, impl: str):
     payload_full = rows_to_full(plane_NxL.reshape(e.n_ranks, n_planes, n), e.shard_shape,
                                 e.axis)
     # One pass: the weights and every rank's checksum of them (fused on GPU where it can be).
+    # (The payload's rows are not read in place: each lies in a wire row behind which the
+    # section and checksum follow, so the kernel would get a strided slice, a copy.)
     full, got_N = kernels.decode_checksum(exp_full, payload_full, dtype, e.n_ranks, axis=e.axis,
                                           impl=impl)
     # The new cache is the exponents the decode read (bitwise exponent(full)), so no pass

@@ -80,19 +80,20 @@ def encode(x, cached_words, primed, axis: int, n_ranks: int, csum, impl: str,
     wire = WordWire(x.size, x.dtype.itemsize, code_bits)
     d, counts = kernels.word_encode(x, cached_words, impl=impl)
     d = d.reshape(-1)
-    esc_W = escapes.pack_flags(wordcodec.beyond(d, code_limit(code_bits))[None])[0]
-    raw = wordcodec.beyond(d, LEVEL1_LIMIT)
+    # The escapes (level 1) and the raw words among them (level 2): the two levels' flags,
+    # their one running count and their packs, each made for both rows at once.
+    flags_2xW = escapes.pack_flags(jnp.stack([wordcodec.beyond(d, code_limit(code_bits)),
+                                              wordcodec.beyond(d, LEVEL1_LIMIT)]))
+    running_2xW = escapes.running_count(flags_2xW)
     # Both levels' values are computed at their escapes only, from the shard and the cache
     # (neither the deltas nor the cached slice are made whole for them).
     x_N = x.reshape(-1)
-    level1 = kernels.escape_pack(
-        escapes.PerElement(x.size, jnp.int8, lambda i: _level1(
+    level1, level2 = kernels.escape_pack_rows(
+        [escapes.PerElement(x.size, jnp.int8, lambda i: _level1(
             wordcodec.delta(bitfields.to_bits(x_N[i]), cached_at(i)))),
-        esc_W, wire.caps1[-1], impl=impl)
-    level2 = kernels.escape_pack(
-        escapes.PerElement(x.size, bitfields.to_bits(x_N[:1]).dtype,
-                           lambda i: bitfields.to_bits(x_N[i])),
-        escapes.pack_flags(raw[None])[0], wire.caps2[-1], impl=impl)
+         escapes.PerElement(x.size, bitfields.to_bits(x_N[:1]).dtype,
+                            lambda i: bitfields.to_bits(x_N[i]))],
+        flags_2xW, [wire.caps1[-1], wire.caps2[-1]], running_2xW, impl=impl)
     codes = wordcodec.pack_codes(wordcodec.codes_of(d, code_bits), code_bits)
     counts = jnp.stack([counts[CODE_BITS.index(code_bits)], counts[wordcodec.RAW],
                         counts[wordcodec.EXP_CHANGED]])

@@ -17,7 +17,8 @@ from ciera_jax.kernels.decode import decode_pallas, decode_reference
 from ciera_jax.kernels.decode_checksum import (decode_checksum, decode_checksum_pallas,
                                                decode_checksum_reference, fusable)
 from ciera_jax.kernels.dispatch import (IMPLS, decode, encode, escape_fill_exponents,
-                                        escape_fill_words, escape_impl, escape_pack, resolve,
+                                        escape_fill_words, escape_impl, escape_pack,
+                                        escape_pack_rows, resolve,
                                         resolve_impl, word_decode, word_decode_rows, word_encode)
 from ciera_jax.kernels.encode import BLOCK, encode_pallas, encode_reference
 from ciera_jax.kernels.escape import (ESCAPE_BLOCK, fill_exponents_pallas, fill_words_pallas,
@@ -46,6 +47,7 @@ __all__ = [
     "escape_fill_words",
     "escape_impl",
     "escape_pack",
+    "escape_pack_rows",
     "fill_exponents_pallas",
     "fill_words_pallas",
     "fusable",

@@ -150,12 +150,15 @@ class Operand:
     returns a list of P block values. ``per_block=S`` (outputs only): shape (programs, S),
     the body returns S scalars per program (block reductions). ``blocks`` (an input of a
     :class:`Flat` layout): program i's block of this operand is block ``blocks(i)`` (a scalar
-    function of the traced program index), read in place where it lies, not block i."""
+    function of the traced program index), read in place where it lies, not block i.
+    ``groups`` (an input of a :class:`Pairs` layout): group g of this operand is its group
+    ``groups(g)``, read in place (a permutation of groups: another layout of the same tensor)."""
 
     dtype: jnp.dtype
     planes: int | None = None
     per_block: int = 0
     blocks: Callable | None = None
+    groups: Callable | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,7 +268,10 @@ def _mosaic_call(body, inputs, outputs, out_types, *, layout, programs, block, i
         else:
             per_group = layout.dist // block
             g, sl = i // per_group, pl.ds(pl.multiple_of((i % per_group) * block, block), block)
-            views_of = lambda op: lambda r: (r.at[g, 0, sl], r.at[g, 1, sl])  # noqa: E731
+
+            def views_of(op):
+                h = g if op.groups is None else op.groups(g)
+                return lambda r: (r.at[h, 0, sl], r.at[h, 1, sl])
 
         def each(fn, r, op):  # apply fn to every (plane, half) view of an operand
             one = lambda v: fn(v) if not isinstance(v, tuple) else tuple(map(fn, v))  # noqa: E731
@@ -328,7 +334,8 @@ def _triton_call(body, inputs, outputs, out_types, *, layout, programs, block, i
         if op.per_block:
             return pl.BlockSpec((1, op.per_block), lambda i: (i, 0))
         if paired:
-            where = lambda i: (i // per_group, 0, i % per_group)  # noqa: E731
+            group = (lambda g: g) if op.groups is None else op.groups  # noqa: E731
+            where = lambda i: (group(i // per_group), 0, i % per_group)  # noqa: E731
             blk = (None, 2, block)
         elif op.blocks is not None:
             where, blk = lambda i: (op.blocks(i),), (block,)  # noqa: E731

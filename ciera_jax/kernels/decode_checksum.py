@@ -115,32 +115,64 @@ def decode_checksum_body(blk, exp, planes, *, fmt, layout: Pairs, block: int, pa
 
 def decode_checksum_pallas(exp, payload_Pxn, dtype, n_ranks: int, *, axis: int = 0,
                            seed: int = 0, block: int = BLOCK, backend: str | None = None,
-                           interpret: bool = False):
-    """Fused :func:`decode_checksum_reference` (raises ValueError where not :func:`fusable`)."""
+                           interpret: bool = False, payload_rows: bool = False):
+    """Fused :func:`decode_checksum_reference` (raises ValueError where not :func:`fusable`).
+    ``payload_rows``: ``payload_Pxn`` is the payload's rank rows (N, P, n) as they arrived,
+    read in place off axis 0 (each row of the last dims lies whole in one rank's row), so
+    they need no move to the full layout."""
     fmt = bitfields.word_format(dtype)
     backend = check_backend(backend)
     shape, P = exp.shape, fmt.payload_bytes
-    if payload_Pxn.shape != (P, *shape):
-        raise ValueError(f"payload_Pxn must have shape {(P, *shape)}, got {payload_Pxn.shape}")
     plan = fusable(shape, dtype, n_ranks, axis=axis, block=block)
     if plan is None:
         raise ValueError(f"decode_checksum: shape {shape} (axis {axis}, {n_ranks} ranks) does "
                          "not split into fused blocks; use decode_checksum(...) for a fallback")
     layout, blk, paired, rows = plan
+    n = math.prod(shape) // n_ranks
+    want = (n_ranks, P, n) if payload_rows else (P, *shape)
+    if payload_Pxn.shape != want:
+        raise ValueError(f"payload_Pxn must have shape {want}, got {payload_Pxn.shape}")
     view = (layout.groups, 2, layout.dist)
+    payload = payload_Pxn.astype(jnp.uint8)
+    if not payload_rows:
+        planes, args = [Operand(jnp.uint8, planes=P)], [payload.reshape(P, *view)]
+    elif rows is None:  # axis 0: the rank rows are the full layout, plane by plane
+        planes, args = [Operand(jnp.uint8, planes=P)], [rank_rows_to_planes(payload, view)]
+    else:  # one operand per plane, each group read where its rank's row holds it
+        planes = [Operand(jnp.uint8, groups=_row_group(rows, P, k)) for k in range(P)]
+        args = [payload.reshape(-1, 2, layout.dist)] * P
     call = stream_call(
-        lambda b, e, p: decode_checksum_body(b, e, p, fmt=fmt, layout=layout, block=blk,
-                                             paired=paired, seed=seed, rows=rows),
-        [Operand(jnp.uint8), Operand(jnp.uint8, planes=P)],
+        lambda b, e, *p: decode_checksum_body(
+            b, e, p[0] if not payload_rows or rows is None else list(p), fmt=fmt,
+            layout=layout, block=blk, paired=paired, seed=seed, rows=rows),
+        [Operand(jnp.uint8), *planes],
         [Operand(fmt.word), Operand(jnp.uint32, per_block=1)],
         layout=layout, block=blk, backend=backend, interpret=interpret, with_block=True,
         name=f"ciera_decode_checksum_{fmt.dtype.name}")
-    words, partials = call(exp.astype(jnp.uint8).reshape(view),
-                           payload_Pxn.astype(jnp.uint8).reshape(P, *view))
+    words, partials = call(exp.astype(jnp.uint8).reshape(view), *args)
     # programs in (before, rank, the rest) order; on axis 0 nothing comes before
     pre = rows[0] if rows is not None else 1
     sums = jnp.sum(partials.reshape(pre, n_ranks, -1), axis=(0, 2), dtype=jnp.uint32)
     return bitfields.from_bits(words.reshape(shape), fmt.dtype), sums
+
+
+def rank_rows_to_planes(payload_NxPxn, view):
+    """Axis 0's rank rows (N, P, n) as the kernel's planes (P, *view): a transpose only
+    where there are several planes (each rank's n elements are contiguous in the full
+    layout)."""
+    return jnp.moveaxis(payload_NxPxn, 1, 0).reshape(payload_NxPxn.shape[1], *view)
+
+
+def _row_group(rows, n_planes: int, plane: int):
+    """Where group g of the full layout (a row of the last dims, index (before, rank, a
+    rank's part of the axis)) lies in the rank rows (N, P, before, part): its group there."""
+    pre, ranks, d = rows
+
+    def group(g):
+        b, r, i = g // (ranks * d), (g // d) % ranks, g % d
+        return ((r * n_planes + plane) * pre + b) * d + i
+
+    return group
 
 
 def decode_checksum(exp, payload_Pxn, dtype, n_ranks: int, *, axis: int = 0, seed: int = 0,

@@ -30,8 +30,8 @@ from ciera_jax.kernels.word_decode import (reads_in_place, word_decode_pallas,
 from ciera_jax.kernels.word_encode import word_encode_pallas, word_encode_reference
 
 __all__ = ["IMPLS", "decode", "encode", "escape_fill_exponents", "escape_fill_words",
-           "escape_impl", "escape_pack", "resolve", "resolve_impl", "word_decode", "word_decode_rows",
-           "word_encode"]
+           "escape_impl", "escape_pack", "escape_pack_rows", "resolve", "resolve_impl",
+           "word_decode", "word_decode_rows", "word_encode"]
 
 
 def resolve_impl(impl: str) -> tuple[str, bool]:
@@ -116,16 +116,29 @@ def _escape_pallas(impl: str):
     return dict(interpret=resolve(impl).interpret)
 
 
-def escape_pack(values, words_W: jnp.ndarray, capacity: int, *, impl: str = "auto"):
+def escape_pack(values, words_W: jnp.ndarray, capacity: int, *, impl: str = "auto",
+                running_W=None):
     """Exactly ``escapes.pack(values, words_W, capacity)``: the flagged values in position
     order in a (capacity,) buffer, zeros after the last. ``values``: (n,) or
-    :class:`ciera_jax.codec.escapes.PerElement`."""
+    :class:`ciera_jax.codec.escapes.PerElement`; ``running_W``: the flags' running count, when
+    the caller has it (the jnp path's; the Triton kernel counts its own)."""
     kw = _escape_pallas(impl)
     if kw is None:
-        return escapes.pack(values, words_W, capacity)
+        return escapes.pack(values, words_W, capacity, running_W=running_W)
     if isinstance(values, escapes.PerElement):
         values = values.whole()
     return pack_pallas(values, words_W, capacity, **kw)
+
+
+def escape_pack_rows(values: list, words_RxW: jnp.ndarray, capacities: list[int],
+                     running_RxW: jnp.ndarray, *, impl: str = "auto") -> list:
+    """:func:`escape_pack` of each row of flags (one length) at its capacity: on the jnp
+    path ``escapes.pack_rows`` (the rows' bitmaps and ranks made together); the Triton
+    kernel packs each row."""
+    kw = _escape_pallas(impl)
+    if kw is None:
+        return escapes.pack_rows(values, words_RxW, capacities, running_RxW)
+    return [escape_pack(v, w, c, impl=impl) for v, w, c in zip(values, words_RxW, capacities)]
 
 
 def escape_fill_exponents(cached_Rxn: jnp.ndarray, flags_RxW: jnp.ndarray,
