@@ -94,8 +94,8 @@ def test_missing_cache_is_an_error_naming_the_parameter():
     mesh = make_mesh((8,), ("fsdp",))
     with jax.set_mesh(mesh):
         model = MLP(16, 32, nnx.Rngs(0))  # no attach_caches
-    with pytest.raises(ValueError, match=r"MLP/(up|down)/kernel: gather 'ciera' needs an exponent "
-                                         r"cache .*attach_caches"):
+    with pytest.raises(ValueError, match=r"MLP/(up|down)/kernel: gather 'ciera' needs a cache "
+                                         r".*attach_caches\(model, mode='word'\)"):
         trace(model, X, mesh)
     with fsdp.gather_mode(model, "plain"):  # the plain baseline needs none
         trace(model, X, mesh)
