@@ -1,4 +1,4 @@
-"""The compressed layer loop rolled (``fsdp.prepared.rolled_scan``): the same values as
+"""The compressed layer loop rolled (``runtime.loops.rolled_scan``): the same values as
 ``lax.scan`` bit for bit, one copy of its body in XLA:GPU's program where the scan is
 double-buffered, and its trip count still counted per step by the report's reader."""
 
@@ -12,7 +12,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ciera_jax.fsdp.prepared import rolled_scan
+from ciera_jax.runtime.loops import rolled_scan
 from ciera_jax.runtime import gpu_targets, hlo
 from ciera_models.aot import schedule
 

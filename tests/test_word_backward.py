@@ -57,7 +57,7 @@ def test_tiny_plan_all_word_caches_bitwise_plain():
     assert sum(r["sent_bytes"] for r in late) < sum(r["plain_bytes"] for r in late)
 
 
-@pytest.mark.slow  # small's 4 layers: the prepared layer loop rolled (fsdp.prepared.rolled_scan)
+@pytest.mark.slow  # small's 4 layers: the prepared layer loop rolled (runtime.loops.rolled_scan)
 @pytest.mark.parametrize("cache", ["word", "exponent"])
 def test_small_defaults_bitwise_plain(cache):
     steps = 8

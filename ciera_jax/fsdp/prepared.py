@@ -40,8 +40,8 @@ from ciera_jax.fsdp.state.setup import (DEFAULT_REMAT, DEFAULT_WORD_BACKWARD, Ga
 from ciera_jax.fsdp.regather import regather
 from ciera_jax.fsdp.state.stacking import stack_size
 from ciera_jax.fsdp.state.stats import GatherStats, layer_stats, record, stats_by_key
-from ciera_jax.runtime.hlo import TRIPS_SCOPE
-from ciera_jax.runtime.varying import varying_over, vma
+from ciera_jax.runtime.loops import rolled_scan
+from ciera_jax.runtime.varying import varying_over
 
 INPUTS_ATTR = "ciera_gather_inputs"
 
@@ -432,40 +432,6 @@ class _LayerLoop:
         g_shards, g_others, g_rest = grads
         return (g_shards, g_others, remat_lib.with_float0(rest, g_rest), ct_x,
                 remat_lib.with_float0(args, ct_args), remat_lib.float0_like(inputs))
-
-
-def rolled_scan(body, init, xs_N: jax.Array):
-    """``lax.scan(body, init, xs_N)`` for a 1-D ``xs_N`` (the layer indices), as a while loop
-    whose trip count XLA cannot see (its bound passes an optimization barrier), so XLA:GPU's
-    double buffering, which would unroll the body twice and peel an odd count's extra trip,
-    leaves one copy of it: the layer loop prefetches the next layer itself (docs/aot.md). The
-    count stays in the loop's name scope (``runtime.hlo.TRIPS_SCOPE``) for the reports. The
-    price: XLA:GPU syncs the host on such a loop's condition every trip. ``body`` is traced
-    once, under :func:`jax.jit`, for the output buffers and the loop. No reverse-mode
-    derivative (a while loop): the layer loop runs it in its custom VJP's forward."""
-    length = xs_N.shape[0]
-    if length < 2:  # XLA inlines a scan of one trip: no loop to roll, none to sync on
-        return lax.scan(body, init, xs_N)
-    body = jax.jit(body)
-    _, out_shapes = jax.eval_shape(body, init, xs_N[0])
-
-    def empty(s):
-        z = jnp.zeros((length,) + s.shape, s.dtype)
-        return varying_over(z, vma(s))  # typed as the trips' outputs are
-
-    def trip(state):
-        i, carry, outs = state
-        carry, out = body(carry, lax.dynamic_index_in_dim(xs_N, i, keepdims=False,
-                                                         allow_negative_indices=False))
-        outs = jax.tree.map(lambda o, v: lax.dynamic_update_index_in_dim(
-            o, v, i, 0, allow_negative_indices=False), outs, out)
-        return i + 1, carry, outs
-
-    with jax.named_scope(f"{TRIPS_SCOPE}{length}"):
-        bound = lax.optimization_barrier(jnp.int32(length))
-        _, carry, outs = lax.while_loop(lambda state: state[0] < bound, trip,
-                                        (jnp.int32(0), init, jax.tree.map(empty, out_shapes)))
-    return carry, outs
 
 
 def _typed_like_gather(full, shard, axis_name):

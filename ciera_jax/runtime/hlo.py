@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 _CALLS = re.compile(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
-# A loop whose trip count XLA cannot see (``fsdp.prepared.rolled_scan``) keeps it in its name
+# A loop whose trip count XLA cannot see (``runtime.loops.rolled_scan``) keeps it in its name
 # scope: ``<TRIPS_SCOPE><n>``, read back by :func:`scoped_trip_count`.
 TRIPS_SCOPE = "ciera_rolled_trips_"
 # the loop itself, not one nested in its body, whose name scope holds the outer one's (under
