@@ -18,6 +18,7 @@ if TYPE_CHECKING:
                                              all_gather_tree, encode, exchange, plain_all_gather,
                                              priming_encoded)
     from ciera_jax.fsdp import gathered
+    from ciera_jax.loop import train_step
 
 _EXPORTS = {
     "ExponentCache": "ciera_jax.collective.cache",
@@ -30,6 +31,7 @@ _EXPORTS = {
     "all_gather_tree": "ciera_jax.collective.gather",
     "plain_all_gather": "ciera_jax.collective.gather",
     "gathered": "ciera_jax.fsdp",
+    "train_step": "ciera_jax.loop",
     "Encoded": "ciera_jax.collective.gather",
     "WordEncoded": "ciera_jax.collective.gather",
     "encode": "ciera_jax.collective.gather",

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 import ciera_jax.collective.gather as collective
 import ciera_jax.collective.quantized as quantized
 from ciera_jax.fsdp import buckets
+from ciera_jax.fsdp.state.ahead import rank_spec
 from ciera_jax.fsdp.state.axes import axis_bound, axis_size, invariant
 from ciera_jax.fsdp.state.inventory import GatheredTensor
 from ciera_jax.fsdp.state.setup import GatherSetup
@@ -135,22 +136,39 @@ def gather(tensors: dict, shards: dict, caches: dict, setup: GatherSetup, axis_n
     return ({k: fulls[k] for k in tensors}, new_caches, {k: stats[k] for k in tensors})
 
 
-def gather_region(tensors: dict, shards: dict, caches: dict, setup: GatherSetup, axis_name: str):
+def gather_region(tensors: dict, shards: dict, caches: dict, setup: GatherSetup, axis_name: str,
+                  ahead: dict | None = None):
     """:func:`gather` in a ``shard_map`` region of its own (under ``jit`` with the mesh set).
     Each shard comes in with its parameter's own spec (the gather axis and any other mesh
     axes, e.g. ``tp``); its full weight and cache leave gathered over the gather axis only,
     still split over the others; stats leave replicated. The rest of the model stays under
-    sharding propagation (Auto axes) or sharding in types (Explicit axes)."""
+    sharding propagation (Auto axes) or sharding in types (Explicit axes). ``ahead``: ``{key:
+    (Encoded per rank, agreed)}`` made before the step (:mod:`~ciera_jax.fsdp.state.ahead`):
+    each ``Encoded`` comes in split over its leading rank axis, and is gathered as a prepared
+    step's."""
     ax = axis_name
     shard_specs = {k: P(*t.spec) for k, t in tensors.items()}
     full_specs = {k: P(*without_axis(t.spec, ax)) for k, t in tensors.items()}
     cache_specs = {k: cache_specs_of(caches[k], tensors[k], ax) for k in caches}
+    ahead_specs = {k: _ahead_spec(k, e, a, tensors) for k, (e, a) in (ahead or {}).items()}
     shards = {k: _to_spec(v, shard_specs[k]) for k, v in shards.items()}
     caches = {k: jax.tree.map(_to_spec, caches[k], cache_specs[k]) for k in caches}
-    return jax.shard_map(lambda s, c: gather(tensors, s, c, setup, ax, region=True),
-                         in_specs=(shard_specs, cache_specs),
+    ahead = {k: jax.tree.map(_to_spec, ahead[k], ahead_specs[k]) for k in ahead_specs}
+
+    def body(s, c, a):
+        mine = {k: (jax.tree.map(lambda x: x[0], e), agreed) for k, (e, agreed) in a.items()}
+        return gather(tensors, s, c, setup, ax, prepared=mine or None, region=True)
+
+    return jax.shard_map(body, in_specs=(shard_specs, cache_specs, ahead_specs),
                          out_specs=(full_specs, cache_specs, P()),
-                         check_vma=False)(shards, caches)
+                         check_vma=False)(shards, caches, ahead)
+
+
+def _ahead_spec(key: str, encoded, agreed, tensors: dict):
+    """In_specs of one key's inputs made ahead: the encoded leaves split on their rank axis
+    (a bucket's: its first member's), the agreement replicated."""
+    spec = rank_spec(tensors[encoded.members[0] if buckets.is_bucket(encoded) else key].spec)
+    return (jax.tree.map(lambda _: spec, encoded), jax.tree.map(lambda _: P(), agreed))
 
 
 def cache_specs_of(cache, t: GatheredTensor, axis_name: str):

@@ -12,7 +12,8 @@ import jax
 from flax import nnx
 
 import ciera_jax.collective.cache as cache_lib
-from ciera_jax.collective import bitfields
+from ciera_jax.collective import bitfields, capacity
+from ciera_jax.fsdp.state.ahead import ahead_of
 from ciera_jax.fsdp.state.axes import MANUAL, REGION, UNSHARDED, axis_size, placement
 from ciera_jax.fsdp.state.caches import PLAIN_ATTR, GatherCacheVar, cache_attr
 from ciera_jax.fsdp.state.discovery import GatherSpec, module_name, module_path, sharded_params
@@ -82,9 +83,9 @@ def call(module, fn, args, kwargs, spec: GatherSpec, setup: GatherSetup):
     return out
 
 
-def gathered_into(copy, module, params: list, spec: GatherSpec, setup: GatherSetup, place: str):
-    """Gather ``module``'s ``params`` (:func:`~ciera_jax.fsdp.gather`, or its region under
-    ``jit``); the full weights, new caches and stats go into ``copy``."""
+def call_inputs(module, params: list, spec: GatherSpec, setup: GatherSetup, place: str):
+    """``(tensors, shards, caches)`` of one call of ``module`` gathering ``params``: every
+    tensor, its shard in the compute dtype, and the caches of those it compresses."""
     tensors, shards, caches = {}, {}, {}
     for p in params:
         t = tensors[p.key] = call_tensor(module, p, spec, place)
@@ -92,14 +93,44 @@ def gathered_into(copy, module, params: list, spec: GatherSpec, setup: GatherSet
         if (setup.mode == "ciera" and bitfields.is_compressible(t.dtype)
                 and p.name not in getattr(p.owner, PLAIN_ATTR, ())):
             caches[p.key] = cache_of(p, t, f"{module_name(module)}/{p.key}")
-    run = gather if place == MANUAL else gather_region
-    fulls, new_caches, stats = run(tensors, shards, caches, setup, spec.axis_name)
+    return tensors, shards, caches
+
+
+def gathered_into(copy, module, params: list, spec: GatherSpec, setup: GatherSetup, place: str):
+    """Gather ``module``'s ``params`` (:func:`~ciera_jax.fsdp.gather`, or its region under
+    ``jit``); the full weights, new caches and stats go into ``copy``. With rungs fixed by the
+    host (``setup.rungs``), from the inputs made ahead of the step, at those rungs."""
+    tensors, shards, caches = call_inputs(module, params, spec, setup, place)
+    if setup.rungs and setup.mode == "ciera":
+        fulls, new_caches, stats = gather_region(tensors, shards, caches, setup,
+                                                 spec.axis_name, fixed_inputs(module, setup,
+                                                                              place))
+    else:
+        run = gather if place == MANUAL else gather_region
+        fulls, new_caches, stats = run(tensors, shards, caches, setup, spec.axis_name)
     nodes = dict(nnx.iter_graph(copy))
     for p in params:
         nodes[p.path].set_value(fulls[p.key])
         if new_caches.get(p.key) is not None:
             getattr(nodes[p.path[:-1]], cache_attr(p.name)).set_value(new_caches[p.key])
     record(copy, stats)
+
+
+def fixed_inputs(module, setup: GatherSetup, place: str) -> dict:
+    """``{key: (Encoded per rank, FixedRung)}``: the module's inputs made ahead, each at the
+    rung the host fixed (guaranteed: the host read that it holds the demand, so no fallback
+    and no conditional is compiled)."""
+    where = module_name(module)
+    if place != REGION:
+        raise ValueError(f"{where}: a step with rungs fixed on the host (ciera_jax.train_step) "
+                         f"gathers under jit with the mesh set; inside your own shard_map, "
+                         f"prepare the step with fsdp.prepare")
+    ahead, rungs = ahead_of(module), dict(setup.rungs)
+    if set(ahead) != set(rungs):
+        raise ValueError(f"{where}: rungs fixed for {sorted(rungs)} but the inputs made ahead "
+                         f"are for {sorted(ahead)}; run the step through ciera_jax.train_step")
+    return {k: (e, capacity.fix(agreed, rungs[k], needed, guaranteed=True))
+            for k, (e, agreed, needed) in ahead.items()}
 
 
 def cache_of(p, t: GatheredTensor, name: str):

@@ -57,7 +57,11 @@ class GatherSetup:
     step's gather inputs, :func:`~ciera_jax.fsdp.prepare`); ``word_backward``: how its
     backward gets word-mode weights; ``remat``: what a prepared layer stack's forward saves
     for its backward (:mod:`~ciera_jax.fsdp.remat`). ``held``: the module's values are full
-    already (a prepared layer stack gathered them): its calls only run.
+    already (a prepared layer stack gathered them): its calls only run. ``rungs``: ``((key,
+    rung), ...)`` of every compressed tensor or bucket the module gathers, fixed by the host
+    for this program (:func:`ciera_jax.train_step`): a call gathers from the inputs made
+    ahead of the step (:mod:`~ciera_jax.fsdp.state.ahead`) at these rungs, with no encode, no
+    agreement and no conditional; empty: the call encodes and agrees for itself.
     """
 
     mode: str = "ciera"
@@ -66,9 +70,12 @@ class GatherSetup:
     word_backward: str = DEFAULT_WORD_BACKWARD
     held: bool = False
     remat: str = DEFAULT_REMAT
+    rungs: tuple = ()
 
     def __post_init__(self):
         check_mode(self.mode)
+        if not all(isinstance(k, str) and isinstance(r, int) for k, r in self.rungs):
+            raise ValueError(f"rungs must be ((key, rung), ...), got {self.rungs!r}")
         if self.word_backward not in WORD_BACKWARDS:
             raise ValueError(f"word_backward must be one of {WORD_BACKWARDS}, got "
                              f"{self.word_backward!r}")

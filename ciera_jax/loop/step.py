@@ -1,0 +1,138 @@
+"""Your own jitted train step running the trainer's program: :func:`train_step`.
+
+Wrap the step (an ``nnx.jit`` function taking the model) and each call:
+
+1. makes sure the model's inputs made ahead are current: an encode program (every compressed
+   tensor encoded, ONE agreement, the needed rungs: :mod:`~ciera_jax.loop.ahead`) ran on the
+   parameters and caches the step is about to read; it is dispatched right after the step
+   before, so it runs while the host returns to your loop;
+2. reads the needed rungs (the step's one host synchronisation) and picks the program that
+   holds them (:class:`~ciera_jax.loop.rungs.RungChoice`): the rungs are a static field of
+   each gathering module, so ``jit`` compiles one program per rung vector and the step's
+   gathers exchange at fixed rungs, with no encode, no agreement and no conditional; a demand
+   no compiled program holds runs a program with those tensors plain (also the first step,
+   which primes the caches);
+3. calls your step, then dispatches the next encode program.
+
+Outside a call the modules gather as before (the bare decorator's per-call path), so an
+evaluation step or a forward of your own needs nothing else."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import weakref
+
+import jax
+from flax import nnx
+
+from ciera_jax.collective import PLAIN_RUNG
+from ciera_jax.fsdp import buckets
+from ciera_jax.fsdp.state.ahead import ahead_of
+from ciera_jax.fsdp.state.caches import GatherCacheVar
+from ciera_jax.fsdp.state.setup import gathering_modules, set_setup, setup_of
+from ciera_jax.loop.ahead import encode_ahead
+from ciera_jax.loop.rungs import RungChoice
+
+
+def _models(args, kwargs) -> list:
+    """The ``nnx.Module`` arguments holding a gathering module, each once."""
+    out, seen = [], set()
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, nnx.Module) and id(a) not in seen and gathering_modules(a):
+            seen.add(id(a))
+            out.append(a)
+    return out
+
+
+def _read(model) -> list:
+    """The arrays the encode program reads: parameters and caches."""
+    return jax.tree.leaves(nnx.state(model, nnx.Any(nnx.Param, GatherCacheVar)))
+
+
+class TrainStep:
+    """``step`` (a function taking the model) run at rungs the host picks. Counters:
+    ``steps``, ``plain_steps`` (steps whose program gathers a compressed tensor plain: the
+    priming step, a demand above every compiled rung), ``encodes`` (encode programs run);
+    ``programs``: the rung vectors compiled, ``{(module path, key): rung}`` each."""
+
+    def __init__(self, step, *, max_programs: int = 8, slack: float = 0.25):
+        self.step = step
+        self.choice = RungChoice(max_programs, slack)
+        self.steps = self.plain_steps = self.encodes = 0
+        self._read: dict = {}  # id(model) -> weak references to what its encode read
+        functools.update_wrapper(self, step)
+
+    @property
+    def programs(self) -> list:
+        return self.choice.programs
+
+    def __call__(self, *args, **kwargs):
+        models = _models(args, kwargs)
+        for m in models:
+            if not self._current(m):
+                self._encode(m)
+        units = {}  # (model index, module path, key) -> (module, needed, wire)
+        for i, m in enumerate(models):
+            for path, mod in gathering_modules(m):
+                for k, (e, _, needed) in ahead_of(mod).items():
+                    units[(i, "/".join(map(str, path)), k)] = (mod, needed, _wire(e))
+        if not units:
+            return self.step(*args, **kwargs)
+        needed = jax.device_get({u: v[1] for u, v in units.items()})  # the one host sync
+        rungs = self.choice.choose({u: int(n) for u, n in needed.items()},
+                                   {u: v[2] for u, v in units.items()})
+        saved = self._fix(units, rungs)
+        try:
+            out = self.step(*args, **kwargs)
+        finally:
+            for mod, setup in saved:
+                set_setup(mod, setup)
+        self.steps += 1
+        self.plain_steps += any(r == PLAIN_RUNG for r in rungs.values())
+        for m in models:
+            self._encode(m)
+        return out
+
+    def _fix(self, units: dict, rungs: dict) -> list:
+        """Each module's setup with its rungs fixed; returns the setups it had."""
+        per_module: dict = {}
+        for u, (mod, _, _) in units.items():
+            per_module.setdefault(id(mod), (mod, []))[1].append((u[2], rungs[u]))
+        saved = []
+        for mod, fixed in per_module.values():
+            saved.append((mod, setup_of(mod)))
+            set_setup(mod, dataclasses.replace(setup_of(mod), rungs=tuple(fixed)))
+        return saved
+
+    def _encode(self, model) -> None:
+        encode_ahead(model)
+        self.encodes += 1
+        self._read[id(model)] = [weakref.ref(a) for a in _read(model)]
+
+    def _current(self, model) -> bool:
+        """Did the last encode read exactly the arrays the model holds now?"""
+        refs = self._read.get(id(model))
+        now = _read(model)
+        return refs is not None and len(refs) == len(now) and all(
+            r() is a for r, a in zip(refs, now))
+
+
+def _wire(encoded):
+    """The wire of one rank's ``Encoded`` (the leading rank axis dropped)."""
+    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
+                       buckets.unwrap(encoded))
+    return one.wire
+
+
+def train_step(step=None, *, max_programs: int = 8, slack: float = 0.25):
+    """Run a jitted train step over a model with gathering modules (``@ciera_jax.gathered``,
+    ``fsdp.shard``) as ``ciera train`` runs its own: encode ahead, one agreement a step, rungs
+    fixed per compiled program and picked on the host, no conditional. Use it as a decorator
+    above ``@nnx.jit`` (or ``train_step(step)``); returns a :class:`TrainStep`. The model is
+    any ``nnx.Module`` argument; the step runs under ``jax.set_mesh`` with the parameters
+    placed (the gathers open their own ``shard_map``). Bitwise the parameters of a plain
+    gather."""
+    if step is None:
+        return functools.partial(train_step, max_programs=max_programs, slack=slack)
+    return TrainStep(step, max_programs=max_programs, slack=slack)
