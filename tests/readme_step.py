@@ -14,7 +14,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ciera_jax
-from ciera_jax import fsdp
+from ciera_jax import fsdp, loop
+from ciera_jax.fsdp.state.ahead import AHEAD_ATTR
+from ciera_models.train.rung_policy import rungs_holding
 
 D, F, BATCH = 256, 1024, 64
 
@@ -32,16 +34,22 @@ class MLP(nnx.Module):
         return x + self.down(jax.nn.gelu(self.up(self.norm(x))))
 
 
-def build(mesh, mode: str | None = "word", d: int = D, f: int = F, batch: int = BATCH):
+def build(mesh, mode: str | None = "word", d: int = D, f: int = F, batch: int = BATCH,
+          rungs=None):
     """``(step, (state, x))``: the README's ``train_step`` over the model and optimizer's
     state, abstract and placed as their partition names say; ``mode=None``: no caches (the
-    decorator gathers plainly)."""
+    decorator gathers plainly). ``rungs``: the program ``ciera_jax.train_step`` runs at those
+    rungs (``ciera_jax.loop.at_rungs``), its inputs made ahead part of the state; None: the
+    bare decorator's per-call program."""
     def make():
         model = MLP(d, f, nnx.Rngs(0))
         if mode:
             model = fsdp.attach_caches(model, mode=mode)
         else:
             fsdp.set_gather_mode(model, "plain")
+        if rungs is not None:
+            loop.at_rungs(model, rungs)
+            made["ahead"] = loop.ahead_specs(model)
         return model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
 
     made = {}
@@ -56,6 +64,11 @@ def build(mesh, mode: str | None = "word", d: int = D, f: int = F, batch: int = 
     state = jax.tree.map(lambda s, sub: jax.tree.map(lambda a: jax.ShapeDtypeStruct(
         a.shape, a.dtype, sharding=NamedSharding(mesh, s if isinstance(s, P) else P())), sub),
         specs, state, is_leaf=lambda s: isinstance(s, P) or s is None)
+    if "ahead" in made:  # the inputs made ahead, split as the encode program leaves them
+        var = state[0][AHEAD_ATTR]
+        var.set_value(jax.tree.map(lambda spec, sub: jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec)),
+            sub), made["ahead"][""], var.get_value(), is_leaf=lambda x: isinstance(x, P)))
 
     @jax.jit
     def step(state, x):
@@ -71,3 +84,7 @@ def build(mesh, mode: str | None = "word", d: int = D, f: int = F, batch: int = 
 build_plain = functools.partial(build, mode=None)
 build_word = functools.partial(build, mode="word")
 build_exponent = functools.partial(build, mode="exponent")
+# the program ciera_jax.train_step runs on the steady path: each tensor at the rung holding
+# the steady-state demand (the first program ciera train compiles)
+build_word_steady = functools.partial(build, mode="word", rungs=rungs_holding)
+build_exponent_steady = functools.partial(build, mode="exponent", rungs=rungs_holding)

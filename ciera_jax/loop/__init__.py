@@ -4,8 +4,8 @@ step and exchanged at rungs the host fixed per compiled program (no conditional 
 step's path). :mod:`.ahead` (the encode program), :mod:`.rungs` (which program a step runs),
 :mod:`.step` (the wrapper)."""
 
-from ciera_jax.loop.ahead import ahead_values, encode_ahead
+from ciera_jax.loop.ahead import ahead_specs, ahead_values, at_rungs, encode_ahead
 from ciera_jax.loop.rungs import RungChoice
 from ciera_jax.loop.step import TrainStep, train_step
 
-__all__ = ["RungChoice", "TrainStep", "ahead_values", "encode_ahead", "train_step"]
+__all__ = ["RungChoice", "TrainStep", "ahead_specs", "ahead_values", "at_rungs", "encode_ahead", "train_step"]

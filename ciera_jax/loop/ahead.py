@@ -10,6 +10,7 @@ the compute dtype, caches and buckets as :mod:`~ciera_jax.fsdp.percall`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -24,7 +25,7 @@ from ciera_jax.fsdp.percall import call_inputs, checked_params
 from ciera_jax.fsdp.state.ahead import rank_spec, set_ahead
 from ciera_jax.fsdp.state.axes import REGION, placement
 from ciera_jax.fsdp.state.discovery import gather_spec, module_name
-from ciera_jax.fsdp.state.setup import gathering_modules, setup_of
+from ciera_jax.fsdp.state.setup import gathering_modules, set_setup, setup_of
 from ciera_jax.fsdp.state.stacking import stack_size
 
 
@@ -53,10 +54,9 @@ def unit_specs(tensors: dict, caches: dict, axis_name: str) -> dict:
     return out
 
 
-def ahead_values(model: nnx.Module) -> dict:
-    """``{module path: {key: (Encoded per rank, agreed, needed rung)}}`` of every gathering
-    module under ``model`` whose call compresses (``ciera`` mode, a cache), traced under
-    ``jit`` with the mesh set."""
+def _units(model: nnx.Module) -> list:
+    """``(module path, tensors, shards, caches, axis, impl)`` of every gathering module under
+    ``model`` whose call compresses (``ciera`` mode, a cache), in model order."""
     units = []
     for path, m in gathering_modules(model):
         spec, setup = gather_spec(m), setup_of(m)
@@ -66,6 +66,26 @@ def ahead_values(model: nnx.Module) -> dict:
         t, s, c = call_inputs(m, checked_params(m, spec, place), spec, setup, place)
         if c:
             units.append(("/".join(map(str, path)), t, s, c, spec.axis_name, setup.impl))
+    return units
+
+
+def ahead_specs(model: nnx.Module) -> dict:
+    """``{module path: {key: (Encoded spec, P(), P())}}``: how :func:`ahead_values` leaves
+    its results on the mesh (the ``Encoded`` stacks split on their rank axis, the agreement
+    and needed rung replicated), for abstract arguments placed as the program makes them."""
+    return _specs(_units(model))
+
+
+def _specs(units: list) -> dict:
+    return {path: {k: (spec, P(), P()) for k, spec in unit_specs(t, c, ax).items()}
+            for path, t, _, c, ax, _ in units}
+
+
+def ahead_values(model: nnx.Module) -> dict:
+    """``{module path: {key: (Encoded per rank, agreed, needed rung)}}`` of every gathering
+    module under ``model`` whose call compresses (``ciera`` mode, a cache), traced under
+    ``jit`` with the mesh set."""
+    units = _units(model)
     if not units:
         return {}
     ax = units[0][4]
@@ -90,8 +110,7 @@ def ahead_values(model: nnx.Module) -> dict:
 
     in_specs = ([{k: P(*t[k].spec) for k in t} for _, t, _, _, _, _ in units],
                 [{k: cache_specs_of(c[k], t[k], ax) for k in c} for _, t, _, c, _, _ in units])
-    out_specs = [{k: (spec, P(), P()) for k, spec in unit_specs(t, c, ax).items()}
-                 for _, t, _, c, _, _ in units]
+    out_specs = list(_specs(units).values())
     out = jax.shard_map(body, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
         [u[2] for u in units], [u[3] for u in units])
     return {u[0]: o for u, o in zip(units, out)}
@@ -112,3 +131,29 @@ def encode_ahead(model: nnx.Module) -> dict:
     for path, v in values.items():
         set_ahead(by_path[path], v)
     return values
+
+
+def wire_of(encoded):
+    """The wire of one rank's ``Encoded`` in a per-rank stack (its leading axis dropped)."""
+    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
+                       buckets.unwrap(encoded))
+    return one.wire
+
+
+def at_rungs(model: nnx.Module, rungs) -> dict:
+    """Fix every compressed gather of ``model`` at ``rungs`` without running a step (a compile
+    of the step's program for GPUs that are not there, ``ciera aot --step``): the encode
+    program's results traced onto the modules (call it under ``jax.eval_shape`` or ``jit``,
+    the mesh set) and each module's setup given its rungs. ``rungs``: ``{(module path, key):
+    rung}``, or a function of ``{(module path, key): wire}`` returning one. Returns the
+    rungs."""
+    by_path = {"/".join(map(str, p)): m for p, m in gathering_modules(model)}
+    values = ahead_values(model)
+    wires = {(path, k): wire_of(e) for path, v in values.items() for k, (e, _, _) in v.items()}
+    fixed = rungs(wires) if callable(rungs) else rungs
+    for path, v in values.items():
+        m = by_path[path]
+        set_ahead(m, v)
+        set_setup(m, dataclasses.replace(setup_of(m), rungs=tuple((k, int(fixed[(path, k)]))
+                                                                  for k in v)))
+    return fixed

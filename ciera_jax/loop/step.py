@@ -27,11 +27,10 @@ import jax
 from flax import nnx
 
 from ciera_jax.collective import PLAIN_RUNG
-from ciera_jax.fsdp import buckets
 from ciera_jax.fsdp.state.ahead import ahead_of
 from ciera_jax.fsdp.state.caches import GatherCacheVar
 from ciera_jax.fsdp.state.setup import gathering_modules, set_setup, setup_of
-from ciera_jax.loop.ahead import encode_ahead
+from ciera_jax.loop.ahead import encode_ahead, wire_of
 from ciera_jax.loop.rungs import RungChoice
 
 
@@ -76,7 +75,7 @@ class TrainStep:
         for i, m in enumerate(models):
             for path, mod in gathering_modules(m):
                 for k, (e, _, needed) in ahead_of(mod).items():
-                    units[(i, "/".join(map(str, path)), k)] = (mod, needed, _wire(e))
+                    units[(i, "/".join(map(str, path)), k)] = (mod, needed, wire_of(e))
         if not units:
             return self.step(*args, **kwargs)
         needed = jax.device_get({u: v[1] for u, v in units.items()})  # the one host sync
@@ -116,13 +115,6 @@ class TrainStep:
         now = _read(model)
         return refs is not None and len(refs) == len(now) and all(
             r() is a for r, a in zip(refs, now))
-
-
-def _wire(encoded):
-    """The wire of one rank's ``Encoded`` (the leading rank axis dropped)."""
-    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
-                       buckets.unwrap(encoded))
-    return one.wire
 
 
 def train_step(step=None, *, max_programs: int = 8, slack: float = 0.25):
