@@ -1,0 +1,141 @@
+"""``ciera_jax.train_step``: the README's Flax example in the user's own ``nnx.jit`` loop, run at
+rungs the host fixes per program from inputs encoded and agreed on ahead of each step. Bitwise
+the parameters of a plain gather, compressed past the priming step, no fallback there."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import ciera_jax
+from ciera_jax import fsdp, loop
+from ciera_jax.collective import PLAIN_RUNG, ExponentWire, WordWire
+from ciera_jax.fsdp.state.ahead import ahead_of
+
+from readme_step import MLP
+
+STEPS = 5
+
+
+def _mesh():
+    return jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
+
+
+def _run(gather: str, wrap: bool, steps: int = STEPS, nudge_at: int | None = None):
+    """The README's loop: final params, each step's stats, and the wrapper (or None).
+    ``nudge_at``: before that step, every parameter is changed outside the step."""
+    with jax.set_mesh(_mesh()):
+        x = jax.device_put(jax.random.normal(jax.random.key(1), (64, 256)), P(("data", "fsdp")))
+        model = MLP(256, 1024, nnx.Rngs(0))
+        if gather == "plain":
+            fsdp.set_gather_mode(model, "plain")
+        else:
+            fsdp.attach_caches(model, mode=gather)
+        opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+
+        @nnx.jit
+        def train_step(model, opt, x):
+            loss, grads = nnx.value_and_grad(lambda m: jnp.mean(jnp.square(m(x) - x)))(model)
+            opt.update(model, grads)
+            return loss, fsdp.gather_stats(model)
+
+        step = ciera_jax.train_step(train_step) if wrap else train_step
+        stats = []
+        for i in range(steps):
+            if i == nudge_at:
+                params = nnx.state(model, nnx.Param)
+                nnx.update(model, jax.tree.map(lambda a: a * 1.5, params))
+            _, st = step(model, opt, x)
+            stats.append(jax.device_get(st))
+        params = jax.device_get(nnx.state(model, nnx.Param))
+    return params, stats, step if wrap else None
+
+
+def _bits(tree):
+    return [np.asarray(a).view(f"u{np.asarray(a).dtype.itemsize}") for a in jax.tree.leaves(tree)]
+
+
+def _same(a, b) -> bool:
+    return all(np.array_equal(x, y) for x, y in zip(_bits(a), _bits(b), strict=True))
+
+
+def _totals(st: dict) -> tuple[int, int, int]:
+    """(sent bytes, plain bytes, fallbacks) over every gathered tensor of one step."""
+    rows = [v for v in st.values()]
+    return (sum(int(r["sent_bytes"]) for r in rows), sum(int(r["plain_bytes"]) for r in rows),
+            sum(int(r["fallback"]) for r in rows))
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return _run("plain", False)[0]
+
+
+@pytest.mark.parametrize("mode", ["word", "exponent"])
+def test_the_readme_loop_is_bitwise_plain_and_compressed_past_priming(plain, mode):
+    params, stats, step = _run(mode, True)
+    assert _same(params, plain)
+    first = _totals(stats[0])
+    assert first[2] > 0 and first[0] >= first[1]  # the priming program: plain, refilling caches
+    for st in stats[2:]:
+        sent, plain_bytes, fallbacks = _totals(st)
+        assert fallbacks == 0 and 0 < sent < plain_bytes
+    assert step.steps == STEPS and 1 <= step.plain_steps <= 2
+    assert step.encodes == STEPS + 1  # one before the first step, one after each
+    assert 2 <= len(step.programs) <= step.choice.max_programs
+    assert all(r != PLAIN_RUNG for r in step.programs[-1].values())
+
+
+def test_the_wrapper_matches_the_bare_decorator_and_leaves_its_path_alone(plain):
+    bare, bare_stats, _ = _run("word", False, steps=3)
+    loop_params, _, step = _run("word", True, steps=3)
+    assert _same(bare, loop_params)
+    assert all(_totals(st)[2] == 0 for st in bare_stats[1:])
+
+
+def test_parameters_changed_outside_the_step_are_encoded_again():
+    """A parameter set between steps (a restore, an edit) is not what the last encode read:
+    the wrapper encodes again before the step, and the run stays bitwise a plain one's."""
+    want = _run("plain", False, steps=4, nudge_at=2)[0]
+    params, stats, step = _run("word", True, steps=4, nudge_at=2)
+    assert _same(params, want)
+    assert step.encodes == 4 + 1 + 1
+
+
+def test_the_inputs_made_ahead_are_split_over_the_ranks():
+    with jax.set_mesh(_mesh()):
+        model = fsdp.attach_caches(MLP(256, 1024, nnx.Rngs(0)), mode="word")
+        loop.encode_ahead(model)
+        ahead = ahead_of(model)
+    assert ahead
+    for e, agreed, needed in ahead.values():
+        for leaf in jax.tree.leaves(e):
+            assert leaf.shape[0] == 4 and leaf.sharding.spec[0] == "fsdp"
+        assert int(needed) == loop.ahead.wire_of(e).rungs  # unprimed: plain
+
+
+def test_rung_choice_holds_every_demand_within_its_programs():
+    w = WordWire(4096, 2)
+    e = ExponentWire(4096, 2)
+    wires = {"a": w, "b": e}
+    choice = loop.RungChoice(max_programs=3, slack=0.0)
+    assert choice.choose({"a": w.rungs, "b": e.rungs}, wires) == {"a": PLAIN_RUNG,
+                                                                  "b": PLAIN_RUNG}
+    assert choice.choose({"a": 3, "b": 2}, wires) == {"a": 3, "b": 2}
+    assert choice.choose({"a": 2, "b": 2}, wires) == {"a": 2, "b": 2}  # cheaper: compiled
+    assert len(choice.programs) == 3
+    # past max_programs: the cheapest compiled program that holds the demand ...
+    assert choice.choose({"a": 1, "b": 1}, wires) == {"a": 2, "b": 2}
+    # ... and the all-plain one where none does
+    assert choice.choose({"a": 5, "b": 1}, wires) == {"a": PLAIN_RUNG, "b": PLAIN_RUNG}
+    with pytest.raises(ValueError, match="max_programs"):
+        loop.RungChoice(max_programs=0)
+    slack = loop.RungChoice(slack=10.0)
+    slack.choose({"a": 3}, {"a": w})
+    assert slack.choose({"a": 1}, {"a": w}) == {"a": 3}  # within the slack: no new compile
