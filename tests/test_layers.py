@@ -27,13 +27,14 @@ MAY_IMPORT = {
     "sim": {"planning", "codec", "runtime"},
     "fsdp.state": {"planning", "collective"} | BELOW_COLLECTIVE,
     "fsdp": {"fsdp.state", "planning", "collective"} | BELOW_COLLECTIVE,
-    "cli": {"api", "fsdp", "fsdp.state", "sim", "calibrate", "planning", "collective"}
+    "loop": {"fsdp", "fsdp.state", "planning", "collective"} | BELOW_COLLECTIVE,
+    "cli": {"api", "loop", "fsdp", "fsdp.state", "sim", "calibrate", "planning", "collective"}
     | BELOW_COLLECTIVE,
 }
 # What ``ciera_models`` may use of the library: its public layers, never the codec or kernels
 # (``collective`` re-exports the few codec names a trainer needs). Its own command-line layer
 # may also use the library's ``cli`` (``ciera train`` is a subcommand of ``ciera``).
-PUBLIC = {"api", "fsdp", "fsdp.state", "collective", "planning", "runtime"}
+PUBLIC = {"api", "loop", "fsdp", "fsdp.state", "collective", "planning", "runtime"}
 MAY_IMPORT |= {
     "models": set(),  # the top-level ``ciera_models``, empty
     "models.model": PUBLIC,
