@@ -15,7 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 import ciera_jax
 from ciera_jax import fsdp, loop
-from ciera_jax.fsdp.state.ahead import AHEAD_ATTR
+from ciera_jax.fsdp.state.ahead import ahead_of, set_ahead
+from ciera_jax.fsdp.state.setup import gathering_modules
 from ciera_models.train.rung_policy import rungs_holding
 
 D, F, BATCH = 256, 1024, 64
@@ -34,15 +35,28 @@ class MLP(nnx.Module):
         return x + self.down(jax.nn.gelu(self.up(self.norm(x))))
 
 
+class Blocks(nnx.Module):
+    """``n`` of the README's ``MLP`` called one after another (each gathers on its own)."""
+
+    def __init__(self, n, d, f, rngs):
+        self.blocks = nnx.List([MLP(d, f, rngs) for _ in range(n)])
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
 def build(mesh, mode: str | None = "word", d: int = D, f: int = F, batch: int = BATCH,
-          rungs=None):
+          rungs=None, blocks: int = 0):
     """``(step, (state, x))``: the README's ``train_step`` over the model and optimizer's
     state, abstract and placed as their partition names say; ``mode=None``: no caches (the
     decorator gathers plainly). ``rungs``: the program ``ciera_jax.train_step`` runs at those
     rungs (``ciera_jax.loop.at_rungs``), its inputs made ahead part of the state; None: the
-    bare decorator's per-call program."""
+    bare decorator's per-call program. ``blocks``: that many MLPs in a row (0: one, the
+    README's)."""
     def make():
-        model = MLP(d, f, nnx.Rngs(0))
+        model = Blocks(blocks, d, f, nnx.Rngs(0)) if blocks else MLP(d, f, nnx.Rngs(0))
         if mode:
             model = fsdp.attach_caches(model, mode=mode)
         else:
@@ -65,10 +79,15 @@ def build(mesh, mode: str | None = "word", d: int = D, f: int = F, batch: int = 
         a.shape, a.dtype, sharding=NamedSharding(mesh, s if isinstance(s, P) else P())), sub),
         specs, state, is_leaf=lambda s: isinstance(s, P) or s is None)
     if "ahead" in made:  # the inputs made ahead, split as the encode program leaves them
-        var = state[0][AHEAD_ATTR]
-        var.set_value(jax.tree.map(lambda spec, sub: jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec)),
-            sub), made["ahead"][""], var.get_value(), is_leaf=lambda x: isinstance(x, P)))
+        model, opt = nnx.merge(graphdef, state)
+        for path, m in gathering_modules(model):
+            specs = made["ahead"].get("/".join(map(str, path)))
+            if specs:
+                set_ahead(m, jax.tree.map(lambda spec, sub: jax.tree.map(
+                    lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                   sharding=NamedSharding(mesh, spec)), sub),
+                    specs, ahead_of(m), is_leaf=lambda x: isinstance(x, P)))
+        graphdef, state = nnx.split((model, opt))
 
     @jax.jit
     def step(state, x):
@@ -88,3 +107,5 @@ build_exponent = functools.partial(build, mode="exponent")
 # the steady-state demand (the first program ciera train compiles)
 build_word_steady = functools.partial(build, mode="word", rungs=rungs_holding)
 build_exponent_steady = functools.partial(build, mode="exponent", rungs=rungs_holding)
+build_plain_4 = functools.partial(build, mode=None, blocks=4)
+build_word_steady_4 = functools.partial(build, mode="word", rungs=rungs_holding, blocks=4)

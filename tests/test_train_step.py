@@ -27,12 +27,28 @@ def _mesh():
     return jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
 
 
-def _run(gather: str, wrap: bool, steps: int = STEPS, nudge_at: int | None = None):
+class Unwrapped(nnx.Module):
+    """The README's ``MLP`` without the decorator: wrapped by instance (``fsdp.shard``)."""
+
+    def __init__(self, d, f, rngs):
+        part = lambda *n: nnx.with_partitioning(nnx.initializers.lecun_normal(), n)  # noqa: E731
+        self.norm = nnx.LayerNorm(d, rngs=rngs)
+        self.up = nnx.Linear(d, f, kernel_init=part("fsdp", None), rngs=rngs)
+        self.down = nnx.Linear(f, d, kernel_init=part(None, "fsdp"), rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(jax.nn.gelu(self.up(self.norm(x))))
+
+
+def _run(gather: str, wrap: bool, steps: int = STEPS, nudge_at: int | None = None,
+         sharded: bool = False):
     """The README's loop: final params, each step's stats, and the wrapper (or None).
-    ``nudge_at``: before that step, every parameter is changed outside the step."""
+    ``nudge_at``: before that step, every parameter is changed outside the step;
+    ``sharded``: the model wrapped by instance instead of decorated."""
     with jax.set_mesh(_mesh()):
         x = jax.device_put(jax.random.normal(jax.random.key(1), (64, 256)), P(("data", "fsdp")))
-        model = MLP(256, 1024, nnx.Rngs(0))
+        model = (fsdp.shard(Unwrapped(256, 1024, nnx.Rngs(0))) if sharded
+                 else MLP(256, 1024, nnx.Rngs(0)))
         if gather == "plain":
             fsdp.set_gather_mode(model, "plain")
         else:
@@ -106,6 +122,14 @@ def test_parameters_changed_outside_the_step_are_encoded_again():
     params, stats, step = _run("word", True, steps=4, nudge_at=2)
     assert _same(params, want)
     assert step.encodes == 4 + 1 + 1
+    # every exponent moved: above the top rung, so that step ran a program gathering plain
+    assert _totals(stats[2])[2] > 0 and step.plain_steps >= 2
+
+
+def test_a_model_wrapped_by_instance_runs_the_same_program(plain):
+    params, stats, step = _run("exponent", True, sharded=True)
+    assert _same(params, plain)
+    assert all(_totals(st)[2] == 0 for st in stats[2:]) and step.plain_steps == 1
 
 
 def test_the_inputs_made_ahead_are_split_over_the_ranks():

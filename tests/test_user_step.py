@@ -55,3 +55,14 @@ def test_the_wrapped_steps_steady_program_holds_no_conditional(mode):
     bare = user_step.compile_user_step(getattr(readme_step, f"build_{mode}"), gpus=8)
     assert bare["conditionals"] >= 1
     assert steady["fusions"] < bare["fusions"]
+
+
+@pytest.mark.slow
+def test_blocks_called_in_a_row_gather_under_the_blocks_before():
+    """Four of the README's blocks in a row under ciera_jax.train_step: every gather's inputs
+    are made ahead, so XLA starts each block's gathers under the compute before it: every
+    gathered byte overlapped, as plain's, and still no conditional."""
+    plain = user_step.compile_user_step(readme_step.build_plain_4, gpus=8)
+    steady = user_step.compile_user_step(readme_step.build_word_steady_4, gpus=8)
+    assert steady["conditionals_per_step"] == steady["all_gathers_in_branches"] == 0
+    assert steady["all_gather_overlap_share"] >= plain["all_gather_overlap_share"] > 0
