@@ -15,7 +15,9 @@ Wrap the step (an ``nnx.jit`` function taking the model) and each call:
 3. calls your step, then dispatches the next encode program.
 
 Outside a call the modules gather as before (the bare decorator's per-call path), so an
-evaluation step or a forward of your own needs nothing else."""
+evaluation step or a forward of your own needs nothing else. Inside, the model's calls must
+read the parameters the step was called with (the optimizer's update after them, as usual):
+a call sends what the encode program made of those, whose checksum its self-check reads."""
 
 from __future__ import annotations
 
