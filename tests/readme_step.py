@@ -47,16 +47,34 @@ class Blocks(nnx.Module):
         return x
 
 
+class Stacked(nnx.Module):
+    """``n`` of the README's ``MLP`` stacked with ``nnx.vmap`` and run with ``nnx.scan`` (the
+    recipe of docs/flax.md: each layer gathers its own in the scan)."""
+
+    def __init__(self, n, d, f, rngs):
+        @nnx.split_rngs(splits=n)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+        def build(r):
+            return MLP(d, f, r)
+
+        self.layers = build(rngs)
+
+    def __call__(self, x):
+        return nnx.scan(lambda x, layer: layer(x), in_axes=(nnx.Carry, 0), out_axes=nnx.Carry,
+                        transform_metadata={nnx.PARTITION_NAME: None})(x, self.layers)
+
+
 def build(mesh, mode: str | None = "word", d: int = D, f: int = F, batch: int = BATCH,
-          rungs=None, blocks: int = 0):
+          rungs=None, blocks: int = 0, layers: int = 0):
     """``(step, (state, x))``: the README's ``train_step`` over the model and optimizer's
     state, abstract and placed as their partition names say; ``mode=None``: no caches (the
     decorator gathers plainly). ``rungs``: the program ``ciera_jax.train_step`` runs at those
     rungs (``ciera_jax.loop.at_rungs``), its inputs made ahead part of the state; None: the
-    bare decorator's per-call program. ``blocks``: that many MLPs in a row (0: one, the
-    README's)."""
+    bare decorator's per-call program. ``blocks``: that many MLPs in a row; ``layers``: that
+    many stacked (0 and 0: one, the README's)."""
     def make():
-        model = Blocks(blocks, d, f, nnx.Rngs(0)) if blocks else MLP(d, f, nnx.Rngs(0))
+        model = (Blocks(blocks, d, f, nnx.Rngs(0)) if blocks else
+                 Stacked(layers, d, f, nnx.Rngs(0)) if layers else MLP(d, f, nnx.Rngs(0)))
         if mode:
             model = fsdp.attach_caches(model, mode=mode)
         else:
@@ -109,3 +127,6 @@ build_word_steady = functools.partial(build, mode="word", rungs=rungs_holding)
 build_exponent_steady = functools.partial(build, mode="exponent", rungs=rungs_holding)
 build_plain_4 = functools.partial(build, mode=None, blocks=4)
 build_word_steady_4 = functools.partial(build, mode="word", rungs=rungs_holding, blocks=4)
+build_plain_stacked_4 = functools.partial(build, mode=None, layers=4)
+build_word_steady_stacked_4 = functools.partial(build, mode="word", rungs=rungs_holding,
+                                                layers=4)

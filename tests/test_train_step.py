@@ -18,7 +18,7 @@ from ciera_jax import fsdp, loop
 from ciera_jax.collective import PLAIN_RUNG, ExponentWire, WordWire
 from ciera_jax.fsdp.state.ahead import ahead_of
 
-from readme_step import MLP
+from readme_step import MLP, Stacked
 
 STEPS = 5
 
@@ -41,13 +41,16 @@ class Unwrapped(nnx.Module):
 
 
 def _run(gather: str, wrap: bool, steps: int = STEPS, nudge_at: int | None = None,
-         sharded: bool = False):
+         sharded: bool = False, stacked: bool = False):
     """The README's loop: final params, each step's stats, and the wrapper (or None).
     ``nudge_at``: before that step, every parameter is changed outside the step;
-    ``sharded``: the model wrapped by instance instead of decorated."""
+    ``sharded``: the model wrapped by instance instead of decorated; ``stacked``: three
+    smaller layers stacked with ``nnx.vmap``, run with ``nnx.scan``."""
+    d = 64 if stacked else 256
     with jax.set_mesh(_mesh()):
-        x = jax.device_put(jax.random.normal(jax.random.key(1), (64, 256)), P(("data", "fsdp")))
+        x = jax.device_put(jax.random.normal(jax.random.key(1), (64, d)), P(("data", "fsdp")))
         model = (fsdp.shard(Unwrapped(256, 1024, nnx.Rngs(0))) if sharded
+                 else Stacked(3, d, 256, nnx.Rngs(0)) if stacked
                  else MLP(256, 1024, nnx.Rngs(0)))
         if gather == "plain":
             fsdp.set_gather_mode(model, "plain")
@@ -82,10 +85,11 @@ def _same(a, b) -> bool:
 
 
 def _totals(st: dict) -> tuple[int, int, int]:
-    """(sent bytes, plain bytes, fallbacks) over every gathered tensor of one step."""
-    rows = [v for v in st.values()]
-    return (sum(int(r["sent_bytes"]) for r in rows), sum(int(r["plain_bytes"]) for r in rows),
-            sum(int(r["fallback"]) for r in rows))
+    """(sent bytes, plain bytes, fallbacks) over every gathered tensor (and layer) of one
+    step."""
+    rows = list(st.values())
+    return tuple(int(sum(np.asarray(r[k]).sum() for r in rows))
+                 for k in ("sent_bytes", "plain_bytes", "fallback"))
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +117,20 @@ def test_the_wrapper_matches_the_bare_decorator_and_leaves_its_path_alone(plain)
     loop_params, _, step = _run("word", True, steps=3)
     assert _same(bare, loop_params)
     assert all(_totals(st)[2] == 0 for st in bare_stats[1:])
+
+
+@pytest.mark.parametrize("mode", ["word", "exponent"])
+def test_a_layer_stack_run_with_nnx_scan_is_bitwise_plain(mode):
+    """The docs' nnx.vmap recipe: each layer's call in the scan gathers from its slice of the
+    inputs made ahead (a layer axis before the rank axis); one rung per stack, the most any
+    layer needs."""
+    want = _run("plain", False, stacked=True)[0]
+    params, stats, step = _run(mode, True, stacked=True)
+    assert _same(params, want)
+    for st in stats[2:]:
+        sent, plain_bytes, fallbacks = _totals(st)
+        assert fallbacks == 0 and 0 < sent < plain_bytes
+    assert step.plain_steps == 1
 
 
 def test_parameters_changed_outside_the_step_are_encoded_again():

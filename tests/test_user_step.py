@@ -66,3 +66,16 @@ def test_blocks_called_in_a_row_gather_under_the_blocks_before():
     steady = user_step.compile_user_step(readme_step.build_word_steady_4, gpus=8)
     assert steady["conditionals_per_step"] == steady["all_gathers_in_branches"] == 0
     assert steady["all_gather_overlap_share"] >= plain["all_gather_overlap_share"] > 0
+
+
+@pytest.mark.slow
+def test_a_stack_run_with_nnx_scan_gathers_layer_l_plus_1_under_layer_l():
+    """Four of the README's blocks stacked with nnx.vmap and run with nnx.scan under
+    ciera_jax.train_step: the layer loop's gathers read only inputs made ahead, so XLA
+    pipelines them (layer l+1's all-gather started under layer l); no conditional."""
+    plain = user_step.compile_user_step(readme_step.build_plain_stacked_4, gpus=8,
+                                        hlo_out=None)
+    steady = user_step.compile_user_step(readme_step.build_word_steady_stacked_4, gpus=8)
+    assert steady["conditionals_per_step"] == steady["all_gathers_in_branches"] == 0
+    assert steady["all_gather_overlap_share"] >= plain["all_gather_overlap_share"] > 0
+    assert steady["fusions"] < 1.5 * plain["fusions"]

@@ -12,61 +12,114 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import ciera_jax.collective.gather as collective
-from ciera_jax.collective import capacity
+from ciera_jax.collective import bitfields, capacity
 from ciera_jax.fsdp import buckets, phases
-from ciera_jax.fsdp.gather import cache_specs_of
 from ciera_jax.fsdp.percall import call_inputs, checked_params
 from ciera_jax.fsdp.state.ahead import rank_spec, set_ahead
 from ciera_jax.fsdp.state.axes import REGION, placement
-from ciera_jax.fsdp.state.discovery import gather_spec, module_name
+from ciera_jax.fsdp.state.caches import PLAIN_ATTR, GatherCacheVar, cache_attr
+from ciera_jax.fsdp.state.discovery import module_name, module_path
+from ciera_jax.fsdp.state.inventory import GatheredTensor, gatherers
 from ciera_jax.fsdp.state.setup import gathering_modules, set_setup, setup_of
-from ciera_jax.fsdp.state.stacking import stack_size
+from ciera_jax.runtime.partition import without_axis
 
 
-def _checked(path: tuple, m) -> str:
-    """Where ``m`` gathers (REGION), or a one-line error for a module this path cannot run."""
-    where = module_name(m)
-    if stack_size(m):
-        raise ValueError(f"{where}: ciera_jax.train_step gathers modules called one at a "
-                         f"time; a layer stack runs in a step prepared by fsdp.prepare")
-    place = placement(gather_spec(m).axis_name, where)
+class _Unit(NamedTuple):
+    """One gathering module's inputs to the encode program."""
+
+    path: str  # its module path
+    tensors: dict  # {key: GatheredTensor}, one layer's
+    shards: dict  # {key: shard in the compute dtype}, layers first when stacked
+    caches: dict  # {key: cache} of the tensors it compresses
+    axis: str
+    impl: str
+    layers: int  # 0: not stacked
+
+
+def _place(g) -> str:
+    """Where ``g``'s calls gather (REGION), or a one-line error for a module this path cannot
+    run."""
+    where = module_name(g.module)
+    place = placement(g.spec.axis_name, where)
     if place != REGION:
         raise ValueError(f"{where}: ciera_jax.train_step runs under jit with the mesh set "
                          f"(jax.set_mesh) and the parameters placed on it")
     return place
 
 
-def unit_specs(tensors: dict, caches: dict, axis_name: str) -> dict:
-    """``{key: spec of its per-rank Encoded stack}`` in the order
-    :func:`~ciera_jax.fsdp.encode_tensors` returns one module's keys: its compressed tensors
-    outside buckets, then its buckets (each with its first member's spec)."""
-    keys = [k for k in tensors if k in caches]
-    bucket_of = buckets.groups(tensors, caches, axis_name, keys)
-    members = {m for ms in bucket_of.values() for m in ms}
-    out = {k: rank_spec(tensors[k].spec) for k in keys if k not in members}
-    out.update({b: rank_spec(tensors[ms[0]].spec) for b, ms in bucket_of.items()})
-    return out
+def _stacked_inputs(g, setup) -> tuple[dict, dict, dict]:
+    """``(tensors, shards, caches)`` of a gathering module in a layer stack (its calls run
+    one layer at a time in an ``nnx.scan``): one layer's tensors, as such a call builds them
+    (:func:`~ciera_jax.fsdp.percall.call_inputs`), with every layer's shards and caches."""
+    prefix = module_path(g.module)
+    tensors, shards, caches = {}, {}, {}
+    for p in g.params:
+        value = p.var.get_value()
+        t = tensors[p.key] = GatheredTensor(
+            f"{prefix}/{p.key}" if prefix else p.key, p.axis - p.lead, p.layer_shape,
+            g.spec.dtype or value.dtype, g.layers, spec=p.spec)
+        shards[p.key] = value.astype(t.dtype)
+        var = getattr(p.owner, cache_attr(p.name), None)
+        if (setup.mode == "ciera" and bitfields.is_compressible(t.dtype)
+                and p.name not in getattr(p.owner, PLAIN_ATTR, ())
+                and isinstance(var, GatherCacheVar)):
+            caches[p.key] = var.get_value()
+    return tensors, shards, caches
 
 
-def _units(model: nnx.Module) -> list:
-    """``(module path, tensors, shards, caches, axis, impl)`` of every gathering module under
-    ``model`` whose call compresses (``ciera`` mode, a cache), in model order."""
+def _units(model: nnx.Module) -> list[_Unit]:
+    """Every gathering module under ``model`` whose call compresses (``ciera`` mode, a
+    cache), in model order."""
     units = []
-    for path, m in gathering_modules(model):
-        spec, setup = gather_spec(m), setup_of(m)
+    for g in gatherers(model):
+        m, setup = g.module, setup_of(g.module)
         if setup.mode != "ciera" or setup.held:
             continue
-        place = _checked(path, m)
-        t, s, c = call_inputs(m, checked_params(m, spec, place), spec, setup, place)
+        place = _place(g)
+        if g.layers:
+            t, s, c = _stacked_inputs(g, setup)
+        else:
+            t, s, c = call_inputs(m, checked_params(m, g.spec, place), g.spec, setup, place)
         if c:
-            units.append(("/".join(map(str, path)), t, s, c, spec.axis_name, setup.impl))
+            units.append(_Unit("/".join(map(str, g.path)), t, s, c, g.spec.axis_name,
+                               setup.impl, g.layers))
     return units
+
+
+def unit_specs(u: _Unit) -> dict:
+    """``{key: spec of its per-rank Encoded stack}`` in the order
+    :func:`~ciera_jax.fsdp.encode_tensors` returns one module's keys: its compressed tensors
+    outside buckets, then its buckets (each with its first member's spec); a layer stack's
+    with its layer axis first, whole."""
+    tensors, caches = u.tensors, u.caches
+    keys = [k for k in tensors if k in caches]
+    bucket_of = buckets.groups(tensors, caches, u.axis, keys)
+    members = {m for ms in bucket_of.values() for m in ms}
+    firsts = {**{k: k for k in keys if k not in members},
+              **{b: ms[0] for b, ms in bucket_of.items()}}
+    return {k: rank_spec(tensors[first].spec, layers=bool(u.layers))
+            for k, first in firsts.items()}
+
+
+def _in_specs(u: _Unit) -> tuple[dict, dict]:
+    """The encode program's in_specs of one unit's shards and caches."""
+    lead = (None,) if u.layers else ()
+    shards = {k: P(*lead, *t.spec) for k, t in u.tensors.items()}
+    caches = {}
+    for k, c in u.caches.items():
+        t = u.tensors[k]
+        kept = without_axis(t.spec, u.axis)
+        caches[k] = jax.tree.map(lambda leaf, t=t, kept=kept: P(*lead, *kept) if any(kept)
+                                 and jnp.ndim(leaf) == len(lead) + len(t.shape) else P(), c)
+    return shards, caches
 
 
 def ahead_specs(model: nnx.Module) -> dict:
@@ -77,8 +130,7 @@ def ahead_specs(model: nnx.Module) -> dict:
 
 
 def _specs(units: list) -> dict:
-    return {path: {k: (spec, P(), P()) for k, spec in unit_specs(t, c, ax).items()}
-            for path, t, _, c, ax, _ in units}
+    return {u.path: {k: (spec, P(), P()) for k, spec in unit_specs(u).items()} for u in units}
 
 
 def ahead_values(model: nnx.Module) -> dict:
@@ -88,32 +140,31 @@ def ahead_values(model: nnx.Module) -> dict:
     units = _units(model)
     if not units:
         return {}
-    ax = units[0][4]
-    if any(u[4] != ax for u in units):
+    ax = units[0].axis
+    if any(u.axis != ax for u in units):
         raise ValueError(f"ciera_jax.train_step: every gathering module gathers over one axis, "
-                         f"got {sorted({u[4] for u in units})}")
+                         f"got {sorted({u.axis for u in units})}")
 
     def body(shards, caches):
-        encoded = [phases.encode_tensors(t, s, c, dict.fromkeys(c, True), ax, impl)
-                   for (_, t, _, _, _, impl), s, c in zip(units, shards, caches)]
+        encoded = [phases.encode_tensors(u.tensors, s, c, dict.fromkeys(c, True), ax, u.impl)
+                   for u, s, c in zip(units, shards, caches)]
         agreed = iter(collective.agree([buckets.unwrap(e) for enc in encoded
                                         for e in enc.values()], ax))
         out = []
-        for enc in encoded:
+        for u, enc in zip(units, encoded):
             mine = {}
             for k, e in enc.items():
                 a = next(agreed)
-                mine[k] = (jax.tree.map(lambda x: x[None], e), a,
-                           capacity.needed_rung(buckets.unwrap(e).wire, a))
+                per_rank = jax.tree.map(lambda x: x[:, None] if u.layers else x[None], e)
+                mine[k] = (per_rank, a, capacity.needed_rung(wire_of(per_rank, u.layers), a))
             out.append(mine)
         return out
 
-    in_specs = ([{k: P(*t[k].spec) for k in t} for _, t, _, _, _, _ in units],
-                [{k: cache_specs_of(c[k], t[k], ax) for k in c} for _, t, _, c, _, _ in units])
-    out_specs = list(_specs(units).values())
-    out = jax.shard_map(body, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
-        [u[2] for u in units], [u[3] for u in units])
-    return {u[0]: o for u, o in zip(units, out)}
+    in_specs = tuple(zip(*(_in_specs(u) for u in units)))
+    in_specs = (list(in_specs[0]), list(in_specs[1]))
+    out = jax.shard_map(body, in_specs=in_specs, out_specs=list(_specs(units).values()),
+                        check_vma=False)([u.shards for u in units], [u.caches for u in units])
+    return {u.path: o for u, o in zip(units, out)}
 
 
 @functools.lru_cache(maxsize=64)
@@ -133,9 +184,11 @@ def encode_ahead(model: nnx.Module) -> dict:
     return values
 
 
-def wire_of(encoded):
-    """The wire of one rank's ``Encoded`` in a per-rank stack (its leading axis dropped)."""
-    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
+def wire_of(encoded, layers: int | bool = 0):
+    """The wire of one rank's ``Encoded`` (one layer's) in a per-rank stack: its rank axis
+    dropped, and its layer axis before it when ``layers``."""
+    lead = 2 if layers else 1
+    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[lead:], a.dtype),
                        buckets.unwrap(encoded))
     return one.wire
 
@@ -149,7 +202,8 @@ def at_rungs(model: nnx.Module, rungs) -> dict:
     rungs."""
     by_path = {"/".join(map(str, p)): m for p, m in gathering_modules(model)}
     values = ahead_values(model)
-    wires = {(path, k): wire_of(e) for path, v in values.items() for k, (e, _, _) in v.items()}
+    wires = {(path, k): wire_of(e, jnp.ndim(n)) for path, v in values.items()
+             for k, (e, _, n) in v.items()}
     fixed = rungs(wires) if callable(rungs) else rungs
     for path, v in values.items():
         m = by_path[path]

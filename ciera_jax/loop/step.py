@@ -26,6 +26,8 @@ import functools
 import weakref
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from ciera_jax.collective import PLAIN_RUNG
@@ -77,11 +79,12 @@ class TrainStep:
         for i, m in enumerate(models):
             for path, mod in gathering_modules(m):
                 for k, (e, _, needed) in ahead_of(mod).items():
-                    units[(i, "/".join(map(str, path)), k)] = (mod, needed, wire_of(e))
+                    units[(i, "/".join(map(str, path)), k)] = (mod, needed,
+                                                               wire_of(e, jnp.ndim(needed)))
         if not units:
             return self.step(*args, **kwargs)
         needed = jax.device_get({u: v[1] for u, v in units.items()})  # the one host sync
-        rungs = self.choice.choose({u: int(n) for u, n in needed.items()},
+        rungs = self.choice.choose({u: int(np.max(n)) for u, n in needed.items()},
                                    {u: v[2] for u, v in units.items()})
         saved = self._fix(units, rungs)
         try:

@@ -38,8 +38,10 @@ def set_ahead(module, value: dict) -> None:
         setattr(module, AHEAD_ATTR, AheadInputs(value))
 
 
-def rank_spec(spec: tuple) -> P:
-    """The spec of a per-rank stack of a parameter's encoded shards: its leading axis split
-    over every mesh axis the parameter's ``spec`` names, in order."""
+def rank_spec(spec: tuple, layers: bool = False) -> P:
+    """The spec of a per-rank stack of a parameter's encoded shards: its rank axis split over
+    every mesh axis the parameter's (one layer's) ``spec`` names, in order; after a whole
+    layer axis when ``layers``."""
     names = tuple(n for entry in spec for n in names_of(entry))
-    return P(names if len(names) > 1 else names[0] if names else None)
+    rank = names if len(names) > 1 else names[0] if names else None
+    return P(None, rank) if layers else P(rank)
