@@ -4,6 +4,7 @@ process's ``TimeoutExpired`` (a hang in CI is then readable from CI's log alone)
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import threading
@@ -11,6 +12,19 @@ import time
 from pathlib import Path
 
 import pytest
+
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def child_env(**extra: str) -> dict:
+    """The test session's environment for a child process that sets its own device count
+    (``--devices``): XLA_FLAGS without the session's count, the rest (the compile flags, the
+    compilation cache) as the session has them; ``extra`` on top."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith(DEVICE_COUNT_FLAG)]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return {**env, **({"XLA_FLAGS": " ".join(flags)} if flags else {}), **extra}
+
 
 STACKS_WAIT_S = 5  # for each process to print its stacks after SIGUSR1
 

@@ -25,8 +25,9 @@ from pathlib import Path
 import pytest
 
 from ciera_harness.launch import free_port
-from processes import finish  # tests/processes.py
+from processes import child_env, finish  # tests/processes.py
 
+CACHE_SETTINGS = ("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE")
 LOADED = 10  # fresh processes that load the step from the cache, per case
 LOADED_TWO_PROCESS = 5  # fresh two-process runs that load the step
 
@@ -58,7 +59,9 @@ DECORATED_TAIL = """
 
 
 def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    """A child's environment without the test session's compilation cache: these tests say
+    which runs use one, and where."""
+    env = {k: v for k, v in child_env().items() if not k.startswith(CACHE_SETTINGS)}
     return {**env, **extra}
 
 

@@ -15,11 +15,11 @@ import pytest
 from ciera_harness.launch import free_port
 from ciera_models.resilience import peers
 from ciera_models.resilience.failures import EXIT_HUNG, EXIT_PEER_LOST
-from processes import finish, kill_all, log_tails  # tests/processes.py
+from processes import child_env, finish, kill_all, log_tails  # tests/processes.py
 
 TRAIN = [sys.executable, "-m", "ciera_jax.cli.main", "train", "--schedule-steps", "40",
          "--log-every", "1", "--devices", "4", "--num-processes", "2"]
-ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+ENV = child_env()
 
 
 def test_the_line_names_the_lost_process_and_the_newest_checkpoint(tmp_path, monkeypatch):

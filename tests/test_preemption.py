@@ -21,7 +21,7 @@ from ciera_models.cli import train as train_cli
 from ciera_models.resilience.preemption import EXIT_PREEMPTED, PreemptionGuard
 from ciera_models.train import TrainConfig
 from conftest import TINY_PROGRAMS
-from processes import finish  # tests/processes.py
+from processes import child_env, finish  # tests/processes.py
 
 STEPS = 20
 # test_train's: the trainer is shared
@@ -125,7 +125,7 @@ def test_first_signal_asks_second_exits_at_once():
 
 @pytest.mark.slow
 def test_multiprocess_sigterm_to_one_process_stops_both_and_resumes_bitwise(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
 
     def start(ck, *extra):
         port = free_port()

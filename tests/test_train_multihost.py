@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from ciera_harness.launch import free_port
-from processes import finish, log_tails  # tests/processes.py
+from processes import child_env, finish, log_tails  # tests/processes.py
 
 pytestmark = pytest.mark.slow  # 2 processes x 2 trainings
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow  # 2 processes x 2 trainings
 def _train_two_processes(gather: str, tmp_path, *extra: str, steps: int = 3,
                          env: dict | None = None) -> str:
     port = free_port()
-    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, **(env or {})}
+    env = child_env(**(env or {}))
     env["JAX_PLATFORMS"] = "cpu"
     procs = [subprocess.Popen(
         [sys.executable, "-m", "ciera_jax.cli.main", "train", "--steps", str(steps),

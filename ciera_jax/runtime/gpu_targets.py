@@ -11,6 +11,7 @@ CPU devices keep working in the same process.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.metadata
 import importlib.util
@@ -136,6 +137,22 @@ def compile_with(lowered, options: dict | None):
             if unknown[1] not in RENAMED_OPTIONS:
                 warnings.warn(f"XLA option {unknown[1]} is not known to this jaxlib's XLA; "
                               "compiling without it", RuntimeWarning, stacklevel=2)
+
+
+@contextlib.contextmanager
+def compile_only():
+    """Compiles for GPUs this process does not have (a compile-only mesh) within: such an
+    executable cannot be loaded back from JAX's persistent compilation cache (it has no client
+    to load into), so none is written there."""
+    import jax  # only here: this module is read without JAX (the planner's tables)
+
+    key = "jax_persistent_cache_min_compile_time_secs"
+    was = getattr(jax.config, key)
+    jax.config.update(key, float("inf"))
+    try:
+        yield
+    finally:
+        jax.config.update(key, was)
 
 
 def plan_slop_percent(t: "GpuTarget", io_bytes: int, plan_bytes: int) -> int:

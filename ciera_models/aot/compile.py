@@ -99,6 +99,7 @@ class CompiledStep:
         return schedule.overlap_share(self.collectives)
 
 
+@gpu_targets.compile_only()  # GPUs this process does not have
 def compile_lowered(lowered, options: dict) -> CompiledStep:
     t, c = time.perf_counter(), time.process_time()
     compiled = gpu_targets.compile_with(lowered, options)
@@ -153,6 +154,7 @@ def largest_temporaries(lowered, options: dict, n: int) -> list[dict]:
     return _dumped(lowered, options, read)
 
 
+@gpu_targets.compile_only()
 def _dumped(lowered, options: dict, read):
     """``read`` (a folder) of what one more compile of ``lowered`` with ``options`` dumped
     (``xla_dump_to``), in a folder removed after."""
@@ -169,6 +171,7 @@ PHASE_EVENTS = {"hlo_passes_s": "OptimizeHloModule", "priority_fusion_s": "prior
 MODULE_EVENT = "CompileSingleModule"
 
 
+@gpu_targets.compile_only()
 def compile_phases(lowered, options: dict) -> dict:
     """Where XLA:GPU's compile of ``lowered`` with ``options`` goes, from XLA's own trace
     events: one more compile under JAX's profiler (which slows it). Seconds per phase of
@@ -198,6 +201,7 @@ def phases_of(trace: dict) -> dict:
     return out
 
 
+@gpu_targets.compile_only()
 def compile_repeated(tcs: list, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: int,
                      repeat: int, hlo_out: str | None = None, log=None,
                      program: str = "steady", modules: bool = False,
@@ -232,6 +236,7 @@ def compile_repeated(tcs: list, target: gpu_targets.GpuTarget, gpus: int, tokens
     return reports
 
 
+@gpu_targets.compile_only()
 def compile_step(tc, target: gpu_targets.GpuTarget, gpus: int, tokens_per_gpu: int,
                  hlo_out: str | None = None, log=None, program: str = "steady",
                  modules: bool = False, phases: bool = False, temporaries: int = 0) -> dict:

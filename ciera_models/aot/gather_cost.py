@@ -115,6 +115,7 @@ def program_cost(text: str, hbm_Bps: float) -> dict:
             "kernel_list": [k.__dict__ for k in kernels]}
 
 
+@gpu_targets.compile_only()
 def gather_cost(mode: str, shape, axis: int, gpus: int, target: gpu_targets.GpuTarget,
                 hlo_out: str | None = None) -> dict:
     """The cost report of one ``mode`` gather of a bf16 ``shape`` on ``axis`` over ``gpus`` x

@@ -44,6 +44,7 @@ def load_builder(spec: str) -> Callable:
     return fn
 
 
+@gpu_targets.compile_only()
 def compile_user_step(build: Callable, gpus: int = 8, gpu: str = "h100-80gb",
                       xla_flags: str = "fsdp", hlo_out: str | None = None) -> dict:
     """Compile the step ``build`` makes for ``gpus`` x ``gpu`` with XLA:GPU and ``xla_flags``
