@@ -20,8 +20,11 @@ states the extra memory its caches (or held weights) take per GPU (:mod:`ciera_j
 Prefetch depth one: the gather of group g+1 may start once the compute of group g starts (one
 extra gathered layer in memory), so it overlaps that compute. Collectives are hierarchical
 (NVLink ring inside a node, IB ring across nodes); the wire bytes and codec time of each method
-come from :mod:`ciera_jax.planning.costmodel`. Replicated tensors (norms, biases) are not gathered.
-CIERA also pays one agreement collective (pmax of all change counts) at the start of the step.
+come from :mod:`ciera_jax.planning.costmodel`, and so do a host's fresh-memory faults and copies
+beyond its cache (0 on GPUs; a calibrated CPU host pays them). Replicated tensors (norms, biases)
+are not gathered. CIERA also pays one agreement collective (pmax of all change counts) at the
+start of the step. :func:`simulate_gather` is a step of one gather and nothing else: what the
+real-socket sweep measures, priced by the same terms.
 
 Compute: 2 FLOPs per active parameter per token forward (routed experts count top_k/n_experts),
 plus causal attention 2*seq*d_model per layer per token forward; backward is twice forward; the
