@@ -1,5 +1,5 @@
 """The sweep's picture: time per gather against link rate, log-log, one panel per process count
-and series; per mode the measured points and the cost model's predicted line; each measured
+and series; per mode the measured points and the step model's predicted line; each measured
 crossover marked where the mode's time meets plain's.
 
     draw(doc, "docs/crossover.png")   # doc: gather_multiprocess.py's JSON (write_results)
@@ -57,8 +57,8 @@ def draw(doc: dict, path: str) -> None:
         ax.legend(fontsize=7)
     # a re-priced sweep: the load of the run that measured it
     machine = (res.get("repriced_from") or {}).get("machine") or doc["machine"]
-    fig.suptitle("Where CIERA pays: measured over real sockets (points),\nthe planner's cost "
-                 f"model (lines); load {machine['load_avg'][1]:.1f}", fontsize=10)
+    fig.suptitle("Where CIERA pays: measured over real sockets (points),\nthe step model on the "
+                 f"calibrated host (lines); load {machine['load_avg'][1]:.1f}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -27,10 +27,13 @@ whose working set fit the last-level cache: the calibration prices both apart, i
 ``fault_Bps`` and ``spill_Bps`` over this host's ``llc_bytes`` and ``host_cores``, and every
 gather counts the fresh bytes its process faulted in per call). ``--reprice`` prices a sweep's
 JSON again with the current model, measuring nothing (a calibration from before the spill term
-gets this host's cache and cores and its host rates fitted again from its fault gathers). Every measured point is then priced by the planner's cost model
-(``ciera_jax.planning.crossover.predict``) and printed as measured, predicted and their ratio;
-per series, mode and process count the crossover rate below which the mode beats plain, measured
-and predicted (``sweep_report.py``). ``--png`` draws it (``crossover_plot.py``).
+gets this host's cache and cores and its host rates fitted again from its fault gathers). Every
+measured point is then priced by the step model that ``ciera plan``, ``simulate`` and ``aot``
+end with (``ciera_jax.sim.step.simulate_gather``: a step whose only work is that gather, its
+codec term this host's calibration) and printed as measured, predicted and their ratio; then
+how many plain gathers the model predicts within 25% (the model's CPU check) and, per series,
+mode and process count, the crossover rate below which the mode beats plain, measured and
+predicted (``sweep_report.py``). ``--png`` draws it (``crossover_plot.py``).
 
 Per rate row: median seconds per gather (the slowest process's median), time and wire ratios
 to plain. Every timed gather of a series starts after a barrier of all processes (``--no-sync``:
@@ -213,8 +216,6 @@ def reprice_file(args) -> int:
     res["repriced_from"] = dict(command=old.get("command"), date=old.get("date"),
                                 machine=old.get("machine"), path=args.reprice)
     doc = write_results(args.out, res)
-    print("within 25% of the model: " + ", ".join(
-        f"{m} {c['predicted']} of {c['points']}" for m, c in res["within_25"].items()))
     if args.png:
         from crossover_plot import draw  # benchmarks/, beside this script
 
@@ -288,10 +289,12 @@ def main(argv=None) -> int:
                "rate in both directions (ciera_harness.netns); one launch per process "
                "count serves every rate, each process reshaping its own link",
                "times are the slowest process's median per method",
-               "points: every (series, link, procs, mode) measured next to the cost model's "
-               "prediction (ciera_jax.planning.crossover.predict: the planner's t_plain, "
-               "t_ciera, t_word) on the calibrated profile of that process count with the "
+               "points: every (series, link, procs, mode) measured next to the step model's "
+               "prediction (ciera_jax.sim.step.simulate_gather: a step whose only work is "
+               "that gather) on the calibrated profile of that process count with the "
                "link's alpha and beta fitted from plain gathers of --link-sizes",
+               "plain_within_25: the plain gathers the model predicts within 25%, and its "
+               "misses",
                "crossovers: the link rate below which a mode beats plain, log-interpolated "
                "(ciera_jax.planning.crossover.log_crossover)",
                "word_rows: plain bits, exponent mode, word mode on a pair of weights whose "

@@ -1,19 +1,22 @@
 """The link-rate sweep of gather_multiprocess.py turned into its answer: every measured point
-next to the cost model's prediction, and the crossover rates, measured and predicted.
+next to the step model's prediction, and the crossover rates, measured and predicted.
 
 :func:`report` takes the launches (each: the links it swept, its process count and every
 process's RESULT) and returns ``points``, ``crossovers``, ``calibrations``, ``passes``,
-``link_fits`` and ``within_25`` (points the model predicts within 25%, per mode) for the JSON,
-printing their tables on the way. The prediction is the planner's
-(``ciera_jax.planning.crossover.predict``) on the launch's calibrated profile with the link's
-fitted alpha and beta, so a miss here is a miss of the planner; ``counted_s`` is the same with
-every codec priced as its counted bytes (the model before this sweep). ``host_s`` is the part of
-the prediction the host spends faulting in fresh memory (the calibrated ``fault_Bps`` on the
-profile's fresh bytes for the size, ``fresh_predicted``; ``fresh_bytes`` is what the slowest
-process counted per call; ``fresh_priced_s`` the prediction with those instead). ``spill_s``
-is the part its copies beyond the last-level cache take (``spill_bytes`` at the calibrated
-``spill_Bps``). The link fits run through the gathers that did neither, or take each gather's
-host time off.
+``link_fits``, ``within_25`` (points the model predicts within 25%, per mode) and
+``plain_within_25`` (the model's CPU check: the plain gathers within 25%, and the misses) for
+the JSON, printing their tables on the way. The prediction is the step model's
+(``ciera_jax.sim.step.simulate_gather``: a step whose only work is the point's gather, priced
+by the terms every predicted step adds up) on the launch's calibrated profile with the link's
+fitted alpha and beta; its codec term is this host's calibration (``ciera calibrate``'s
+measured rates), so a miss here is a miss of the model ``ciera plan``, ``simulate`` and ``aot``
+end with. ``counted_s`` is the same with every codec priced as its counted bytes. ``host_s`` is
+the part of the prediction the host spends faulting in fresh memory (the calibrated
+``fault_Bps`` on the profile's fresh bytes for the size, ``fresh_predicted``; ``fresh_bytes``
+is what the slowest process counted per call; ``fresh_priced_s`` the prediction with those
+instead). ``spill_s`` is the part its copies beyond the last-level cache take (``spill_bytes``
+at the calibrated ``spill_Bps``). The link fits run through the gathers that did neither, or
+take each gather's host time off.
 """
 
 from __future__ import annotations
@@ -27,9 +30,12 @@ from ciera_jax.calibrate import host as host_info
 from ciera_jax.calibrate.fit import clean, fit_alpha_beta, fit_host_rates, with_spill
 from ciera_jax.planning import costmodel as cm
 from ciera_jax.planning import crossover as xo
+from ciera_jax.sim.step import simulate_gather
 from ciera_harness.netns import rate_bits
 
 MODE_OF = {"plain": "plain", "ciera": "exponent", "exponent": "exponent", "word": "word"}
+METHOD_OF = {"plain": "plain", "exponent": "ciera", "word": "word"}  # simulate_gather's names
+TOL = 0.25  # the model's CPU check: a point within 25% of its prediction
 
 
 def link_rate(link: str) -> float | None:
@@ -120,14 +126,19 @@ def inputs(mode: str, shape, N: int, stats: dict | None) -> dict:
     return {}
 
 
+def model_s(mode: str, n: int, N: int, prof: cm.Profile, kw: dict) -> float:
+    """The step model's seconds for one gather of ``mode`` on ``n`` bf16 elements."""
+    return simulate_gather(2 * n, N, prof, METHOD_OF[mode], **kw)
+
+
 def make_point(series: str, link: str, N: int, mode: str, shape, t: float, plain_s: float,
                kw: dict, wire_ratio: float, fresh, prof: cm.Profile | None) -> dict:
-    """One measured point next to the planner's prediction on ``prof`` (None: unpriced)."""
+    """One measured point next to the step model's prediction on ``prof`` (None: unpriced)."""
     n = math.prod(shape)
     full_bytes = n * 2
-    pred = xo.predict(mode, n, N, prof, **kw) if prof else None
-    pred_plain = xo.predict("plain", n, N, prof) if prof else None
-    # the model before the sweep: every codec priced as its counted bytes
+    pred = model_s(mode, n, N, prof, kw) if prof else None
+    pred_plain = model_s("plain", n, N, prof, {}) if prof else None
+    # every codec priced as its counted bytes instead of the calibration's rates
     counted = dataclasses.replace(prof, codec_pricing="counted") if prof else None
     host = cm.host_fault_time(full_bytes, prof) if prof else None
     spill = cm.host_spill_time(full_bytes, N, prof) if prof else None
@@ -135,7 +146,7 @@ def make_point(series: str, link: str, N: int, mode: str, shape, t: float, plain
         series=series, link=link, rate_bps=link_rate(link), procs=N, mode=mode,
         mb=full_bytes / 2**20, shape=list(shape), inputs=kw, measured_s=t, ratio=t / plain_s,
         wire_ratio=wire_ratio, predicted_s=pred,
-        counted_s=xo.predict(mode, n, N, counted, **kw) if prof else None,
+        counted_s=model_s(mode, n, N, counted, kw) if prof else None,
         predicted_ratio=(pred / pred_plain if pred is not None else None),
         host_s=host, spill_s=spill, fresh_bytes=fresh,
         fresh_predicted=cm.fresh_bytes(full_bytes, prof) if prof else None,
@@ -195,8 +206,8 @@ def reprice(res: dict) -> dict:
             points.append(make_point(p["series"], p["link"], p["procs"], p["mode"], shape,
                                      p["measured_s"], p["measured_s"] / p["ratio"], kw,
                                      p["wire_ratio"], p.get("fresh_bytes"), prof))
-    return dict(res, points=points, link_fits=fits, crossovers=crossovers(points),
-                within_25=within(points), calibrations=calibrations)
+    answer = print_answer(points, [bases[c["procs"]] for c in res["calibrations"]])
+    return dict(res, points=points, link_fits=fits, calibrations=calibrations, **answer)
 
 
 def crossovers(points: list[dict]) -> list[dict]:
@@ -216,9 +227,9 @@ def crossovers(points: list[dict]) -> list[dict]:
     return out
 
 
-def within(points: list[dict], tol: float = 0.25) -> dict:
-    """Per mode: how many points the model predicts within ``tol`` (planner's prediction, and
-    the same at each point's counted fresh bytes)."""
+def within(points: list[dict], tol: float = TOL) -> dict:
+    """Per mode: how many points the model predicts within ``tol`` (its prediction, and the
+    same at each point's counted fresh bytes)."""
     out = {}
     for mode in sorted({p["mode"] for p in points}):
         pts = [p for p in points if p["mode"] == mode and p.get("predicted_s")]
@@ -228,6 +239,27 @@ def within(points: list[dict], tol: float = 0.25) -> dict:
                          fresh_priced=sum(abs(p["measured_s"] / p["fresh_priced_s"] - 1) <= tol
                                           for p in pts if p.get("fresh_priced_s")))
     return out
+
+
+def plain_check(points: list[dict], tol: float = TOL) -> dict:
+    """The model's CPU check: of the plain gathers (the link and the host, no codec), how many
+    it predicts within ``tol``, and each one it misses with measured / predicted."""
+    pts = [p for p in points if p["mode"] == "plain" and p.get("predicted_s")]
+    misses = [dict(series=p["series"], link=p["link"], procs=p["procs"],
+                   measured_over_predicted=p["measured_s"] / p["predicted_s"])
+              for p in pts if abs(p["measured_s"] / p["predicted_s"] - 1) > tol]
+    return dict(tol=tol, points=len(pts), within=len(pts) - len(misses), misses=misses)
+
+
+def plain_line(check: dict) -> str:
+    """``plain within 25% of the model: 21 of 24 points (misses, measured / predicted: ...)``."""
+    line = (f"plain within {check['tol']:.0%} of the model: {check['within']} of "
+            f"{check['points']} points")
+    if check["misses"]:
+        line += " (misses, measured / predicted: " + "; ".join(
+            f"{m['series']} {m['link']} {m['procs']} processes {m['measured_over_predicted']:.2f}"
+            for m in check["misses"]) + ")"
+    return line
 
 
 def _ms(key):
@@ -276,17 +308,35 @@ def report(launches: list[dict]) -> dict:
             print(f"each codec pass alone, process 0 of {launch['procs']} (all running it):")
             print_table(res0["passes"], PASS_COLUMNS)
         link_fits += [dict(procs=launch["procs"], link=k, **(v or {})) for k, v in fits.items()]
+    answer = print_answer(points, [cm.Profile(**c["profile"]) for c in calibrations])
+    return dict(points=points, calibrations=calibrations, passes=passes, link_fits=link_fits,
+                **answer)
+
+
+def model_source(profiles: list[cm.Profile]) -> str:
+    """What priced the points, in words: the step model and its codec term's source."""
+    codec = "; ".join(sorted({cm.codec_source(p) for p in profiles})) or "codec: none"
+    return ("the step model (ciera_jax.sim.step.simulate_gather) on each launch's calibrated "
+            f"host profile and fitted link; {codec}")
+
+
+def print_answer(points: list[dict], profiles: list[cm.Profile]) -> dict:
+    """Every point, how many the model predicts within 25% (per mode, and the plain check)
+    and the crossovers, printed; returned as ``model`` (:func:`model_source` of the launches'
+    ``profiles``), ``within_25``, ``plain_within_25``, ``crossovers``."""
+    source = model_source(profiles)
     if points:
-        print("every point, measured and predicted (the planner's cost model):")
+        print(f"every point, measured and predicted by {source}:")
         print_table(points, POINT_COLUMNS)
-    close = within(points)
+    close, plain = within(points), plain_check(points)
     if close:
         print("within 25% of the model: " + ", ".join(
             f"{m} {c['predicted']} of {c['points']} ({c['fresh_priced']} at counted fresh bytes)"
             for m, c in close.items()))
+    if plain["points"]:
+        print(plain_line(plain))
     cross = crossovers(points)
     if cross:
         print("crossover: the link rate below which a mode beats plain")
         print_table(cross, CROSS_COLUMNS)
-    return dict(points=points, crossovers=cross, calibrations=calibrations, passes=passes,
-                link_fits=link_fits, within_25=close)
+    return dict(model=source, within_25=close, plain_within_25=plain, crossovers=cross)

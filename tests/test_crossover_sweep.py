@@ -44,6 +44,10 @@ def test_smallest_sweep_writes_every_mode_rate_and_prediction(tmp_path):
         ("churn 0.01", "plain"), ("word", "plain")}
     for c in res["crossovers"]:
         assert {"measured", "predicted"} <= set(c), c
+    check = res["plain_within_25"]  # the model's CPU check: every plain point counted
+    assert check["points"] == 2 * len(RATES) == check["within"] + len(check["misses"])
+    assert all(m["link"] in RATES and abs(m["measured_over_predicted"] - 1) > 0.25
+               for m in check["misses"]), check
     prof = res["calibrations"][0]["profile"]
     assert prof["codec_pricing"] == "measured" and prof["word_codec_Bps"] > 0
     assert prof["fault_Bps"] >= 0 and "getrusage" in prof["sources"]["fault_Bps"]

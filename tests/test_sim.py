@@ -57,6 +57,40 @@ def test_simulate_gather_consistent_with_costmodel():
     assert rows[0]["ratio"] == pytest.approx(1.0)
 
 
+MB = 2**20
+# a calibrated CPU host, as ``ciera calibrate`` writes one: measured codec rates, fresh-memory
+# faults from 8 MB, a 16 MB cache shared by 2 cores
+HOST = cm.Profile("sockets", alpha_s=5e-4, beta_Bps=1e8, agreement_s=1e-3, codec_Bps=2e8,
+                  codec_pricing="measured", word_codec_Bps=5e7, escape_s=3e-7, fault_Bps=4e8,
+                  fresh_from_bytes=8 * MB, fresh_per_byte=2.0, llc_bytes=16 * MB, host_cores=2,
+                  spill_Bps=1e9)
+
+
+@pytest.mark.parametrize("N", [2, 4])
+def test_one_gather_on_a_calibrated_host_is_the_step_models_and_the_planners(N):
+    """The real-socket sweep prices each point with simulate_gather: a step of that one gather,
+    so it pays what a step's gather pays (the link, the codec at the calibrated rates, the
+    host's faults and spills, one agreement) and equals the planner's price of it."""
+    from ciera_jax.planning import crossover as xo
+
+    n = 16 * MB // 2
+    host = cm.host_fault_time(2 * n, HOST) + cm.host_spill_time(2 * n, N, HOST)
+    assert host > 0
+    plain = simulate_gather(2 * n, N, HOST, "plain")
+    assert plain == pytest.approx(cm.ring_allgather_time(2 * n, N, 5e-4, 1e8) + host)
+    for method, mode, kw in (("plain", "plain", {}),
+                             ("ciera", "exponent", dict(change_rate=0.01)),
+                             ("word", "word", dict(word_bpw=0.5))):
+        assert simulate_gather(2 * n, N, HOST, method, **kw) == pytest.approx(
+            xo.predict(mode, n, N, HOST, **kw)), method
+    exp = simulate_gather(2 * n, N, HOST, "ciera", 0.01)
+    assert exp - simulate_gather(2 * n, N, HOST, "ciera", 0.01 / 4) > 0  # escapes cost
+    with pytest.raises(ValueError, match="word_bpw"):
+        simulate_gather(2 * n, N, HOST, "word")
+    with pytest.raises(ValueError, match="unknown gather method"):
+        simulate_gather(2 * n, N, HOST, "exponent")
+
+
 @pytest.fixture(scope="module")
 def olmoe():
     return sweep("olmoe-1b-7b", [8, 16, 128, 1024])

@@ -66,3 +66,27 @@ def test_reprice_fits_the_link_without_the_faults_and_prices_every_point(tmp_pat
     assert exp["fresh_priced_s"] == pytest.approx(exp["predicted_s"] - host + 16 * MB / FAULT)
     assert got["repriced_from"]["command"] == "gather_multiprocess.py"
     assert set(got["within_25"]) == {"plain", "exponent"}
+    # the model's CPU check, printed and kept: the plain point measured 0.2 s is a miss
+    ratio = 0.2 / plain["predicted_s"]
+    assert got["plain_within_25"] == dict(tol=0.25, points=1, within=0, misses=[dict(
+        series="churn 0.01", link="1gbit", procs=2, measured_over_predicted=pytest.approx(ratio))])
+    assert (f"plain within 25% of the model: 0 of 1 points (misses, measured / predicted: "
+            f"churn 0.01 1gbit 2 processes {ratio:.2f})") in proc.stdout
+    assert "codec: measured by ciera calibrate" in got["model"]
+
+
+def test_plain_check_counts_the_plain_points_within_25_percent(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import sweep_report
+
+    def pt(mode, measured, predicted, link="1gbit"):
+        return dict(series="word", link=link, procs=4, mode=mode, measured_s=measured,
+                    predicted_s=predicted)
+
+    points = [pt("plain", 1.0, 0.8), pt("plain", 1.0, 0.79, "3gbit"), pt("plain", 0.75, 1.0),
+              pt("plain", 0.74, 1.0, "10gbit"), pt("plain", 1.0, None), pt("word", 3.0, 1.0)]
+    got = sweep_report.plain_check(points)
+    assert (got["points"], got["within"]) == (4, 2)  # 1.25x and 0.75x in; the word point apart
+    assert [(m["link"], round(m["measured_over_predicted"], 2)) for m in got["misses"]] == [
+        ("3gbit", 1.27), ("10gbit", 0.74)]
+    assert sweep_report.plain_line(got).startswith("plain within 25% of the model: 2 of 4 points")

@@ -20,8 +20,11 @@ states the extra memory its caches (or held weights) take per GPU (:mod:`ciera_j
 Prefetch depth one: the gather of group g+1 may start once the compute of group g starts (one
 extra gathered layer in memory), so it overlaps that compute. Collectives are hierarchical
 (NVLink ring inside a node, IB ring across nodes); the wire bytes and codec time of each method
-come from :mod:`ciera_jax.planning.costmodel`. Replicated tensors (norms, biases) are not gathered.
-CIERA also pays one agreement collective (pmax of all change counts) at the start of the step.
+come from :mod:`ciera_jax.planning.costmodel`, and so do a host's fresh-memory faults and copies
+beyond its cache (0 on GPUs; a calibrated CPU host pays them). Replicated tensors (norms, biases)
+are not gathered. CIERA also pays one agreement collective (pmax of all change counts) at the
+start of the step. :func:`simulate_gather` is a step of one gather and nothing else: what the
+real-socket sweep measures, priced by the same terms.
 
 Compute: 2 FLOPs per active parameter per token forward (routed experts count top_k/n_experts),
 plus causal attention 2*seq*d_model per layer per token forward; backward is twice forward; the
@@ -42,7 +45,7 @@ from ciera_jax.planning import costmodel as cm
 from ciera_jax.planning import memory
 from ciera_jax.planning.planner import (HEADROOM_GB, cache_budget, plan_model_modes, plan_tensor,
                                         room_bytes)
-from ciera_jax.planning.shapes import get_config, global_tensors, layer_tensors
+from ciera_jax.planning.shapes import TensorSpec, get_config, global_tensors, layer_tensors
 from ciera_jax.sim.cluster import Cluster, get_cluster
 from ciera_jax.planning.traces import Trace, WordTrace, default_trace, default_word_trace
 
@@ -184,47 +187,66 @@ def _plan_modes(plan: Mapping) -> Callable:
     return lambda t: plan.get(memory.key(t), "plain")
 
 
+def tensor_gathers(mode: str, n: int, N: int, link: cm.Link, change_rate: float,
+                   word_bpw: float | None) -> tuple[str, cm.GatherCost, cm.GatherCost | None]:
+    """One tensor of ``n`` elements in tensor mode ``mode``, as the step prices it: the mode it
+    gets (exponent mode above its top rung gathers plain bits), its forward gather's cost and its
+    backward re-gather's (None where the backward reads held weights or the cache; exponent
+    mode's sends the payload only, the exponents are cached)."""
+    if mode == "word":
+        c = cm.gather_cost("word", n, N, BYTES_PER_ELEM, link, word_bpw=word_bpw)
+    else:
+        gm = {"exponent": "ciera", "plain-noreshard": "plain"}.get(mode, mode)
+        c = cm.gather_cost(gm, n, N, BYTES_PER_ELEM, link, change_rate)
+        if c.fallback:
+            mode, c = "plain", cm.gather_cost("plain", n, N, BYTES_PER_ELEM, link)
+    if mode in NO_REGATHER:
+        return mode, c, None
+    again = (cm.gather_cost("payload", n, N, BYTES_PER_ELEM, link) if mode == "exponent"
+             else c)
+    return mode, c, again
+
+
+def build_group(name: str, fwd_s: float, tensors: list, N: int, link: cm.Link,
+                mode_of: Callable, trace: Trace, word_trace: WordTrace,
+                phase: str = "steady") -> Group:
+    """One group: its forward compute (``fwd_s``, the backward twice it) and the bucketed gathers
+    of its tensors in the modes ``mode_of(t)`` gives. A gather's time on the comm stream is the
+    link's for the group's wire bytes plus the host's fresh-memory faults and copies beyond its
+    cache (0 on GPUs); its codec runs after it on the compute stream."""
+    wire = rewire = codec = recodec = host = rehost = plain = 0.0
+    n_comp = extra = 0
+    modes = []
+    for t in tensors:
+        if not memory.gathered(t):
+            continue
+        m = mode_of(t)
+        bpw = word_trace.bpw(t.kind, phase) if m == "word" else None
+        m, c, again = tensor_gathers(m, t.size, N, link, trace.rate(t.kind), bpw)
+        plain += t.size * BYTES_PER_ELEM
+        modes.append((t, m))
+        n_comp += m in ("exponent", "word")
+        extra += memory.cache_bytes(t, MEMORY_MODE.get(m, "plain"))
+        wire, codec, host = wire + c.wire_bytes, codec + c.codec_s, host + c.host_s + c.spill_s
+        if again is not None:
+            rewire += again.wire_bytes
+            recodec += again.codec_s
+            rehost += again.host_s + again.spill_s
+    return Group(name, fwd_s, 2 * fwd_s, cm.gather_time(wire, N, link) + host,
+                 cm.gather_time(rewire, N, link) + rehost if rewire else 0.0, codec, recodec,
+                 cm.reduce_scatter_time(plain, N, link), wire, rewire, plain, n_comp, extra,
+                 tuple(modes))
+
+
 def build_groups(cfg: Any, N: int, cluster: Cluster, mode_of: Callable, tokens_per_gpu: int,
                  trace: Trace, word_trace: WordTrace | None = None,
                  phase: str = "steady") -> list[Group]:
     """Per group: compute, and the gathers of its tensors in the modes ``mode_of(t)`` gives."""
-    topo = cluster.topology
     word_trace = word_trace or default_word_trace()
-    out = []
-    for name, ts in _groups(cfg):
-        fwd = _fwd_flops_per_token(cfg, name, ts) * tokens_per_gpu / cluster.flops
-        wire = rewire = codec = recodec = plain = 0.0
-        n_comp = extra = 0
-        modes = []
-        for t in ts:
-            if not memory.gathered(t):
-                continue
-            m = mode_of(t)
-            plain += t.size * BYTES_PER_ELEM
-            rate = trace.rate(t.kind)
-            if m == "word":
-                c = cm.gather_cost("word", t.size, N, BYTES_PER_ELEM, topo,
-                                   word_bpw=word_trace.bpw(t.kind, phase))
-            else:
-                gm = {"exponent": "ciera", "plain-noreshard": "plain"}.get(m, m)
-                c = cm.gather_cost(gm, t.size, N, BYTES_PER_ELEM, topo, rate)
-                if c.fallback:
-                    m, c = "plain", cm.gather_cost("plain", t.size, N, BYTES_PER_ELEM, topo)
-            modes.append((t, m))
-            n_comp += m in ("exponent", "word")
-            extra += memory.cache_bytes(t, MEMORY_MODE.get(m, "plain"))
-            wire += c.wire_bytes
-            codec += c.codec_s
-            if m not in NO_REGATHER:  # exponent mode: the payload only, exponents cached
-                again = (cm.gather_cost("payload", t.size, N, BYTES_PER_ELEM, topo)
-                         if m == "exponent" else c)
-                rewire += again.wire_bytes
-                recodec += again.codec_s
-        out.append(Group(name, fwd, 2 * fwd, cm.gather_time(wire, N, topo),
-                         cm.gather_time(rewire, N, topo) if rewire else 0.0, codec, recodec,
-                         cm.reduce_scatter_time(plain, N, topo), wire, rewire, plain, n_comp,
-                         extra, tuple(modes)))
-    return out
+    return [build_group(name, _fwd_flops_per_token(cfg, name, ts) * tokens_per_gpu
+                        / cluster.flops, ts, N, cluster.topology, mode_of, trace, word_trace,
+                        phase)
+            for name, ts in _groups(cfg)]
 
 
 def schedule(groups: list[Group], agreement_s: float = 0.0) -> tuple[float, float, float]:
@@ -412,17 +434,27 @@ def sweep(cfg: Any, gpu_counts: list[int], cluster: Cluster | str = "h100-ib400"
 
 
 def simulate_gather(n_bytes: float, N: int, profile: cm.Link | str, method: str = "plain",
-                    change_rate: float = 0.0, bytes_per_elem: int = BYTES_PER_ELEM,
-                    word_bpw: float | None = None) -> float:
-    """Predicted seconds for one all-gather of a tensor of ``n_bytes`` (full size, as stored)
-    on ``N`` ranks; CIERA (``ciera``: exponent mode, ``word``: word mode at ``word_bpw`` bytes
-    per weight) includes patches or escapes, codec and one agreement. Use it to compare with
-    measured gathers (see :func:`compare_to_measurements`)."""
+                    change_rate: float = 0.0, word_bpw: float | None = None) -> float:
+    """Predicted seconds for one all-gather of a bf16 tensor of ``n_bytes`` (full size) on
+    ``N`` ranks, as the step model prices it: a step whose only work is that gather's forward
+    (:func:`build_group` of one tensor, :func:`schedule`d), so a measured gather checks the
+    very terms a step adds up. ``method``: ``plain``, ``ciera`` (exponent mode at
+    ``change_rate``) or ``word`` (at ``word_bpw`` bytes per weight); both CIERA modes pay
+    their rung's wire bytes, codec and one agreement, every method its host's fresh-memory
+    faults and copies beyond its cache (0 on GPU profiles)."""
+    modes = {"plain": "plain", "ciera": "exponent", "word": "word"}
+    if method not in modes:
+        raise ValueError(f"unknown gather method {method!r}; choose one of: {', '.join(modes)}")
+    if method == "word" and not (word_bpw and word_bpw > 0):
+        raise ValueError(f"word mode is priced at a measured word_bpw > 0, got {word_bpw!r}")
     link = cm.get_link(profile)
-    n = math.ceil(n_bytes / bytes_per_elem)
-    c = cm.gather_cost(method, n, N, bytes_per_elem, link, change_rate, word_bpw=word_bpw)
-    t = cm.gather_time(c.wire_bytes, N, link) + c.codec_s
-    return t + (cm.agreement_time(N, link) if method in ("ciera", "word") else 0.0)
+    # any weight the FSDP rule shards: only its element count is priced
+    t = TensorSpec("w_DxF", (math.ceil(n_bytes / BYTES_PER_ELEM),), "dense")
+    trace = Trace({}, default=change_rate)
+    words = WordTrace({"steady": {"overall": word_bpw}})
+    g = build_group("gather", 0.0, [t], N, link, lambda _: modes[method], trace, words)
+    g = dataclasses.replace(g, regather_s=0.0, recodec_s=0.0, rs_s=0.0)  # the forward only
+    return schedule([g], cm.agreement_time(N, link) if g.n_compressed else 0.0)[0]
 
 
 def compare_to_measurements(records: list[dict], profile: cm.Link | str) -> list[dict]:
