@@ -319,15 +319,16 @@ def test_a_guaranteed_rung_compiles_no_conditional_and_is_exact_where_it_holds(m
     assert broken, "the trajectory had a step whose promise could be broken"
 
 
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("rung", [None, 6, 9], ids=["traced", "rung 6", "top rung"])
-def test_rows_aligned_for_the_fused_decode_gather_bitwise(rung):
+def test_rows_aligned_for_the_fused_decode_gather_bitwise(rung, dtype):
     """Off axis 0, where the fused decode reads the payload in the wire's rows (interpreted
     Pallas here), the sender pads each row to its alignment: bitwise a plain gather, the
     self-check passes, and at a fixed rung (the section in the row) the padding counts as
     sent."""
     shape, axis = (2, N * 2, 256), 1
     spec = P(None, "fsdp", None)
-    align = ciera_jax.kernels.row_align(shape, BF16, N, axis=axis, impl="pallas")
+    align = ciera_jax.kernels.row_align(shape, dtype, N, axis=axis, impl="pallas")
     assert align
 
     def body(x, c):
@@ -335,15 +336,15 @@ def test_rows_aligned_for_the_fused_decode_gather_bitwise(rung):
         agreed = G.agree(e, "fsdp")
         agreed = agreed if rung is None else capacity.fix(agreed, rung)
         full, new_c, st = G.exchange(x, e, c, agreed, "fsdp", impl="pallas")
-        ref = lax.all_gather(bits_of_traced(x), "fsdp", axis=axis, tiled=True)
-        return (bits_of_traced(full), ref, new_c, st["verify_failed"], st["sent_bytes"],
+        ref = lax.all_gather(_bits(x), "fsdp", axis=axis, tiled=True)
+        return (_bits(full), ref, new_c, st["verify_failed"], st["sent_bytes"],
                 st["fallback"])
 
     fn = jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=(spec, P()), out_specs=P(),
                                check_vma=False))
     rng = np.random.default_rng(5)
-    x = rng.standard_normal(shape).astype(BF16)
-    cache = ciera_jax.init_cache(shape, BF16, mode="exponent")
+    x = rng.standard_normal(shape).astype(dtype)
+    cache = ciera_jax.init_cache(shape, dtype, mode="exponent")
     compressed = 0
     for step in range(3):
         full, ref, cache, failed, sent, fallback = fn(
@@ -353,9 +354,9 @@ def test_rows_aligned_for_the_fused_decode_gather_bitwise(rung):
             compressed += 1
             if rung is not None:  # plane, section, checksum: whole aligned rows
                 assert (int(sent) - 4) % align == 0  # less the agreement's bytes
-        x = (x.astype(np.float32) * (1 + 1e-3 * rng.standard_normal(shape))).astype(BF16)
+        x = (x.astype(np.float32) * (1 + 1e-3 * rng.standard_normal(shape))).astype(dtype)
     assert compressed == 2  # the first gather primes the cache
 
 
-def bits_of_traced(a):
-    return lax.bitcast_convert_type(a, jnp.uint16)
+def _bits(a):
+    return lax.bitcast_convert_type(a, _word(a.dtype))

@@ -85,9 +85,9 @@ def encode(x, cached_words, primed, axis: int, n_ranks: int, csum, impl: str,
     flags_2xW = escapes.pack_flags(jnp.stack([wordcodec.beyond(d, code_limit(code_bits)),
                                               wordcodec.beyond(d, LEVEL1_LIMIT)]))
     running_2xW = escapes.running_count(flags_2xW)
-    # Both levels' values are computed at their escapes only, from the shard and the cache
-    # (neither the deltas nor the cached slice are made whole for them).
-    # (A dense walk takes them whole: level 1 from the deltas the kernel made.)
+    # The loop over escapes computes both levels' values at the escapes only, from the shard
+    # and the cache (neither the deltas nor the cached slice made whole for it); a dense walk
+    # takes them whole, level 1 from the deltas the kernel made (not a gather of the cache).
     x_N = x.reshape(-1)
     level1, level2 = kernels.escape_pack_rows(
         [escapes.PerElement(x.size, jnp.int8, lambda i: _level1(
