@@ -69,6 +69,40 @@ def test_payload_read_in_rank_rows(shape, axis, dtype, backend):
     np.testing.assert_array_equal(np.asarray(sums), np.asarray(sums_ref))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", list(WORDS), ids=["bf16", "f32"])
+@pytest.mark.parametrize("shape,axis", [s[:2] for s in SHAPES if s[1]], ids=[s[2] for s in SHAPES
+                                                                             if s[1]])
+def test_payload_read_in_wire_rows(shape, axis, dtype, backend):
+    """The payload planes at the head of each wire row (N, L), other bytes behind them up to
+    a multiple of row_align: the same words and sums, and nothing behind the planes read."""
+    x, exp, payload = split_of(dtype, shape, seed=len(shape) + shape[-1] + 2)
+    shard_shape = list(shape)
+    shard_shape[axis] //= N
+    P_ = payload.shape[0]
+    planes = jnp.concatenate([full_to_rows(payload[k], tuple(shard_shape), axis, N)
+                              for k in range(P_)], axis=1)  # (N, P * n)
+    align = K.row_align(shape, dtype, N, axis=axis, impl="pallas")
+    assert align and planes.shape[1] % align == 0
+    tail = jnp.full((N, 2 * align - 5), 0xA5, jnp.uint8)  # a section, a checksum, padding
+    rows = jnp.concatenate([planes, tail, jnp.zeros((N, 5), jnp.uint8)], axis=1)
+    full, sums = K.decode_checksum_pallas(exp, rows, dtype, N, axis=axis, seed=11,
+                                          backend=backend, interpret=not ON_GPU,
+                                          payload_rows=True)
+    full_ref, sums_ref = K.decode_checksum_reference(exp, payload, dtype, N, axis=axis, seed=11)
+    np.testing.assert_array_equal(bits_of(full), bits_of(x))
+    np.testing.assert_array_equal(np.asarray(sums), np.asarray(sums_ref))
+    with pytest.raises(ValueError, match="a multiple of"):
+        K.decode_checksum_pallas(exp, rows[:, 1:], dtype, N, axis=axis, backend=backend,
+                                 interpret=not ON_GPU, payload_rows=True)
+
+
+def test_rows_are_aligned_only_where_the_fused_decode_reads_them():
+    assert K.row_align((3, N * 2, 512), jnp.bfloat16, N, axis=1, impl="pallas") == 512
+    assert K.row_align((3, N * 2, 512), jnp.bfloat16, N, axis=1, impl="xla") == 0
+    assert K.row_align((N * 4, 1024), jnp.bfloat16, N, axis=0, impl="pallas") == 0
+
+
 def test_a_flipped_bit_changes_only_its_rank():
     dtype, shape = jnp.bfloat16, (N * 4, 1024)
     _, exp, payload = split_of(dtype, shape)

@@ -226,3 +226,20 @@ def test_running_count_traced_for_a_gpu_takes_the_blocked_scan():
     n_blocks = 2 * escapes.BLOCKED_SCAN_MIN // escapes.SCAN_BLOCK
     assert "i32[2,8192] = cumsum" in str(jax.make_jaxpr(escapes.running_count)(words))
     assert "i32[2,8192] = cumsum" not in on_gpu and f"i32[2,{n_blocks}] = cumsum" in on_gpu
+
+
+@pytest.mark.parametrize("n", [1, 33, 1000, escapes.BLOCKED_SCAN_MIN])
+def test_a_short_row_traced_for_a_gpu_is_counted_by_one_masked_sum(n):
+    """Traced for a GPU, a row of up to BLOCKED_SCAN_MIN words takes one masked sum (no
+    cumsum: XLA:GPU's is a tree of kernels), exactly the host's count."""
+    from ciera_jax.runtime import target
+
+    words = np.random.default_rng(n).integers(0, 2**32, (3, n), dtype=np.uint32)
+    words[0] = 0xFFFFFFFF  # every flag set: the largest counts
+    words = jnp.asarray(words)
+    host = escapes.running_count(words)
+    with target.tracing_for_gpu((9, 0)):
+        on_gpu = str(jax.make_jaxpr(escapes.running_count)(words))
+        got = jax.jit(escapes.running_count)(words)
+    assert "cumsum" not in on_gpu
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(host))

@@ -317,3 +317,46 @@ def test_a_guaranteed_rung_compiles_no_conditional_and_is_exact_where_it_holds(m
             assert int(failed) > 0 and not np.array_equal(bits_of(full), np.asarray(ref))
         cache = jax.tree.unflatten(jax.tree.structure(cache), jax.tree.leaves(new_c))
     assert broken, "the trajectory had a step whose promise could be broken"
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("rung", [None, 6, 9], ids=["traced", "rung 6", "top rung"])
+def test_rows_aligned_for_the_fused_decode_gather_bitwise(rung, dtype):
+    """Off axis 0, where the fused decode reads the payload in the wire's rows (interpreted
+    Pallas here), the sender pads each row to its alignment: bitwise a plain gather, the
+    self-check passes, and at a fixed rung (the section in the row) the padding counts as
+    sent."""
+    shape, axis = (2, N * 2, 256), 1
+    spec = P(None, "fsdp", None)
+    align = ciera_jax.kernels.row_align(shape, dtype, N, axis=axis, impl="pallas")
+    assert align
+
+    def body(x, c):
+        e = G.encode(x, c, "fsdp", axis=axis, impl="pallas")
+        agreed = G.agree(e, "fsdp")
+        agreed = agreed if rung is None else capacity.fix(agreed, rung)
+        full, new_c, st = G.exchange(x, e, c, agreed, "fsdp", impl="pallas")
+        ref = lax.all_gather(_bits(x), "fsdp", axis=axis, tiled=True)
+        return (_bits(full), ref, new_c, st["verify_failed"], st["sent_bytes"],
+                st["fallback"])
+
+    fn = jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=(spec, P()), out_specs=P(),
+                               check_vma=False))
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal(shape).astype(dtype)
+    cache = ciera_jax.init_cache(shape, dtype, mode="exponent")
+    compressed = 0
+    for step in range(3):
+        full, ref, cache, failed, sent, fallback = fn(
+            jax.device_put(jnp.asarray(x), NamedSharding(_mesh(), spec)), cache)
+        assert np.array_equal(np.asarray(full), np.asarray(ref)) and int(failed) == 0, step
+        if not bool(fallback):
+            compressed += 1
+            if rung is not None:  # plane, section, checksum: whole aligned rows
+                assert (int(sent) - 4) % align == 0  # less the agreement's bytes
+        x = (x.astype(np.float32) * (1 + 1e-3 * rng.standard_normal(shape))).astype(dtype)
+    assert compressed == 2  # the first gather primes the cache
+
+
+def _bits(a):
+    return lax.bitcast_convert_type(a, _word(a.dtype))

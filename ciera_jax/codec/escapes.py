@@ -120,6 +120,8 @@ def running_count(words_RxW: jax.Array) -> jax.Array:
             return blocked_prefix_sum(pop, CPU_SCAN_BLOCK, base=CPU_SCAN_BLOCK)
     elif words_RxW.shape[1] > BLOCKED_SCAN_MIN:
         return blocked_prefix_sum(pop)
+    else:  # one masked sum over the row (W**2 adds), where XLA's cumsum is a tree of kernels
+        return _masked_prefix(pop[:, None, :])[:, 0, :]
     # cumsum: XLA rewrites it into a few kernels; lax.associative_scan compiles to ~60.
     return jnp.cumsum(pop, axis=1, dtype=jnp.int32)
 
@@ -302,13 +304,18 @@ class PerElement:
     n: int
     dtype: Any
     at: Callable[[jax.Array], jax.Array]
+    # every element's value at once, where the caller has it without indexing (``at`` of
+    # every index is a gather of every element, which XLA does not turn back into a read)
+    every: Callable[[], jax.Array] | None = None
 
     @classmethod
     def of(cls, values_N: jax.Array) -> "PerElement":
-        return cls(values_N.shape[0], values_N.dtype, lambda i: values_N[i])
+        return cls(values_N.shape[0], values_N.dtype, lambda i: values_N[i], lambda: values_N)
 
     def whole(self) -> jax.Array:
         """Every element's value (the dense walk, and kernels that take arrays)."""
+        if self.every is not None:
+            return self.every().astype(self.dtype)
         return self.at(jnp.arange(self.n, dtype=jnp.int32)).astype(self.dtype)
 
 

@@ -15,6 +15,8 @@ The code plane: ``b``-bit codes (``d + code_limit(b)``, or the escape code) pack
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -91,8 +93,11 @@ def pack_codes(codes_N, b: int):
     code i of a group at bit ``b*i`` of the group's little-endian ``b``-byte integer."""
     n = codes_N.shape[0]
     groups = jnp.pad(codes_N, (0, -n % 8)).reshape(-1, 8).astype(jnp.uint32)
-    value = jnp.sum(groups << (b * jnp.arange(8, dtype=jnp.uint32)), axis=1, dtype=jnp.uint32)
-    out = (value[:, None] >> (8 * jnp.arange(b, dtype=jnp.uint32))) & 0xFF
+    # Elementwise ORs of the group's fields (they do not overlap), not a sum over an axis:
+    # XLA:GPU fuses them with the bytes' split, where a reduction may be a kernel of its own.
+    value = functools.reduce(jnp.bitwise_or, [groups[:, k] << np.uint32(b * k)
+                                              for k in range(8)])
+    out = jnp.stack([(value >> np.uint32(8 * j)) & np.uint32(0xFF) for j in range(b)], axis=1)
     return out.astype(jnp.uint8).reshape(-1)[:code_bytes(n, b)]
 
 

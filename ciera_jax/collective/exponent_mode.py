@@ -101,27 +101,40 @@ def _parts(e: Encoded):
             [tuple(wire.summary_words if c else 0 for c in wire.caps), wire.word_caps, wire.caps])
 
 
-def send(e: Encoded, agreed, shard, axis_name) -> transfer.Sent:
+def row_align(e: Encoded, dtype, impl: str) -> int:
+    """Bytes each wire row is a multiple of (0: any length): where the fused decode reads the
+    payload planes in place from the rows (:func:`ciera_jax.kernels.row_align`); a strided
+    slice of them would be a copy of the payload."""
+    return kernels.row_align(e.full_shape, dtype, e.n_ranks, axis=e.axis, impl=impl)
+
+
+def send(e: Encoded, agreed, shard, axis_name, impl: str = "auto") -> transfer.Sent:
     """The gather's transfers. ``agreed``: the agreed demand, or a
     :class:`~ciera_jax.collective.capacity.FixedRung` (the section then rides in the main
-    transfer at a static size; a traced rung sends it in the section switch)."""
+    transfer at a static size; a traced rung sends it in the section switch). Rows are
+    aligned for the decode ``impl`` runs (:func:`row_align`); the padding counts as sent."""
     wire = e.wire
     parts, sizes = _parts(e)
-    if capacity.is_fixed(agreed):
+    align = row_align(e, shard.dtype, impl)
+    fixed = capacity.is_fixed(agreed)
+    at = [s[agreed.rung] for s in sizes] if fixed else []
+    widths = [np.dtype(p.dtype).itemsize for p in parts]
+    pad = transfer.padding(e.payload.size + sum(w * a for w, a in zip(widths, at)), align)
+    if fixed:
         rung = agreed.rung
         # a guaranteed rung compiles no fallback: nothing decides one
         overflow = None if agreed.guaranteed else capacity.overflows(wire, agreed)
-        rows = transfer.send_fixed(e.payload.reshape(-1), parts, [s[rung] for s in sizes],
-                                   shard, overflow, e.checksum, axis_name)
+        rows = transfer.send_fixed(e.payload.reshape(-1), parts, at, shard, overflow,
+                                   e.checksum, axis_name, align)
         overflow = jnp.bool_(False) if overflow is None else overflow
         return transfer.Sent(rows, (), rung, overflow,
-                             transfer.section_bytes(wire.section_sizes, rung))
+                             transfer.section_bytes(wire.section_sizes, rung) + pad)
     rung, overflow = transfer.pick_rung(wire.caps, agreed)
     rows = transfer.send_fixed(e.payload.reshape(-1), [], [], shard, overflow, e.checksum,
-                               axis_name)
+                               axis_name, align)
     sections = transfer.gather_section(parts, sizes, rung, axis_name)
     return transfer.Sent(rows, tuple(sections), rung, overflow,
-                         transfer.section_bytes(wire.section_sizes, rung))
+                         transfer.section_bytes(wire.section_sizes, rung) + pad)
 
 
 def decode(e: Encoded, sent: transfer.Sent, cache_exp, dtype, impl: str):
@@ -144,13 +157,17 @@ def decode(e: Encoded, sent: transfer.Sent, cache_exp, dtype, impl: str):
         full_to_rows(cache_exp, e.shard_shape, e.axis, e.n_ranks), flags_NxW, patch_NxK, cap_N,
         impl=impl)
     exp_full = rows_to_full(exp_Nxn, e.shard_shape, e.axis)
-    payload_full = rows_to_full(plane_NxL.reshape(e.n_ranks, n_planes, n), e.shard_shape,
-                                e.axis)
     # One pass: the weights and every rank's checksum of them (fused on GPU where it can be).
-    # (The payload's rows are not read in place: each lies in a wire row behind which the
-    # section and checksum follow, so the kernel would get a strided slice, a copy.)
-    full, got_N = kernels.decode_checksum(exp_full, payload_full, dtype, e.n_ranks, axis=e.axis,
-                                          impl=impl)
+    # The fused kernel reads the payload planes in place from the wire's rows, which the
+    # sender aligned for it (:func:`row_align`); else they move to the full layout first.
+    if row_align(e, dtype, impl):
+        full, got_N = kernels.decode_checksum(exp_full, None, dtype, e.n_ranks, axis=e.axis,
+                                              impl=impl, wire_rows=sent.rows)
+    else:
+        payload_full = rows_to_full(plane_NxL.reshape(e.n_ranks, n_planes, n),
+                                    e.shard_shape, e.axis)
+        full, got_N = kernels.decode_checksum(exp_full, payload_full, dtype, e.n_ranks,
+                                              axis=e.axis, impl=impl)
     # The new cache is the exponents the decode read (bitwise exponent(full)), so no pass
     # over the full tensor is needed to make it.
     return full, exp_full, selfcheck.failed_shards(full, sent_N, e.axis, got_N)

@@ -256,7 +256,7 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
     # operand of the fallback's cond) though only the head travels on most steps.
     shard = lax.stop_gradient(x)
     option, cached = ((word_mode, cache.words) if word else (exponent_mode, cache.exp))
-    sent = option.send(e, agreed, shard, axis_name)
+    sent = option.send(e, agreed, shard, axis_name, impl=impl)
     words = _received_words(e, sent, cached, dtype, impl, axis_name) if word else None
     out = _rebuilt(e, sent, cached, agreed, shard, words, dtype, impl, axis_name)
     if word:

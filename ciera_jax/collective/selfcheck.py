@@ -7,6 +7,8 @@ drifted on one rank (a flipped bit, a stale restore) fails there, in the step it
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +17,9 @@ from jax import lax
 from ciera_jax.codec import checksum as checksums
 from ciera_jax.codec.wire import CHECKSUM_BYTES
 
-_SHIFTS = np.arange(CHECKSUM_BYTES, dtype=np.uint32) * np.uint32(8)  # little-endian bytes
+# Little-endian bytes, by a shift per byte as a scalar: an array of shifts XLA:GPU turns into
+# an iota, computed by a kernel of its own and carried into the fallback's branch.
+_SHIFTS = [np.uint32(8 * k) for k in range(CHECKSUM_BYTES)]
 
 
 def shard_checksum(x: jax.Array, axis: int, axis_name) -> jax.Array:
@@ -34,7 +38,7 @@ def sent_checksums(wire_NxL: jax.Array) -> jax.Array:
     """Every rank's checksum (N,), read off the tail of its gathered row (shifts and a sum:
     fused into the compare that reads it, where a bitcast would be a kernel of its own)."""
     tail = wire_NxL[:, -CHECKSUM_BYTES:].astype(jnp.uint32)
-    return jnp.sum(tail << _SHIFTS, axis=1, dtype=jnp.uint32)  # the bytes do not overlap
+    return functools.reduce(jnp.bitwise_or, [tail[:, k] << s for k, s in enumerate(_SHIFTS)])
 
 
 def without_checksums(wire_NxL: jax.Array) -> jax.Array:
@@ -53,4 +57,4 @@ def failed_shards(full: jax.Array, sent_N: jax.Array, axis: int, got_N=None) -> 
 
 def _le_bytes(word: jax.Array) -> jax.Array:
     """A uint32 scalar's CHECKSUM_BYTES bytes, least significant first."""
-    return ((word >> _SHIFTS) & jnp.uint32(0xFF)).astype(jnp.uint8)
+    return jnp.stack([(word >> s) & np.uint32(0xFF) for s in _SHIFTS]).astype(jnp.uint8)

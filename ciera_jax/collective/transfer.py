@@ -24,6 +24,7 @@ import numpy as np
 from jax import lax
 
 from ciera_jax.codec import bitfields
+from ciera_jax.codec.wire import CHECKSUM_BYTES
 from ciera_jax.collective import capacity, selfcheck
 from ciera_jax.runtime.varying import varying_like
 
@@ -53,7 +54,7 @@ def gather_rows(buf_L: jax.Array, axis_name) -> jax.Array:
 
 
 def send_fixed(plane_L: jax.Array, parts, sizes, shard: jax.Array, fallback: jax.Array,
-               csum: jax.Array, axis_name) -> jax.Array:
+               csum: jax.Array, axis_name, align: int = 0) -> jax.Array:
     """The main plane, the checksum and the first ``sizes[i]`` entries of each of ``parts``
     (a static rung's section), in ONE unconditional all-gather. Returns the rows (N, T +
     CHECKSUM_BYTES): what travelled, checksum tails included, for :func:`read_fixed` and
@@ -63,12 +64,25 @@ def send_fixed(plane_L: jax.Array, parts, sizes, shard: jax.Array, fallback: jax
     of the shard's bits instead, so the plain gather that follows sends only the rest
     (:func:`plain_rest`) and a fallback step costs what a plain gather does. ``fallback=None``:
     no fallback is compiled (a guaranteed rung), so the shard's head is never read.
+
+    ``align``: zeros before the checksum make each row a multiple of ``align`` bytes
+    (:func:`padding` of them), so a decode can read the plane in place in blocks of that size.
     """
-    pieces = [plane_L] + [_to_bytes(p[:size]) for p, size in zip(parts, sizes) if size]
+    pieces = [plane_L] + [_le_bytes(bitfields.to_bits(p[:size]))
+                          for p, size in zip(parts, sizes) if size]
+    pad = padding(sum(p.shape[0] for p in pieces), align)
+    if pad:
+        pieces.append(jnp.zeros((pad,), jnp.uint8))
     buf = jnp.concatenate(pieces) if len(pieces) > 1 else plane_L
     if fallback is not None:
         buf = jnp.where(fallback, _head_bytes(shard, buf.shape[0]), buf)
     return gather_rows(selfcheck.with_checksum(buf, csum), axis_name)
+
+
+def padding(length: int, align: int) -> int:
+    """Zero bytes after ``length`` bytes of a wire row that make it, with its checksum, a
+    multiple of ``align`` bytes (0: no alignment)."""
+    return -(length + CHECKSUM_BYTES) % align if align else 0
 
 
 def read_fixed(rows: jax.Array, plane_len: int, dtypes, sizes, lengths):
@@ -78,7 +92,7 @@ def read_fixed(rows: jax.Array, plane_len: int, dtypes, sizes, lengths):
     at, out = plane_len, []
     for dtype, size, length in zip(dtypes, sizes, lengths):
         width = np.dtype(dtype).itemsize
-        piece = _from_bytes(rows[:, at:at + size * width], dtype, size)
+        piece = _from_le_bytes(rows[:, at:at + size * width], dtype, size)
         at += size * width
         out.append(jnp.pad(piece, ((0, 0), (0, length - size))))
     return selfcheck.sent_checksums(rows), rows[:, :plane_len], out
@@ -120,9 +134,20 @@ def _head_bytes(shard: jax.Array, n_bytes: int) -> jax.Array:
     head would be a copy kernel of its own on XLA:GPU; shifts fuse into the wire's build."""
     width = np.dtype(shard.dtype).itemsize
     words = bitfields.to_bits(shard.reshape(-1)[:-(-n_bytes // width)])
-    shifts = jnp.arange(width, dtype=words.dtype) * 8
-    head = ((words[:, None] >> shifts) & 0xFF).astype(jnp.uint8).reshape(-1)[:n_bytes]
+    head = _le_bytes(words)[:n_bytes]
     return jnp.pad(head, (0, n_bytes - head.shape[0]))
+
+
+def _le_bytes(a_N: jax.Array) -> jax.Array:
+    """Unsigned words' little-endian bytes, flat, by shifts: they fuse into the kernel that
+    reads them, where a size-changing bitcast of a slice is a kernel of its own on XLA:GPU.
+    A scalar shift per byte: an array of shifts XLA:GPU turns into an iota, computed by a
+    kernel of its own."""
+    word = np.dtype(a_N.dtype)
+    if word.itemsize == 1:
+        return a_N
+    return jnp.stack([(a_N >> word.type(8 * k)) & word.type(0xFF)
+                      for k in range(word.itemsize)], axis=1).astype(jnp.uint8).reshape(-1)
 
 
 def _to_bytes(a_N: jax.Array) -> jax.Array:
@@ -135,6 +160,20 @@ def _from_bytes(rows_NxB: jax.Array, dtype, count: int) -> jax.Array:
         return lax.bitcast_convert_type(rows_NxB, dtype)
     return lax.bitcast_convert_type(
         rows_NxB.reshape(rows_NxB.shape[0], count, np.dtype(dtype).itemsize), dtype)
+
+
+def _from_le_bytes(rows_NxB: jax.Array, dtype, count: int) -> jax.Array:
+    """:func:`_from_bytes` by shifts and ORs of the bytes: they fuse into the kernel that
+    reads the words, where a size-changing bitcast of a slice of the wire is a kernel (and a
+    buffer) of its own on XLA:GPU."""
+    width = np.dtype(dtype).itemsize
+    if width == 1:
+        return lax.bitcast_convert_type(rows_NxB, dtype)
+    word = np.dtype(f"uint{8 * width}")
+    grouped = rows_NxB.reshape(rows_NxB.shape[0], count, width).astype(word)
+    bits = functools.reduce(jnp.bitwise_or, [grouped[:, :, k] << word.type(8 * k)
+                                             for k in range(width)])
+    return lax.bitcast_convert_type(bits, dtype)
 
 
 def _prefixes(byte_parts, *, sizes, starts, length, axis_name):

@@ -85,14 +85,16 @@ def encode(x, cached_words, primed, axis: int, n_ranks: int, csum, impl: str,
     flags_2xW = escapes.pack_flags(jnp.stack([wordcodec.beyond(d, code_limit(code_bits)),
                                               wordcodec.beyond(d, LEVEL1_LIMIT)]))
     running_2xW = escapes.running_count(flags_2xW)
-    # Both levels' values are computed at their escapes only, from the shard and the cache
-    # (neither the deltas nor the cached slice are made whole for them).
+    # The loop over escapes computes both levels' values at the escapes only, from the shard
+    # and the cache (neither the deltas nor the cached slice made whole for it); a dense walk
+    # takes them whole, level 1 from the deltas the kernel made (not a gather of the cache).
     x_N = x.reshape(-1)
     level1, level2 = kernels.escape_pack_rows(
         [escapes.PerElement(x.size, jnp.int8, lambda i: _level1(
-            wordcodec.delta(bitfields.to_bits(x_N[i]), cached_at(i)))),
+            wordcodec.delta(bitfields.to_bits(x_N[i]), cached_at(i))), lambda: _level1(d)),
          escapes.PerElement(x.size, bitfields.to_bits(x_N[:1]).dtype,
-                            lambda i: bitfields.to_bits(x_N[i]))],
+                            lambda i: bitfields.to_bits(x_N[i]),
+                            lambda: bitfields.to_bits(x_N))],
         flags_2xW, [wire.caps1[-1], wire.caps2[-1]], running_2xW, impl=impl)
     codes = wordcodec.pack_codes(wordcodec.codes_of(d, code_bits), code_bits)
     counts = jnp.stack([counts[CODE_BITS.index(code_bits)], counts[wordcodec.RAW],
@@ -107,11 +109,13 @@ def _level1(d):
     return jnp.where(wordcodec.beyond(d, LEVEL1_LIMIT), LEVEL2, d).astype(jnp.int8)
 
 
-def send(e: WordEncoded, agreed, shard, axis_name) -> transfer.Sent:
+def send(e: WordEncoded, agreed, shard, axis_name, impl: str = "auto") -> transfer.Sent:
     """The gather's transfers. ``agreed``: the agreed demand vector, or a
     :class:`~ciera_jax.collective.capacity.FixedRung` (the section then rides in the main
     transfer at a static size; a traced rung sends it in the section switch,
-    :mod:`ciera_jax.codec.wire`)."""
+    :mod:`ciera_jax.codec.wire`). ``impl``: as exponent mode's send; word mode's decode reads
+    its rows at any length."""
+    del impl
     wire = e.wire
     if capacity.is_fixed(agreed):
         rung = agreed.rung

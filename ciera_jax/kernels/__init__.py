@@ -15,7 +15,8 @@ from ciera_jax.kernels.backend import (BACKENDS, CUSTOM_CALL, available_backends
                                        lowering_for)
 from ciera_jax.kernels.decode import decode_pallas, decode_reference
 from ciera_jax.kernels.decode_checksum import (decode_checksum, decode_checksum_pallas,
-                                               decode_checksum_reference, fusable)
+                                               decode_checksum_reference, fusable,
+                                               row_align)
 from ciera_jax.kernels.dispatch import (IMPLS, decode, encode, escape_fill_exponents,
                                         escape_fill_words, escape_impl, escape_pack,
                                         escape_pack_rows, resolve,
@@ -56,6 +57,7 @@ __all__ = [
     "pack_pallas",
     "resolve",
     "resolve_impl",
+    "row_align",
     "word_decode",
     "word_decode_pallas",
     "word_decode_reference",

@@ -119,7 +119,9 @@ def decode_checksum_pallas(exp, payload_Pxn, dtype, n_ranks: int, *, axis: int =
     """Fused :func:`decode_checksum_reference` (raises ValueError where not :func:`fusable`).
     ``payload_rows``: ``payload_Pxn`` is the payload's rank rows (N, P, n) as they arrived,
     read in place off axis 0 (each row of the last dims lies whole in one rank's row), so
-    they need no move to the full layout."""
+    they need no move to the full layout; or, off axis 0, the wire's rows (N, L) whose first
+    P * n bytes are the payload planes, L a multiple of :func:`row_align` (what follows the
+    planes is not read)."""
     fmt = bitfields.word_format(dtype)
     backend = check_backend(backend)
     shape, P = exp.shape, fmt.payload_bytes
@@ -130,6 +132,13 @@ def decode_checksum_pallas(exp, payload_Pxn, dtype, n_ranks: int, *, axis: int =
     layout, blk, paired, rows = plan
     n = math.prod(shape) // n_ranks
     want = (n_ranks, P, n) if payload_rows else (P, *shape)
+    row_groups = P * n // (2 * layout.dist)  # a rank's row, in groups
+    if payload_rows and rows is not None and payload_Pxn.ndim == 2:  # the wire's rows
+        width = payload_Pxn.shape[1]
+        if (payload_Pxn.shape[0] != n_ranks or width < P * n or width % (2 * layout.dist)):
+            raise ValueError(f"wire rows must be ({n_ranks}, L) with L >= {P * n} a multiple "
+                             f"of {2 * layout.dist}, got {payload_Pxn.shape}")
+        want, row_groups = payload_Pxn.shape, width // (2 * layout.dist)
     if payload_Pxn.shape != want:
         raise ValueError(f"payload_Pxn must have shape {want}, got {payload_Pxn.shape}")
     view = (layout.groups, 2, layout.dist)
@@ -139,7 +148,7 @@ def decode_checksum_pallas(exp, payload_Pxn, dtype, n_ranks: int, *, axis: int =
     elif rows is None:  # axis 0: the rank rows are the full layout, plane by plane
         planes, args = [Operand(jnp.uint8, planes=P)], [rank_rows_to_planes(payload, view)]
     else:  # one operand per plane, each group read where its rank's row holds it
-        planes = [Operand(jnp.uint8, groups=_row_group(rows, P, k)) for k in range(P)]
+        planes = [Operand(jnp.uint8, groups=_row_group(rows, row_groups, k)) for k in range(P)]
         args = [payload.reshape(-1, 2, layout.dist)] * P
     call = stream_call(
         lambda b, e, *p: decode_checksum_body(
@@ -163,23 +172,42 @@ def rank_rows_to_planes(payload_NxPxn, view):
     return jnp.moveaxis(payload_NxPxn, 1, 0).reshape(payload_NxPxn.shape[1], *view)
 
 
-def _row_group(rows, n_planes: int, plane: int):
+def _row_group(rows, row_groups: int, plane: int):
     """Where group g of the full layout (a row of the last dims, index (before, rank, a
-    rank's part of the axis)) lies in the rank rows (N, P, before, part): its group there."""
+    rank's part of the axis)) lies in the rank rows (N, P, before, part), each rank's row
+    ``row_groups`` groups long: its group there."""
     pre, ranks, d = rows
 
     def group(g):
         b, r, i = g // (ranks * d), (g // d) % ranks, g % d
-        return ((r * n_planes + plane) * pre + b) * d + i
+        return r * row_groups + (plane * pre + b) * d + i
 
     return group
 
 
-def decode_checksum(exp, payload_Pxn, dtype, n_ranks: int, *, axis: int = 0, seed: int = 0,
-                    impl: str = "auto"):
-    """Decode and per-rank checksums: fused where the impl is a Pallas kernel and the shape is
-    :func:`fusable`, else the decode (kernel or jnp) followed by the jnp checksum."""
+def row_align(shape, dtype, n_ranks: int, *, axis: int = 0, impl: str = "auto") -> int:
+    """Bytes a wire row must be a multiple of for :func:`decode_checksum` to read the payload
+    planes in place from the wire's rows (``payload_rows``), or 0 where it does not (an
+    unfused decode, axis 0, where the planes' rank rows are the full layout already)."""
     c = resolve(impl)
+    plan = fusable(shape, dtype, n_ranks, axis=axis) if c.kind == "pallas" else None
+    if plan is None or plan[3] is None:
+        return 0
+    return 2 * plan[0].dist
+
+
+def decode_checksum(exp, payload_Pxn, dtype, n_ranks: int, *, axis: int = 0, seed: int = 0,
+                    impl: str = "auto", wire_rows=None):
+    """Decode and per-rank checksums: fused where the impl is a Pallas kernel and the shape is
+    :func:`fusable`, else the decode (kernel or jnp) followed by the jnp checksum.
+    ``wire_rows``: the wire's rows (N, L) whose heads are the payload planes, L a multiple of
+    :func:`row_align` (nonzero): the fused kernel reads the planes there, and
+    ``payload_Pxn`` (which then may be None) is not read."""
+    c = resolve(impl)
+    if wire_rows is not None:
+        return decode_checksum_pallas(exp, wire_rows, dtype, n_ranks, axis=axis, seed=seed,
+                                      backend=c.backend, interpret=c.interpret,
+                                      payload_rows=True)
     if c.kind == "pallas" and fusable(exp.shape, dtype, n_ranks, axis=axis):
         return decode_checksum_pallas(exp, payload_Pxn, dtype, n_ranks, axis=axis, seed=seed,
                                       backend=c.backend, interpret=c.interpret)

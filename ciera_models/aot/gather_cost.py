@@ -5,7 +5,8 @@ One tensor, gathered over ``gpus`` target GPUs as ``ciera train`` gathers it: pl
 of the shard, gathered), or compressed in the trainer's two programs, the encode (run ahead, at
 the end of the previous step) and the step's exchange at a fixed rung (the steady program's:
 the rung holding the steady-state demand of :mod:`~ciera_models.train.rung_policy`, word mode
-with its overflow rungs), self-check on. Each program is compiled by XLA:GPU with the FSDP
+with its overflow rungs), self-check on, its stats packed as a train step packs what it reads
+of them. Each program is compiled by XLA:GPU with the FSDP
 flags; the report lists the kernels on its steady path (:mod:`~ciera_models.aot.kernel_list`:
 the fallback's branches left out) with their bytes, and the launch floor and the roofline.
 """
@@ -30,6 +31,10 @@ from ciera_models.train import rung_policy
 
 MODES = ("plain", "exponent", "word")
 AXIS = "fsdp"
+# The exchange's stats a train step reads (``ciera_jax.fsdp``'s gather), packed as it packs
+# them: one int32 vector per tensor. The others are dead code in a step, and returned as
+# scalars each would be an output buffer of its own (a kernel, or a copy of a constant).
+TRAIN_STATS = ("sent_bytes", "plain_bytes", "changed", "rung", "fallback", "verify_failed")
 
 
 def check_gather(shape: tuple[int, ...], axis: int, gpus: int, mode: str) -> None:
@@ -87,6 +92,7 @@ def lowered_programs(mode: str, shape, axis: int, mesh, dtype=jnp.bfloat16) -> t
     def exchange(s, e, c, d, n):
         full, new_cache, stats = collective.exchange(s, _unlead(e), c,
                                                      capacity.fix(d, rung, n, exits), AXIS)
+        stats = train_stats(stats)
         # A word cache's words are the full tensor's bits: returned twice, one output would be
         # a copy of the other, which a train step (the tensor to its layer, the cache to the
         # next step) never makes.
@@ -99,6 +105,11 @@ def lowered_programs(mode: str, shape, axis: int, mesh, dtype=jnp.bfloat16) -> t
                          lowered_encode.out_info)
     return ({"encode": lowered_encode, "exchange": step.lower(x, ahead, cache, demand, needed)},
             {"rung": rung, "exits": exits})
+
+
+def train_stats(stats: dict) -> jax.Array:
+    """int32 (len(TRAIN_STATS),): the stats a train step reads, side by side."""
+    return jnp.stack([jnp.asarray(stats[k]).astype(jnp.int32) for k in TRAIN_STATS])
 
 
 def _fallback_computations(prog: schedule.Program) -> set[str]:
