@@ -18,8 +18,8 @@ DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 def child_env(**extra: str) -> dict:
     """The test session's environment for a child process that sets its own device count
-    (``--devices``): XLA_FLAGS without the session's count, the rest (the compile flags, the
-    compilation cache) as the session has them; ``extra`` on top."""
+    (``--devices``): XLA_FLAGS without the session's count, the rest (the compile flags) as the
+    session has them; ``extra`` on top."""
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
              if not f.startswith(DEVICE_COUNT_FLAG)]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
