@@ -122,13 +122,15 @@ def test_olmoe_16_experts_compressed_norms_routers_plain(profile):
     assert s["saving_per_step_s"] > 0 and s["speedup"] > 1
 
 
-def test_h100_nvlink_exponent_codec_costs_more_than_it_saves():
-    """On one flat H100 NVLink ring the compiled exponent codec costs more than the halved
-    wire saves: the planner keeps the experts plain, decided by which is faster."""
+def test_h100_nvlink_exponent_codec_eats_most_of_the_saving():
+    """On one flat H100 NVLink ring the compiled exponent codec costs most of what the halved
+    wire saves: each expert gather is priced above half of plain's, and the planner compresses
+    exactly the experts whose gather it prices faster."""
     experts = [d for d in plan_model("olmoe-1b-7b", 16, "h100-nvlink")
                if d.kind.startswith("expert_")]
     for d in experts:
-        assert d.t_ciera > d.t_plain and not d.compress, d
+        assert d.t_ciera > 0.5 * d.t_plain, d
+        assert d.compress == (d.t_ciera < d.t_plain), d
 
 
 def test_other_dtypes_plain():

@@ -315,7 +315,9 @@ def overlap_aware(planned: list[Group], plain: list[Group], agreement_s: float,
     The per-tensor planner prices a gather in isolation; a gather that prefetch already hides
     behind compute gains nothing from compression and still pays its codec. Greedily, group by
     group, fall back to the plain gather wherever the replayed step is no slower (which also
-    frees that group's cache memory).
+    frees that group's cache memory). A step's agreement is paid while any group is compressed,
+    so no single fallback may shorten the step where all of them together do: the all-plain
+    step is kept whenever it is no slower.
     """
     groups = list(planned)
     best = schedule(_on_stream(groups, codec_stream), agreement_s)[0]
@@ -326,6 +328,8 @@ def overlap_aware(planned: list[Group], plain: list[Group], agreement_s: float,
         t = schedule(_on_stream(trial, codec_stream), agreement_s)[0]
         if t <= best:
             groups, best = trial, t
+    if schedule(_on_stream(plain, codec_stream), 0.0)[0] <= best:  # no agreement to pay
+        return list(plain)
     return groups
 
 
