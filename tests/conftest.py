@@ -19,9 +19,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # compilation cache stays off: loaded programs aborted the TP test file's process now and then
 # (docs/training.md).
 COMPILE_FAST = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
-for _flag in ("--xla_force_host_platform_device_count=8", *COMPILE_FAST):
-    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+_flags = os.environ.get("XLA_FLAGS", "").split()
+# the count last, whatever count a test's run set before (the last flag of a name wins)
+_flags += [f for f in COMPILE_FAST if f.split("=")[0] not in " ".join(_flags)]
+if "--xla_force_host_platform_device_count=8" not in _flags[-1:]:
+    _flags.append("--xla_force_host_platform_device_count=8")
+os.environ["XLA_FLAGS"] = " ".join(_flags)
 
 import jax  # noqa: E402
 
