@@ -171,12 +171,13 @@ def _ahead_spec(key: str, encoded, agreed, tensors: dict):
     return (jax.tree.map(lambda _: spec, encoded), jax.tree.map(lambda _: P(), agreed))
 
 
-def cache_specs_of(cache, t: GatheredTensor, axis_name: str):
+def cache_specs_of(cache, t: GatheredTensor, axis_name: str, layers: bool = False):
     """Per leaf of one cache: leaves shaped like the tensor are split like its gathered
-    weight (the parameter's spec without the gather axis), the rest (flags) replicated."""
-    kept = without_axis(t.spec, axis_name)
-    return jax.tree.map(lambda leaf: P(*kept) if any(kept) and jnp.ndim(leaf) == len(t.shape)
-                        else P(), cache)
+    weight (the parameter's spec without the gather axis), the rest (flags) replicated;
+    ``layers``: every leaf has a whole layer axis first (a layer stack's cache)."""
+    lead, kept = (None,) * layers, without_axis(t.spec, axis_name)
+    return jax.tree.map(lambda leaf: P(*lead, *kept) if any(kept)
+                        and jnp.ndim(leaf) == len(lead) + len(t.shape) else P(), cache)
 
 
 def _to_spec(x, spec: P):

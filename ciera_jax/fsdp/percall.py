@@ -90,10 +90,16 @@ def call_inputs(module, params: list, spec: GatherSpec, setup: GatherSetup, plac
     for p in params:
         t = tensors[p.key] = call_tensor(module, p, spec, place)
         shards[p.key] = p.var.get_value().astype(t.dtype)
-        if (setup.mode == "ciera" and bitfields.is_compressible(t.dtype)
-                and p.name not in getattr(p.owner, PLAIN_ATTR, ())):
+        if compresses(p, t, setup):
             caches[p.key] = cache_of(p, t, f"{module_name(module)}/{p.key}")
     return tensors, shards, caches
+
+
+def compresses(p, t, setup: GatherSetup) -> bool:
+    """Does a call gather parameter ``p`` (as tensor ``t``) compressed: ``ciera`` mode, a
+    compressible dtype, and not named plain on its owner?"""
+    return (setup.mode == "ciera" and bitfields.is_compressible(t.dtype)
+            and p.name not in getattr(p.owner, PLAIN_ATTR, ()))
 
 
 def gathered_into(copy, module, params: list, spec: GatherSpec, setup: GatherSetup, place: str):

@@ -20,16 +20,16 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import ciera_jax.collective.gather as collective
-from ciera_jax.collective import bitfields, capacity
+from ciera_jax.collective import capacity
 from ciera_jax.fsdp import buckets, phases
-from ciera_jax.fsdp.percall import call_inputs, checked_params
+from ciera_jax.fsdp.gather import cache_specs_of
+from ciera_jax.fsdp.percall import call_inputs, checked_params, compresses
 from ciera_jax.fsdp.state.ahead import rank_spec, set_ahead
 from ciera_jax.fsdp.state.axes import REGION, placement
-from ciera_jax.fsdp.state.caches import PLAIN_ATTR, GatherCacheVar, cache_attr
+from ciera_jax.fsdp.state.caches import GatherCacheVar, cache_attr
 from ciera_jax.fsdp.state.discovery import module_name, module_path
 from ciera_jax.fsdp.state.inventory import GatheredTensor, gatherers
 from ciera_jax.fsdp.state.setup import gathering_modules, set_setup, setup_of
-from ciera_jax.runtime.partition import without_axis
 
 
 class _Unit(NamedTuple):
@@ -68,9 +68,7 @@ def _stacked_inputs(g, setup) -> tuple[dict, dict, dict]:
             g.spec.dtype or value.dtype, g.layers, spec=p.spec)
         shards[p.key] = value.astype(t.dtype)
         var = getattr(p.owner, cache_attr(p.name), None)
-        if (setup.mode == "ciera" and bitfields.is_compressible(t.dtype)
-                and p.name not in getattr(p.owner, PLAIN_ATTR, ())
-                and isinstance(var, GatherCacheVar)):
+        if compresses(p, t, setup) and isinstance(var, GatherCacheVar):
             caches[p.key] = var.get_value()
     return tensors, shards, caches
 
@@ -113,12 +111,8 @@ def _in_specs(u: _Unit) -> tuple[dict, dict]:
     """The encode program's in_specs of one unit's shards and caches."""
     lead = (None,) if u.layers else ()
     shards = {k: P(*lead, *t.spec) for k, t in u.tensors.items()}
-    caches = {}
-    for k, c in u.caches.items():
-        t = u.tensors[k]
-        kept = without_axis(t.spec, u.axis)
-        caches[k] = jax.tree.map(lambda leaf, t=t, kept=kept: P(*lead, *kept) if any(kept)
-                                 and jnp.ndim(leaf) == len(lead) + len(t.shape) else P(), c)
+    caches = {k: cache_specs_of(c, u.tensors[k], u.axis, layers=bool(u.layers))
+              for k, c in u.caches.items()}
     return shards, caches
 
 
@@ -178,10 +172,15 @@ def encode_ahead(model: nnx.Module) -> dict:
     for) and leave its results on the modules; returns them, ``{module path: ...}``."""
     graphdef, state = nnx.split(model)
     values = _program(graphdef)(state)
-    by_path = {"/".join(map(str, p)): m for p, m in gathering_modules(model)}
+    by_path = _modules_by_path(model)
     for path, v in values.items():
         set_ahead(by_path[path], v)
     return values
+
+
+def _modules_by_path(model: nnx.Module) -> dict:
+    """``{module path: gathering module}`` under ``model``, paths as the results name them."""
+    return {"/".join(map(str, p)): m for p, m in gathering_modules(model)}
 
 
 def wire_of(encoded, layers: int | bool = 0):
@@ -200,7 +199,7 @@ def at_rungs(model: nnx.Module, rungs) -> dict:
     the mesh set) and each module's setup given its rungs. ``rungs``: ``{(module path, key):
     rung}``, or a function of ``{(module path, key): wire}`` returning one. Returns the
     rungs."""
-    by_path = {"/".join(map(str, p)): m for p, m in gathering_modules(model)}
+    by_path = _modules_by_path(model)
     values = ahead_values(model)
     wires = {(path, k): wire_of(e, jnp.ndim(n)) for path, v in values.items()
              for k, (e, _, n) in v.items()}
