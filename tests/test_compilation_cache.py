@@ -5,10 +5,11 @@
 - ``ciera train`` honours the user's cache settings: with ``JAX_COMPILATION_CACHE_DIR`` set,
   fresh processes load the step from the cache and train bitwise as a run without a cache
   does, in both cache modes; so does the README's decorated Flax model. Each case loads the
-  step in ``LOADED`` fresh processes (two at a time): a loaded run that fails one time in
-  three is caught with probability 1 - (2/3)**10 = 98%.
-- Over two processes, ``LOADED_TWO_PROCESS`` fresh runs after the writing one end bitwise at
-  the uncached run's params. On CPUs only process 0 loads the step: each process's step runs
+  step in ``LOADED`` fresh processes (two at a time). The suite runs one pair; to hunt a rare
+  failure set ``CIERA_CACHE_LOADS``: with 10, a loaded run that fails one time in three is
+  caught with probability 1 - (2/3)**10 = 98%.
+- Over two processes, ``LOADED_TWO_PROCESS`` fresh runs (``CIERA_CACHE_LOADS`` // 2) after the
+  writing one end bitwise at the uncached run's params. On CPUs only process 0 loads the step: each process's step runs
   on its own devices, which are in the program's key there, and only process 0 writes the
   cache; so process 1 compiles while process 0 waits for it before their first collective.
 """
@@ -28,8 +29,8 @@ from ciera_harness.launch import free_port
 from processes import child_env, finish  # tests/processes.py
 
 CACHE_SETTINGS = ("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE")
-LOADED = 10  # fresh processes that load the step from the cache, per case
-LOADED_TWO_PROCESS = 5  # fresh two-process runs that load the step
+LOADED = int(os.environ.get("CIERA_CACHE_LOADS", "2"))  # fresh loading processes, per case
+LOADED_TWO_PROCESS = max(1, LOADED // 2)  # fresh two-process runs that load the step
 
 LOWERED_HASH = """
 from ciera_jax.runtime.devices import setup_devices
@@ -91,7 +92,7 @@ def _loads_bitwise(args, cache_dir: Path, program: str) -> None:
     assert any(program in f.name for f in cache_dir.iterdir()), "the step was not cached"
     assert _sha(writer) == want
     hit = f"Persistent compilation cache hit for '{program}'"
-    for _ in range(LOADED // 2):
+    for _ in range(max(1, LOADED // 2)):
         procs = [subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True, env=_cached_env(cache_dir))
                  for _ in range(2)]
