@@ -199,7 +199,8 @@ def run_gather(args, target) -> int:
     if args.hlo_out:
         from pathlib import Path
         Path(args.hlo_out).mkdir(parents=True, exist_ok=True)
-    reports = [gather_cost.gather_cost(m, shape, args.axis, args.gpus, target, args.hlo_out)
+    reports = [gather_cost.gather_cost(m, shape, args.axis, args.gpus, target, args.hlo_out,
+                                       fallback=args.fallback)
                for m in modes]
     print(gather_cost.render(reports, kernels=args.kernels))
     if args.json:
