@@ -25,14 +25,17 @@ from ciera_jax.codec import escapes
 from ciera_jax.codec.wire import FLAG_WORD_BITS, flag_words
 
 
-def listed_words(summary_RxS: jax.Array, n_words: int, capacity: int) -> jax.Array:
+def listed_words(summary_RxS: jax.Array, n_words: int, capacity: int,
+                 scale: int = 1) -> jax.Array:
     """int32 (R, capacity): the flag word index of each row's ``c``-th listed word (the
-    ``c``-th set bit of its summary), or ``n_words`` past the row's last."""
+    ``c``-th set bit of its summary), or ``n_words`` past the row's last; times ``scale``
+    (the word's first element, for ``scale`` = 32: one scatter, no pass after it)."""
     rows = summary_RxS.shape[0]
     nonzero_RxW = escapes.unpack_flags(summary_RxS, n_words)
     slot_RxW = jnp.where(nonzero_RxW, escapes.ranks(summary_RxS, n_words), capacity)
-    words = jnp.broadcast_to(jnp.arange(n_words, dtype=jnp.int32), (rows, n_words))
-    return jnp.full((rows, capacity), n_words, jnp.int32).at[
+    words = jnp.broadcast_to(jnp.arange(0, scale * n_words, scale, dtype=jnp.int32),
+                             (rows, n_words))
+    return jnp.full((rows, capacity), scale * n_words, jnp.int32).at[
         jnp.arange(rows)[:, None], slot_RxW].set(words, mode="drop")
 
 
@@ -47,9 +50,9 @@ def place(dest: jax.Array, summary_RxS: jax.Array, listed_RxC: jax.Array,
     if capacity == 0 or values_RxK.shape[1] == 0:
         return dest
     n_words = flag_words(n)
-    # Listed words past the summary's count sit at word n_words, past every element: their
+    # Listed words past the summary's count start at element 32 * n_words, past every one: their
     # flags are dropped, and only later such words count them.
-    word_RxC = listed_words(summary_RxS, n_words, capacity)
+    first_element_RxC = listed_words(summary_RxS, n_words, capacity, FLAG_WORD_BITS)
     listed = listed_RxC
     # each listed word's first slot: the flags in the listed words before it
     pop_RxC = _popcount(listed)
@@ -58,7 +61,7 @@ def place(dest: jax.Array, summary_RxS: jax.Array, listed_RxC: jax.Array,
     flag_RxCx32 = ((listed[:, :, None] >> lanes) & jnp.uint32(1)) != 0
     below = _popcount(listed[:, :, None] & ((jnp.uint32(1) << lanes) - jnp.uint32(1)))
     slot = first_RxC[:, :, None] + below
-    element = FLAG_WORD_BITS * word_RxC[:, :, None] + lanes.astype(jnp.int32)
+    element = first_element_RxC[:, :, None] + lanes.astype(jnp.int32)
     limit_R = jnp.broadcast_to(jnp.asarray(limit, jnp.int32), (rows,))
     live = flag_RxCx32 & (slot < limit_R[:, None, None]) & (element < n)
     at = index_of(jnp.arange(rows, dtype=jnp.int32)[:, None],
