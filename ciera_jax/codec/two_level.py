@@ -53,7 +53,7 @@ def place(dest: jax.Array, summary_RxS: jax.Array, listed_RxC: jax.Array,
     # Listed words past the summary's count start at element 32 * n_words, past every one: their
     # flags are dropped, and only later such words count them.
     first_element_RxC = listed_words(summary_RxS, n_words, capacity, FLAG_WORD_BITS)
-    listed = listed_RxC
+    listed = listed_RxC.astype(jnp.uint32)
     # each listed word's first slot: the flags in the listed words before it
     pop_RxC = _popcount(listed)
     first_RxC = escapes.running_count(listed) - pop_RxC
