@@ -38,6 +38,8 @@ def parse_args(argv=None):
     p.add_argument("--gpus", type=int, nargs="+", default=[8, 16])
     p.add_argument("--gpu", default="h100-80gb")
     p.add_argument("--modes", nargs="+", default=["plain", "exponent", "word"])
+    p.add_argument("--fallback", nargs="+", default=["auto"], choices=["auto", "program", "branch"],
+                   help="as ciera train --fallback (auto: program, on GPUs); several: each")
     p.add_argument("--kernels", action="store_true", help="also list every kernel")
     p.add_argument("--table", default=None, help="also write the step model's codec table here")
     p.add_argument("--from", dest="recorded", default=None,
@@ -65,11 +67,13 @@ def main(argv=None) -> None:
         for mode in args.modes:
             gather_cost.check_gather(tuple(args.shape), args.axis, gpus, mode)
     results = []
-    for gpus in args.gpus:
-        reports = [gather_cost.gather_cost(m, args.shape, args.axis, gpus, target)
-                   for m in args.modes]
-        print(gather_cost.render(reports, kernels=args.kernels), end="\n\n", flush=True)
-        results += reports
+    for fallback in args.fallback:
+        for gpus in args.gpus:
+            reports = [gather_cost.gather_cost(m, args.shape, args.axis, gpus, target,
+                                               fallback=fallback) for m in args.modes]
+            print(f"--fallback {fallback}")
+            print(gather_cost.render(reports, kernels=args.kernels), end="\n\n", flush=True)
+            results += reports
     doc = write_results(args.out, results)
     if args.table:
         import codec_table

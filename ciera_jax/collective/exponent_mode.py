@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ciera_jax import kernels
-from ciera_jax.codec import bitfields, escapes
+from ciera_jax.codec import bitfields, escapes, two_level
 from ciera_jax.collective import capacity, selfcheck, transfer
-from ciera_jax.codec.layout import full_to_rows, gathered_shape, rows_to_full
+from ciera_jax.codec.layout import full_index, full_to_rows, gathered_shape, rows_to_full
 from ciera_jax.codec.wire import ExponentWire, flag_words
 
 INT32_MAX = np.iinfo(np.int32).max
@@ -137,26 +137,29 @@ def send(e: Encoded, agreed, shard, axis_name, impl: str = "auto") -> transfer.S
                          transfer.section_bytes(wire.section_sizes, rung) + pad)
 
 
-def decode(e: Encoded, sent: transfer.Sent, cache_exp, dtype, impl: str):
-    """The tensor from what arrived and the cached exponents: ``(full, its exponents (the new
-    cache), failed shards)``. Meaningless on an overflow."""
+def _received(e: Encoded, sent: transfer.Sent):
+    """What arrived: (every rank's checksum (N,), the payload planes' rows (N, P * n), the
+    summary, the listed flag words and the new exponents, per rank)."""
     wire = e.wire
-    n, n_planes = wire.n, e.payload.shape[0]
-    plane_len = e.payload.size
     parts, sizes = _parts(e)
     at = [] if sent.sections else [s[sent.rung] for s in sizes]  # a traced rung's came apart
     sent_N, plane_NxL, fixed = transfer.read_fixed(
-        sent.rows, plane_len, [p.dtype for p in parts], at,
+        sent.rows, e.payload.size, [p.dtype for p in parts], at,
         [wire.summary_words, max(at[1], 1), max(at[2], 1)] if at else [])
-    summary_NxS, listed_NxC, patch_NxK = sent.sections or fixed
-    # Escapes of escapes: the nonzero flag words back in place (1/32 of the tensor: dense),
-    # then each changed exponent over the cached one (escapes.fill, or the escape kernel).
-    flags_NxW = escapes.expand_dense(listed_NxC, summary_NxS, flag_words(n))
-    cap_N = jnp.full((e.n_ranks,), jnp.asarray(wire.caps, jnp.int32)[sent.rung])
-    exp_Nxn = kernels.escape_fill_exponents(
-        full_to_rows(cache_exp, e.shard_shape, e.axis, e.n_ranks), flags_NxW, patch_NxK, cap_N,
-        impl=impl)
-    exp_full = rows_to_full(exp_Nxn, e.shard_shape, e.axis)
+    return sent_N, plane_NxL, sent.sections or fixed
+
+
+def decode(e: Encoded, sent: transfer.Sent, cache_exp, dtype, impl: str,
+           in_branch: bool = False):
+    """The tensor from what arrived and the cached exponents: ``(full, its exponents (the new
+    cache), failed shards)``. Meaningless on an overflow. ``in_branch``: it runs in a
+    conditional's branch, of which the cached exponents are an operand
+    (:func:`_new_exponents`)."""
+    n, n_planes = e.wire.n, e.payload.shape[0]
+    sent_N, plane_NxL, (summary_NxS, listed_NxC, patch_NxK) = _received(e, sent)
+    cap_N = jnp.full((e.n_ranks,), jnp.asarray(e.wire.caps, jnp.int32)[sent.rung])
+    exp_full = _new_exponents(e, cache_exp, summary_NxS, listed_NxC, patch_NxK, cap_N, impl,
+                              in_branch)
     # One pass: the weights and every rank's checksum of them (fused on GPU where it can be).
     # The fused kernel reads the payload planes in place from the wire's rows, which the
     # sender aligned for it (:func:`row_align`); else they move to the full layout first.
@@ -171,3 +174,26 @@ def decode(e: Encoded, sent: transfer.Sent, cache_exp, dtype, impl: str):
     # The new cache is the exponents the decode read (bitwise exponent(full)), so no pass
     # over the full tensor is needed to make it.
     return full, exp_full, selfcheck.failed_shards(full, sent_N, e.axis, got_N)
+
+
+def _new_exponents(e: Encoded, cache_exp, summary_NxS, listed_NxC, patch_NxK, cap_N, impl,
+                   in_branch: bool):
+    """The cached exponents (full layout) with every rank's changed ones set. Outside a
+    conditional, where the escapes take one dense pass (an accelerator, short rows) and no
+    escape kernel, the listed flag words place them in place, straight into the cache's full
+    layout (:func:`two_level.place`: no dense flag words, no rank rows; the cache's buffer
+    becomes the new cache). Else, and in a branch (whose operand XLA:GPU would copy in and out
+    around a write in place), the flag words are rebuilt (1/32 of the tensor: dense) and filled
+    over the cache's rank rows (escapes.fill, or the escape kernel)."""
+    n = e.wire.n
+    if (not in_branch and kernels.escape_impl(impl) == "xla"
+            and escapes.walk_for(n) == "dense"):
+        s = e.shard_shape[e.axis]
+        return two_level.place(
+            cache_exp, summary_NxS, listed_NxC, patch_NxK, cap_N, n,
+            lambda r, i: full_index(i, e.shard_shape, e.axis, e.n_ranks, r * s))
+    flags_NxW = escapes.expand_dense(listed_NxC, summary_NxS, flag_words(n))
+    exp_Nxn = kernels.escape_fill_exponents(
+        full_to_rows(cache_exp, e.shard_shape, e.axis, e.n_ranks), flags_NxW, patch_NxK, cap_N,
+        impl=impl)
+    return rows_to_full(exp_Nxn, e.shard_shape, e.axis)

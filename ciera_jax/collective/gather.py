@@ -268,7 +268,10 @@ def exchange(x: jax.Array, encoded, cache, agreed, axis_name, *, impl: str = "au
     else:
         full, new_cached, failed = out
     stats = _exchange_stats(e, sent, agreed, failed, dtype, word)
-    new_cache = _refreshed(cache, new_cached)
+    # A guaranteed rung held the demand, which an unprimed cache's never fits: the cache was
+    # primed, and stays so without a constant written anew (a kernel of its own on a GPU).
+    new_cache = _refreshed(cache, new_cached,
+                           cache.primed if capacity.is_guaranteed(agreed) else None)
     # The gathered tensor differs by nothing across ranks, but lax.all_gather types it as
     # varying; match that so callers can mix it with per-rank values as they would a gather.
     full = varying_like(full, x, None)
@@ -343,10 +346,10 @@ def _rebuilt(e, sent, cached, agreed, shard, words: _Words | None, dtype, impl, 
         full = bitfields.from_bits(bits, dtype)
         return typed(full, bitfields.exponent(full), jnp.int32(0))
 
-    def compressed(_, __, decoded):
+    def compressed(_, __, decoded, in_branch=True):
         if word:
             return typed(*(decoded or (words.fill_section(),)))
-        return typed(*exponent_mode.decode(e, sent, cached, dtype, impl))
+        return typed(*exponent_mode.decode(e, sent, cached, dtype, impl, in_branch))
 
     def overflow(*_):
         return typed(finish())
@@ -354,7 +357,7 @@ def _rebuilt(e, sent, cached, agreed, shard, words: _Words | None, dtype, impl, 
     if capacity.is_guaranteed(agreed):
         # The host promised the rung holds the demand: no fallback, no conditional (on a GPU
         # each is a host sync); a broken promise fails the self-check, whose redo is exact.
-        return compressed(*operands)
+        return compressed(*operands, in_branch=False)
     if finish is not None:
         # The one conditional with collectives: the fixed rung held the demand (no transfer),
         # an overflow rung's exit (its transfer in a switch of its own, inside), or the plain
@@ -416,10 +419,10 @@ def _fixed_plain(x, e, cache, agreed, axis_name):
     return attach_gather_grad(x, full, axis_name, e.axis), new_cache, stats
 
 
-def _refreshed(cache, new_cached):
+def _refreshed(cache, new_cached, primed=None):
     """The cache after a gather: the full tensor's words or exponents (``new_cached``),
-    primed."""
-    primed = jnp.ones_like(cache.primed)
+    primed (``primed``: the flag it keeps, when the caller knows it is set)."""
+    primed = jnp.ones_like(cache.primed) if primed is None else primed
     if isinstance(cache, WordCache):
         return dataclasses.replace(cache, words=new_cached, primed=primed)
     return dataclasses.replace(cache, exp=new_cached, primed=primed)

@@ -52,7 +52,10 @@ def failed_shards(full: jax.Array, sent_N: jax.Array, axis: int, got_N=None) -> 
     (``got_N``: the rebuilt shards' checksums, when the decode pass computed them already)."""
     if got_N is None:
         got_N = checksums.checksum_shards(full, axis, sent_N.shape[0])
-    return jnp.sum(got_N != sent_N, dtype=jnp.int32)
+    bad_N = (got_N != sent_N).astype(jnp.int32)
+    # A sum of the ranks' flags one by one (elementwise: fused into what reads the count),
+    # where a reduction over a few ranks would be a kernel of its own on XLA:GPU.
+    return functools.reduce(jnp.add, [bad_N[i] for i in range(bad_N.shape[0])], jnp.int32(0))
 
 
 def _le_bytes(word: jax.Array) -> jax.Array:

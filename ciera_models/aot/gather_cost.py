@@ -4,11 +4,14 @@ there (``ciera aot --gather-shape``, ``benchmarks/gather_cost.py``).
 One tensor, gathered over ``gpus`` target GPUs as ``ciera train`` gathers it: plain (the bits
 of the shard, gathered), or compressed in the trainer's two programs, the encode (run ahead, at
 the end of the previous step) and the step's exchange at a fixed rung (the steady program's:
-the rung holding the steady-state demand of :mod:`~ciera_models.train.rung_policy`, word mode
-with its overflow rungs), self-check on, its stats packed as a train step packs what it reads
-of them. Each program is compiled by XLA:GPU with the FSDP
-flags; the report lists the kernels on its steady path (:mod:`~ciera_models.aot.kernel_list`:
-the fallback's branches left out) with their bytes, and the launch floor and the roofline.
+the rung holding the steady-state demand of :mod:`~ciera_models.train.rung_policy`), self-check
+on, its stats packed as a train step packs what it reads of them, the cache donated as a train
+step donates its caches. ``fallback`` as ``ciera train --fallback``: on GPUs (``auto``) a
+``program`` whose rung holds the demand (no fallback, no conditional), or a ``branch``: a
+fallback conditional, word mode with its overflow rungs. Each program is compiled by XLA:GPU
+with the FSDP flags; the report lists the kernels on its steady path
+(:mod:`~ciera_models.aot.kernel_list`: the fallback's branches left out) with their bytes, and
+the launch floor and the roofline.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from ciera_models.aot import kernel_list, schedule
 from ciera_models.train import rung_policy
 
 MODES = ("plain", "exponent", "word")
+FALLBACKS = ("auto", "program", "branch")  # ``ciera train --fallback``; auto: program on GPUs
 AXIS = "fsdp"
 # The exchange's stats a train step reads (``ciera_jax.fsdp``'s gather), packed as it packs
 # them: one int32 vector per tensor. The others are dead code in a step, and returned as
@@ -58,19 +62,23 @@ def _unlead(tree):
     return jax.tree.map(lambda a: a[0], tree)
 
 
-def steady_rung(wire) -> tuple[int, int]:
+def steady_rung(wire, fallback: str = "auto") -> tuple[int, int]:
     """(rung, overflow rungs) of the steady program ``ciera train`` compiles first."""
     rung = rung_policy.rungs_holding({"t": wire})["t"]
-    return rung, (OVERFLOW_RUNGS if isinstance(wire, WordWire) else 0)
+    branch = fallback == "branch"
+    return rung, (OVERFLOW_RUNGS if branch and isinstance(wire, WordWire) else 0)
 
 
-def lowered_programs(mode: str, shape, axis: int, mesh, dtype=jnp.bfloat16) -> tuple[dict, dict]:
+def lowered_programs(mode: str, shape, axis: int, mesh, dtype=jnp.bfloat16,
+                     fallback: str = "auto") -> tuple[dict, dict]:
     """``({program name: lowered}, {"rung", "exits"})``: plain's one program, or a
     compressed gather's encode and exchange. Call inside :func:`lowering_for`."""
+    if fallback not in FALLBACKS:
+        raise ValueError(f"--fallback {fallback}: choose one of {', '.join(FALLBACKS)}")
     spec = P(*[AXIS if d == axis else None for d in range(len(shape))])
     x = jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
-    sm = lambda f, ins, outs: jax.jit(jax.shard_map(  # noqa: E731
-        f, mesh=mesh, in_specs=ins, out_specs=outs, check_vma=False))
+    sm = lambda f, ins, outs, donate=(): jax.jit(jax.shard_map(  # noqa: E731
+        f, mesh=mesh, in_specs=ins, out_specs=outs, check_vma=False), donate_argnums=donate)
     if mode == "plain":
         gather = sm(lambda s: collective.plain_all_gather(s, AXIS, axis=axis), (spec,), P())
         return {"gather": gather.lower(x)}, {}
@@ -82,7 +90,8 @@ def lowered_programs(mode: str, shape, axis: int, mesh, dtype=jnp.bfloat16) -> t
     encoded = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
                            lowered_encode.out_info)
     wire = encoded.wire
-    rung, exits = steady_rung(wire)
+    rung, exits = steady_rung(wire, fallback)
+    holds = fallback != "branch"  # the host runs a program whose rung holds the demand
     demand = jax.ShapeDtypeStruct(encoded.demand.shape, jnp.int32,
                                   sharding=NamedSharding(mesh, P()))
     needed = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
@@ -91,7 +100,8 @@ def lowered_programs(mode: str, shape, axis: int, mesh, dtype=jnp.bfloat16) -> t
 
     def exchange(s, e, c, d, n):
         full, new_cache, stats = collective.exchange(s, _unlead(e), c,
-                                                     capacity.fix(d, rung, n, exits), AXIS)
+                                                     capacity.fix(d, rung, n, exits, holds),
+                                                     AXIS)
         stats = train_stats(stats)
         # A word cache's words are the full tensor's bits: returned twice, one output would be
         # a copy of the other, which a train step (the tensor to its layer, the cache to the
@@ -99,7 +109,7 @@ def lowered_programs(mode: str, shape, axis: int, mesh, dtype=jnp.bfloat16) -> t
         return (new_cache, stats) if word else (full, new_cache, stats)
 
     step = sm(exchange, (spec, P(AXIS), cspec, P(), P()),
-              (cspec, P()) if word else (P(), cspec, P()))
+              (cspec, P()) if word else (P(), cspec, P()), donate=(2,))
     ahead = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                         sharding=NamedSharding(mesh, P(AXIS))),
                          lowered_encode.out_info)
@@ -128,14 +138,14 @@ def program_cost(text: str, hbm_Bps: float) -> dict:
 
 @gpu_targets.compile_only()
 def gather_cost(mode: str, shape, axis: int, gpus: int, target: gpu_targets.GpuTarget,
-                hlo_out: str | None = None) -> dict:
+                hlo_out: str | None = None, fallback: str = "auto") -> dict:
     """The cost report of one ``mode`` gather of a bf16 ``shape`` on ``axis`` over ``gpus`` x
-    ``target``: per program and in all."""
+    ``target``: per program and in all (``fallback``: as ``ciera train --fallback``)."""
     shape = tuple(shape)
     check_gather(shape, axis, gpus, mode)
     mesh = gpu_targets.compile_only_mesh(target, gpus)
     with lowering_for("cuda", capability=target.compute_capability):
-        lowered, rung = lowered_programs(mode, shape, axis, mesh)
+        lowered, rung = lowered_programs(mode, shape, axis, mesh, fallback=fallback)
     programs = {}
     for name, lo in lowered.items():
         t = time.perf_counter()
@@ -148,6 +158,7 @@ def gather_cost(mode: str, shape, axis: int, gpus: int, target: gpu_targets.GpuT
     every = [kernel_list.Kernel(**k) for p in programs.values() for k in p["kernel_list"]]
     return {"mode": mode, "shape": list(shape), "axis": axis, "gpus": gpus, "gpu": target.name,
             "dtype": "bfloat16", "tensor_bytes": math.prod(shape) * 2, **rung,
+            "fallback": "branch" if fallback == "branch" else "program",
             **kernel_list.totals(every, target.memory_bandwidth_Bps),
             "conditionals": sum(p["conditionals"] for p in programs.values()),
             "programs": programs}

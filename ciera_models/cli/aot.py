@@ -101,7 +101,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                "bytes, launch floor, roofline)")
     one.add_argument("--gather-shape", metavar="D,D,...", default=None,
                      help="compile one bf16 gather of this global shape, e.g. 16,2048,1024, "
-                     "as `ciera train` runs it (plain; encode + exchange at the steady rung)")
+                     "as `ciera train` runs it (plain; encode + exchange at the steady rung, "
+                     "with --fallback's structure)")
     one.add_argument("--axis", type=int, default=0, help="its gather axis (default: 0)")
     one.add_argument("--mode", choices=("all", "plain", "exponent", "word"), default="all",
                      help="which gather (default: all three)")
@@ -199,7 +200,8 @@ def run_gather(args, target) -> int:
     if args.hlo_out:
         from pathlib import Path
         Path(args.hlo_out).mkdir(parents=True, exist_ok=True)
-    reports = [gather_cost.gather_cost(m, shape, args.axis, args.gpus, target, args.hlo_out)
+    reports = [gather_cost.gather_cost(m, shape, args.axis, args.gpus, target, args.hlo_out,
+                                       fallback=args.fallback)
                for m in modes]
     print(gather_cost.render(reports, kernels=args.kernels))
     if args.json:
