@@ -3,8 +3,8 @@
 Also what the suite shares to stay fast on 2 cores: one 20-step ``tiny`` training per gather
 mode for the whole session (``tiny_run``), and the tests that drop JAX's compiled functions
 (``jax.clear_caches()``) run last, so that the steps compiled before them are not compiled again;
-under ``-n``, the files that use ``tiny_run`` run on one worker (``xdist_group``), and each other
-file runs whole on one worker.
+under ``-n``, the files that use ``tiny_run`` run on one worker (``xdist_group``), each other
+file runs whole on one worker, and the groups likely to take longest start first.
 """
 
 import functools
@@ -47,9 +47,7 @@ CLEARS_CACHES = ("test_no_deprecations.py",)
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(session, config, items):
-    last = [i for i in items if i.path.name in CLEARS_CACHES]
-    if last:
-        items[:] = [i for i in items if i.path.name not in CLEARS_CACHES] + last
+    last = {i.path for i in items if i.path.name in CLEARS_CACHES}
     # Under ``-n`` (pyproject's ``--dist loadgroup``) every file that trains ``tiny_run``'s
     # config runs on one worker: its step compiles and its 20-step runs train once, not once
     # per worker (each worker is a process of its own; the files also train TC beside it).
@@ -61,6 +59,19 @@ def pytest_collection_modifyitems(session, config, items):
             # every other file on one worker too: the programs its tests share (module-level
             # caches, its parametrized cases' common runs) compile once, not once per worker
             i.add_marker(pytest.mark.xdist_group(i.path.stem))
+    items[:] = _heaviest_groups_first(items, last)
+
+
+def _heaviest_groups_first(items, last):
+    """``items`` with the groups most likely to take longest first (a slow test weighs thirty
+    others): xdist hands the groups out in this order as workers free up, so the long ones
+    start at once and the short ones even the workers out at the end. ``last``'s files stay
+    last."""
+    group = {i: next(i.iter_markers("xdist_group")).args[0] for i in items}
+    weight: dict = {}
+    for i in items:
+        weight[group[i]] = weight.get(group[i], 0) + (30 if i.get_closest_marker("slow") else 1)
+    return sorted(items, key=lambda i: (i.path in last, -weight[group[i]], group[i]))
 
 
 @pytest.fixture(scope="session")
