@@ -19,7 +19,7 @@ import pytest
 
 from ciera_models.checkpoint import close as checkpoint_close
 
-REPEATS = 1  # the repeated drill is benchmarks/reliability_drill.py --repeats 20 --load
+REPEATS = 2  # 20 and more: benchmarks/reliability_drill.py --repeats 20 --load
 NOISE = ("Traceback", "never retrieved", "cannot schedule new futures", "Error in atexit")
 
 

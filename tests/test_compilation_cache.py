@@ -5,11 +5,12 @@
 - ``ciera train`` honours the user's cache settings: with ``JAX_COMPILATION_CACHE_DIR`` set,
   fresh processes load the step from the cache and train bitwise as a run without a cache
   does, in both cache modes; so does the README's decorated Flax model. Each case loads the
-  step in ``LOADED`` fresh processes (two at a time). The suite runs one pair; to hunt a rare
-  failure set ``CIERA_CACHE_LOADS``: with 10, a loaded run that fails one time in three is
-  caught with probability 1 - (2/3)**10 = 98%.
-- Over two processes, ``LOADED_TWO_PROCESS`` fresh runs (``CIERA_CACHE_LOADS`` // 2) after the
-  writing one end bitwise at the uncached run's params. On CPUs only process 0 loads the step: each process's step runs
+  step in ``LOADED`` fresh processes (two at a time), the two-process case in
+  ``LOADED_TWO_PROCESS`` runs. A loader that fails one run in three fails some of the file's
+  7 loaded runs (the default) with probability 1 - (2/3)**7 = 94%; to hunt a rarer failure,
+  or one in one case alone, set ``CIERA_CACHE_LOADS`` (10: 98% per case).
+- Over two processes, fresh runs after the writing one end bitwise at the uncached run's
+  params. On CPUs only process 0 loads the step: each process's step runs
   on its own devices, which are in the program's key there, and only process 0 writes the
   cache; so process 1 compiles while process 0 waits for it before their first collective.
 """
