@@ -59,20 +59,18 @@ def pytest_collection_modifyitems(session, config, items):
             # every other file on one worker too: the programs its tests share (module-level
             # caches, its parametrized cases' common runs) compile once, not once per worker
             i.add_marker(pytest.mark.xdist_group(i.path.stem))
-    # the fast lane deselects the slow tests after this hook: they weigh nothing there
-    slow = 0 if "not slow" in (config.option.markexpr or "") else 30
-    items[:] = _heaviest_groups_first(items, last, slow)
+    items[:] = _heaviest_groups_first(items, last)
 
 
-def _heaviest_groups_first(items, last, slow: int):
-    """``items`` with the groups most likely to take longest first (a slow test weighs
-    ``slow`` others): xdist hands the groups out in this order as workers free up, so the
-    long ones start at once and the short ones even the workers out at the end. ``last``'s
-    files stay last."""
+def _heaviest_groups_first(items, last):
+    """``items`` with the groups most likely to take longest first (a slow test weighs thirty
+    others): xdist hands the groups out in this order as workers free up, so the long ones
+    start at once and the short ones even the workers out at the end. ``last``'s files stay
+    last."""
     group = {i: next(i.iter_markers("xdist_group")).args[0] for i in items}
     weight: dict = {}
     for i in items:
-        weight[group[i]] = weight.get(group[i], 0) + (slow if i.get_closest_marker("slow") else 1)
+        weight[group[i]] = weight.get(group[i], 0) + (30 if i.get_closest_marker("slow") else 1)
     return sorted(items, key=lambda i: (i.path in last, -weight[group[i]], group[i]))
 
 
