@@ -432,7 +432,7 @@ def test_a_full_disk_under_the_metrics_file_loses_nothing(disk, saved, tmp_path,
     """The metrics file fills a 4 KB tmpfs (root only), or a write fails halfway like one: one
     line naming the file and the newest checkpoint; --resume repairs the file (a line cut short
     is dropped) and ends bitwise where a straight run ends. The tmpfs fills wherever the rows'
-    lengths put its 4,096th byte: a line's end, or just before its newline (a whole row, kept),
+    lengths put its 4,096th byte: a line's end, or just before its newline (a whole row, no cut),
     cuts nothing there; the second case cuts a line every time."""
     ck = _copy(saved, tmp_path)
     small = tmp_path / "small"
