@@ -17,6 +17,7 @@ wire buffer be a plain concatenation.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 import numpy as np
@@ -78,6 +79,31 @@ def from_bits(bits: jnp.ndarray, dtype) -> jnp.ndarray:
     if dtype == np.bool_:
         return bits.astype(dtype)
     return bits if bits.dtype == dtype else lax.bitcast_convert_type(bits, dtype)
+
+
+def le_bytes(words_N: jnp.ndarray) -> jnp.ndarray:
+    """Unsigned words' little-endian bytes, flat, by shifts: they fuse into the kernel that
+    reads them, where a size-changing bitcast of a slice is a kernel of its own on XLA:GPU.
+    A scalar shift per byte: an array of shifts XLA:GPU turns into an iota, computed by a
+    kernel of its own."""
+    word = np.dtype(words_N.dtype)
+    if word.itemsize == 1:
+        return words_N.reshape(-1)
+    return jnp.stack([(words_N >> word.type(8 * k)) & word.type(0xFF)
+                      for k in range(word.itemsize)], axis=-1).astype(jnp.uint8).reshape(-1)
+
+
+def from_le_bytes(rows_NxB: jnp.ndarray, dtype, count: int) -> jnp.ndarray:
+    """Each row's first ``count`` words of ``dtype`` from its little-endian bytes: (N, count),
+    by shifts and ORs (:func:`le_bytes`' reason)."""
+    width = np.dtype(dtype).itemsize
+    if width == 1:
+        return from_bits(rows_NxB, dtype)
+    word = unsigned_dtype_like(dtype)
+    grouped = rows_NxB.reshape(rows_NxB.shape[0], count, width).astype(word)
+    bits = functools.reduce(jnp.bitwise_or, [grouped[:, :, k] << word.type(8 * k)
+                                             for k in range(width)])
+    return from_bits(bits, dtype)
 
 
 def exponent(x: jnp.ndarray) -> jnp.ndarray:

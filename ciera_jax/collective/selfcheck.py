@@ -11,15 +11,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
+from ciera_jax.codec import bitfields
 from ciera_jax.codec import checksum as checksums
 from ciera_jax.codec.wire import CHECKSUM_BYTES
-
-# Little-endian bytes, by a shift per byte as a scalar: an array of shifts XLA:GPU turns into
-# an iota, computed by a kernel of its own and carried into the fallback's branch.
-_SHIFTS = [np.uint32(8 * k) for k in range(CHECKSUM_BYTES)]
 
 
 def shard_checksum(x: jax.Array, axis: int, axis_name) -> jax.Array:
@@ -31,14 +27,13 @@ def shard_checksum(x: jax.Array, axis: int, axis_name) -> jax.Array:
 def with_checksum(wire_L: jax.Array, csum: jax.Array) -> jax.Array:
     """A uint8 wire buffer with the checksum appended as its last CHECKSUM_BYTES
     (little-endian: shifts, not a bitcast, so XLA fuses it into the buffer's build)."""
-    return jnp.concatenate([wire_L, _le_bytes(csum.astype(jnp.uint32))])
+    return jnp.concatenate([wire_L, bitfields.le_bytes(csum.astype(jnp.uint32))])
 
 
 def sent_checksums(wire_NxL: jax.Array) -> jax.Array:
-    """Every rank's checksum (N,), read off the tail of its gathered row (shifts and a sum:
+    """Every rank's checksum (N,), read off the tail of its gathered row (shifts and ORs:
     fused into the compare that reads it, where a bitcast would be a kernel of its own)."""
-    tail = wire_NxL[:, -CHECKSUM_BYTES:].astype(jnp.uint32)
-    return functools.reduce(jnp.bitwise_or, [tail[:, k] << s for k, s in enumerate(_SHIFTS)])
+    return bitfields.from_le_bytes(wire_NxL[:, -CHECKSUM_BYTES:], jnp.uint32, 1)[:, 0]
 
 
 def without_checksums(wire_NxL: jax.Array) -> jax.Array:
@@ -56,8 +51,3 @@ def failed_shards(full: jax.Array, sent_N: jax.Array, axis: int, got_N=None) -> 
     # A sum of the ranks' flags one by one (elementwise: fused into what reads the count),
     # where a reduction over a few ranks would be a kernel of its own on XLA:GPU.
     return functools.reduce(jnp.add, [bad_N[i] for i in range(bad_N.shape[0])], jnp.int32(0))
-
-
-def _le_bytes(word: jax.Array) -> jax.Array:
-    """A uint32 scalar's CHECKSUM_BYTES bytes, least significant first."""
-    return jnp.stack([(word >> s) & np.uint32(0xFF) for s in _SHIFTS]).astype(jnp.uint8)

@@ -68,7 +68,7 @@ def send_fixed(plane_L: jax.Array, parts, sizes, shard: jax.Array, fallback: jax
     ``align``: zeros before the checksum make each row a multiple of ``align`` bytes
     (:func:`padding` of them), so a decode can read the plane in place in blocks of that size.
     """
-    pieces = [plane_L] + [_le_bytes(bitfields.to_bits(p[:size]))
+    pieces = [plane_L] + [bitfields.le_bytes(bitfields.to_bits(p[:size]))
                           for p, size in zip(parts, sizes) if size]
     pad = padding(sum(p.shape[0] for p in pieces), align)
     if pad:
@@ -92,7 +92,7 @@ def read_fixed(rows: jax.Array, plane_len: int, dtypes, sizes, lengths):
     at, out = plane_len, []
     for dtype, size, length in zip(dtypes, sizes, lengths):
         width = np.dtype(dtype).itemsize
-        piece = _from_le_bytes(rows[:, at:at + size * width], dtype, size)
+        piece = bitfields.from_le_bytes(rows[:, at:at + size * width], dtype, size)
         at += size * width
         out.append(jnp.pad(piece, ((0, 0), (0, length - size))))
     return selfcheck.sent_checksums(rows), rows[:, :plane_len], out
@@ -134,46 +134,23 @@ def _head_bytes(shard: jax.Array, n_bytes: int) -> jax.Array:
     head would be a copy kernel of its own on XLA:GPU; shifts fuse into the wire's build."""
     width = np.dtype(shard.dtype).itemsize
     words = bitfields.to_bits(shard.reshape(-1)[:-(-n_bytes // width)])
-    head = _le_bytes(words)[:n_bytes]
+    head = bitfields.le_bytes(words)[:n_bytes]
     return jnp.pad(head, (0, n_bytes - head.shape[0]))
 
 
-def _le_bytes(a_N: jax.Array) -> jax.Array:
-    """Unsigned words' little-endian bytes, flat, by shifts: they fuse into the kernel that
-    reads them, where a size-changing bitcast of a slice is a kernel of its own on XLA:GPU.
-    A scalar shift per byte: an array of shifts XLA:GPU turns into an iota, computed by a
-    kernel of its own."""
-    word = np.dtype(a_N.dtype)
-    if word.itemsize == 1:
-        return a_N
-    return jnp.stack([(a_N >> word.type(8 * k)) & word.type(0xFF)
-                      for k in range(word.itemsize)], axis=1).astype(jnp.uint8).reshape(-1)
-
-
 def _to_bytes(a_N: jax.Array) -> jax.Array:
-    """A flat array's little-endian bytes, flat."""
+    """A flat array's little-endian bytes, flat, by a bitcast: the fallback's and the section
+    switch's branches hold transfers and bitcasts only, no arithmetic (unlike the shifts of
+    :func:`~ciera_jax.codec.bitfields.le_bytes`, which fuse where the wire is built)."""
     return lax.bitcast_convert_type(a_N, jnp.uint8).reshape(-1)
 
 
 def _from_bytes(rows_NxB: jax.Array, dtype, count: int) -> jax.Array:
+    """:func:`_to_bytes` undone per row: (N, count) words of ``dtype``."""
     if np.dtype(dtype).itemsize == 1:
         return lax.bitcast_convert_type(rows_NxB, dtype)
     return lax.bitcast_convert_type(
         rows_NxB.reshape(rows_NxB.shape[0], count, np.dtype(dtype).itemsize), dtype)
-
-
-def _from_le_bytes(rows_NxB: jax.Array, dtype, count: int) -> jax.Array:
-    """:func:`_from_bytes` by shifts and ORs of the bytes: they fuse into the kernel that
-    reads the words, where a size-changing bitcast of a slice of the wire is a kernel (and a
-    buffer) of its own on XLA:GPU."""
-    width = np.dtype(dtype).itemsize
-    if width == 1:
-        return lax.bitcast_convert_type(rows_NxB, dtype)
-    word = np.dtype(f"uint{8 * width}")
-    grouped = rows_NxB.reshape(rows_NxB.shape[0], count, width).astype(word)
-    bits = functools.reduce(jnp.bitwise_or, [grouped[:, :, k] << word.type(8 * k)
-                                             for k in range(width)])
-    return lax.bitcast_convert_type(bits, dtype)
 
 
 def _prefixes(byte_parts, *, sizes, starts, length, axis_name):
