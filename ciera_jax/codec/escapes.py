@@ -103,27 +103,28 @@ def unpack_flags(words_RxW: jax.Array, n: int) -> jax.Array:
     return bits.reshape(rows, -1)[:, :n].astype(jnp.bool_)
 
 
-def _popcount(words):
+def popcount(words):
+    """Set bits of each unsigned word, int32."""
     return lax.population_count(words).astype(jnp.int32)
 
 
 def count(words_RxW: jax.Array) -> jax.Array:
     """Flags per row, int32 (R,)."""
-    return jnp.sum(_popcount(words_RxW), axis=1)
+    return jnp.sum(popcount(words_RxW), axis=1)
 
 
 def running_count(words_RxW: jax.Array) -> jax.Array:
     """int32 (R, W): flags in words ``0..w`` of each row (an inclusive scan over words)."""
-    pop = _popcount(words_RxW)
+    pop, words = popcount(words_RxW), words_RxW.shape[1]
     if target.traced_backend() == "cpu":
-        if words_RxW.shape[1] <= CPU_BLOCKED_SCAN_MAX:
+        if words <= CPU_BLOCKED_SCAN_MAX:
             return blocked_prefix_sum(pop, CPU_SCAN_BLOCK, base=CPU_SCAN_BLOCK)
-    elif words_RxW.shape[1] > BLOCKED_SCAN_MIN:
+        # cumsum: XLA rewrites it into a few kernels; lax.associative_scan compiles to ~60.
+        return jnp.cumsum(pop, axis=1, dtype=jnp.int32)
+    if words > BLOCKED_SCAN_MIN:
         return blocked_prefix_sum(pop)
-    else:  # one masked sum over the row (W**2 adds), where XLA's cumsum is a tree of kernels
-        return _masked_prefix(pop[:, None, :])[:, 0, :]
-    # cumsum: XLA rewrites it into a few kernels; lax.associative_scan compiles to ~60.
-    return jnp.cumsum(pop, axis=1, dtype=jnp.int32)
+    # one masked sum over the row (W**2 adds), where XLA's cumsum is a tree of kernels
+    return _masked_prefix(pop[:, None, :])[:, 0, :]
 
 
 def blocked_prefix_sum(x_RxW: jax.Array, block: int = SCAN_BLOCK,
@@ -163,9 +164,9 @@ def ranks(words_RxW: jax.Array, n: int, running_RxW=None) -> jax.Array:
     rows = words_RxW.shape[0]
     if running_RxW is None:
         running_RxW = running_count(words_RxW)
-    before_word = running_RxW - _popcount(words_RxW)
+    before_word = running_RxW - popcount(words_RxW)
     below_lane = (jnp.uint32(1) << _lanes()) - jnp.uint32(1)
-    in_word = _popcount(words_RxW[:, :, None] & below_lane)
+    in_word = popcount(words_RxW[:, :, None] & below_lane)
     return (before_word[:, :, None] + in_word).reshape(rows, -1)[:, :n]
 
 
@@ -214,12 +215,12 @@ def _in_word(words_RxW, running_RxW, slot_RxS, word_RxS):
     take = lambda a, i: jnp.take_along_axis(a, i, axis=1, mode="clip")  # noqa: E731
     w = jnp.minimum(word_RxS, n_words - 1)
     word = take(words_RxW, w)
-    k = slot_RxS - (take(running_RxW, w) - _popcount(word))  # the flag's rank in its word
+    k = slot_RxS - (take(running_RxW, w) - popcount(word))  # the flag's rank in its word
     # The lowest lane whose lanes 0..lane hold more than k flags.
     lane = jnp.zeros_like(slot_RxS)
     for step in (16, 8, 4, 2, 1):
         below = word & ((jnp.uint32(1) << (lane + step).astype(jnp.uint32)) - 1)
-        lane = jnp.where(_popcount(below) <= k, lane + step, lane)
+        lane = jnp.where(popcount(below) <= k, lane + step, lane)
     return jnp.where(word_RxS < n_words, FLAG_WORD_BITS * w + lane, FLAG_WORD_BITS * n_words)
 
 
@@ -236,7 +237,7 @@ def _window_words(words_RxW, running_RxW, first, chunk: int):
         start = jnp.searchsorted(running_W, first, side="right", method="scan")
         start = jnp.minimum(start, n_words - size).astype(jnp.int32)
         run = lax.dynamic_slice(running_W, (start,), (size,), allow_negative_indices=False)
-        pop = _popcount(lax.dynamic_slice(words_W, (start,), (size,),
+        pop = popcount(lax.dynamic_slice(words_W, (start,), (size,),
                                           allow_negative_indices=False))
         rel = run - pop - first  # each word's first slot, relative to the chunk
         holds = (pop > 0) & (rel + pop > 0) & (rel < chunk)

@@ -19,7 +19,6 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from ciera_jax.codec import escapes
 from ciera_jax.codec.wire import FLAG_WORD_BITS, flag_words
@@ -55,11 +54,11 @@ def place(dest: jax.Array, summary_RxS: jax.Array, listed_RxC: jax.Array,
     first_element_RxC = listed_words(summary_RxS, n_words, capacity, FLAG_WORD_BITS)
     listed = listed_RxC.astype(jnp.uint32)
     # each listed word's first slot: the flags in the listed words before it
-    pop_RxC = _popcount(listed)
+    pop_RxC = escapes.popcount(listed)
     first_RxC = escapes.running_count(listed) - pop_RxC
     lanes = jnp.arange(FLAG_WORD_BITS, dtype=jnp.uint32)
     flag_RxCx32 = ((listed[:, :, None] >> lanes) & jnp.uint32(1)) != 0
-    below = _popcount(listed[:, :, None] & ((jnp.uint32(1) << lanes) - jnp.uint32(1)))
+    below = escapes.popcount(listed[:, :, None] & ((jnp.uint32(1) << lanes) - jnp.uint32(1)))
     slot = first_RxC[:, :, None] + below
     element = first_element_RxC[:, :, None] + lanes.astype(jnp.int32)
     limit_R = jnp.broadcast_to(jnp.asarray(limit, jnp.int32), (rows,))
@@ -72,6 +71,3 @@ def place(dest: jax.Array, summary_RxS: jax.Array, listed_RxC: jax.Array,
                                                    mode="drop")
     return flat.reshape(dest.shape)
 
-
-def _popcount(words):
-    return lax.population_count(words).astype(jnp.int32)
