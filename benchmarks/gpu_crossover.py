@@ -22,6 +22,7 @@ import sys
 from common import parser, print_table, write_results  # benchmarks/common.py, beside this script
 
 from ciera_jax.planning import costmodel as cm
+from ciera_jax.planning import links
 from ciera_jax.planning import crossover as xo
 from ciera_jax.planning.traces import default_trace, default_word_trace
 
@@ -49,7 +50,7 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def at_fraction(prof: cm.Profile, fraction: float) -> cm.Profile:
+def at_fraction(prof: links.Profile, fraction: float) -> links.Profile:
     """``prof`` whose codec streams at ``fraction`` of its HBM rate (the model's constant is
     CODEC_HBM_FRACTION: scale the rate it multiplies)."""
     return dataclasses.replace(prof, hbm_Bps=prof.hbm_Bps * fraction / cm.CODEC_HBM_FRACTION)
@@ -80,7 +81,7 @@ def rows_for(fraction: float, label: str) -> list[dict]:
     bpw = default_word_trace().bpw("expert")
     rows = []
     for dev, prof_name in DEVICES.items():
-        prof = at_fraction(cm.Profile.load(prof_name), fraction)
+        prof = at_fraction(links.Profile.load(prof_name), fraction)
         for link, (N, vendor, eff, alpha, src) in LINKS.items():
             p = xo.link_profile(prof, alpha, vendor * eff * 1e9)
             kw = {"exponent": dict(change_rate=rate), "word": dict(word_bpw=bpw)}

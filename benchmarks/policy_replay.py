@@ -21,7 +21,7 @@ import re
 import numpy as np
 
 from ciera_jax.codec.wire import WordWire
-from ciera_jax.planning import costmodel
+from ciera_jax.planning import links
 from ciera_models.train.rung_policy import (EXIT_SHARE, RungPolicy, exits_for,
                                            seconds_per_byte)
 from common import RESULTS, parser, write_results  # benchmarks/common.py, beside this script
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     rows = []
     layers = {k: len(v) for k, v in needs[0].items()}
     for label, profile, patience, max_programs, exits, units in PRICES:
-        spb = seconds_per_byte(costmodel.get_link(profile), 8)
+        spb = seconds_per_byte(links.get_link(profile), 8)
         per_tensor = row_exits(wires, layers, exits, units)
         r = replay(wires, needs, spb, args.compile_s, patience=patience,
                    max_programs=max_programs, exits=per_tensor)

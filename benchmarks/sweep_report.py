@@ -29,6 +29,7 @@ from common import print_table  # benchmarks/common.py, beside this script
 from ciera_jax.calibrate import host as host_info
 from ciera_jax.calibrate.fit import clean, fit_alpha_beta, fit_host_rates, with_spill
 from ciera_jax.planning import costmodel as cm
+from ciera_jax.planning import links
 from ciera_jax.planning import crossover as xo
 from ciera_jax.sim.step import simulate_gather
 from ciera_harness.netns import rate_bits
@@ -61,7 +62,7 @@ def link_recs(results: list[dict], link: str, N: int) -> list[dict] | None:
     return recs
 
 
-def fit_link_recs(recs: list[dict] | None, base: cm.Profile | None = None) -> dict | None:
+def fit_link_recs(recs: list[dict] | None, base: links.Profile | None = None) -> dict | None:
     """alpha and beta of a link: the line through the gathers that faulted in no fresh memory
     and spilled nothing beyond the cache (``fit.clean``) where there are two, so the host's
     costs, priced apart, cannot bend it; else every gather less its host time at ``base``'s
@@ -78,16 +79,16 @@ def fit_link_recs(recs: list[dict] | None, base: cm.Profile | None = None) -> di
                 gathers=recs, fitted_on=[r["n_bytes"] for r in use])
 
 
-def fit_link(results: list[dict], link: str, N: int, base: cm.Profile | None) -> dict | None:
+def fit_link(results: list[dict], link: str, N: int, base: links.Profile | None) -> dict | None:
     """alpha and beta of ``link`` from every process's plain gathers (:func:`fit_link_recs`)."""
     return fit_link_recs(link_recs(results, link, N), base)
 
 
-def refit_host(calib: dict) -> cm.Profile:
+def refit_host(calib: dict) -> links.Profile:
     """A calibration's profile; one from before the cache-spill term (no ``llc_bytes``) gets
     this host's cache and cores and both host rates fitted again from its fault gathers
     (``fit.fit_host_rates`` on its alpha and beta), as ``ciera calibrate`` fits them."""
-    prof = cm.Profile(**calib["profile"])
+    prof = links.Profile(**calib["profile"])
     recs = (calib.get("details") or {}).get("faults")
     if "llc_bytes" in calib["profile"] or not recs:
         return prof
@@ -126,13 +127,13 @@ def inputs(mode: str, shape, N: int, stats: dict | None) -> dict:
     return {}
 
 
-def model_s(mode: str, n: int, N: int, prof: cm.Profile, kw: dict) -> float:
+def model_s(mode: str, n: int, N: int, prof: links.Profile, kw: dict) -> float:
     """The step model's seconds for one gather of ``mode`` on ``n`` bf16 elements."""
     return simulate_gather(2 * n, N, prof, METHOD_OF[mode], **kw)
 
 
 def make_point(series: str, link: str, N: int, mode: str, shape, t: float, plain_s: float,
-               kw: dict, wire_ratio: float, fresh, prof: cm.Profile | None) -> dict:
+               kw: dict, wire_ratio: float, fresh, prof: links.Profile | None) -> dict:
     """One measured point next to the step model's prediction on ``prof`` (None: unpriced)."""
     n = math.prod(shape)
     full_bytes = n * 2
@@ -160,7 +161,7 @@ def launch_points(launch: dict) -> tuple[list[dict], dict]:
     """Every (series, link, mode) of one launch, measured and predicted; and its link fits."""
     results, N = launch["results"], launch["procs"]
     calib = results[0].get("calibration")
-    base = cm.Profile(**calib["profile"]) if calib else None
+    base = links.Profile(**calib["profile"]) if calib else None
     points, fits = [], {}
     for link in launch["links"]:
         fit = fit_link(results, link, N, base)
@@ -302,25 +303,25 @@ def report(launches: list[dict]) -> dict:
 
             calibrations.append(dict(procs=launch["procs"], **res0["calibration"]))
             print(f"calibration, {launch['procs']} processes over the unshaped sockets:")
-            print(profile_table(cm.Profile(**res0["calibration"]["profile"])), flush=True)
+            print(profile_table(links.Profile(**res0["calibration"]["profile"])), flush=True)
         if res0.get("passes"):
             passes.append(dict(procs=launch["procs"], rows=res0["passes"]))
             print(f"each codec pass alone, process 0 of {launch['procs']} (all running it):")
             print_table(res0["passes"], PASS_COLUMNS)
         link_fits += [dict(procs=launch["procs"], link=k, **(v or {})) for k, v in fits.items()]
-    answer = print_answer(points, [cm.Profile(**c["profile"]) for c in calibrations])
+    answer = print_answer(points, [links.Profile(**c["profile"]) for c in calibrations])
     return dict(points=points, calibrations=calibrations, passes=passes, link_fits=link_fits,
                 **answer)
 
 
-def model_source(profiles: list[cm.Profile]) -> str:
+def model_source(profiles: list[links.Profile]) -> str:
     """What priced the points, in words: the step model and its codec term's source."""
     codec = "; ".join(sorted({cm.codec_source(p) for p in profiles})) or "codec: none"
     return ("the step model (ciera_jax.sim.step.simulate_gather) on each launch's calibrated "
             f"host profile and fitted link; {codec}")
 
 
-def print_answer(points: list[dict], profiles: list[cm.Profile]) -> dict:
+def print_answer(points: list[dict], profiles: list[links.Profile]) -> dict:
     """Every point, how many the model predicts within 25% (per mode, and the plain check)
     and the crossovers, printed; returned as ``model`` (:func:`model_source` of the launches'
     ``profiles``), ``within_25``, ``plain_within_25``, ``crossovers``."""

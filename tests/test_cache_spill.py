@@ -16,6 +16,7 @@ import pytest
 from ciera_jax.calibrate import host as host_info
 from ciera_jax.calibrate.fit import fit_host_rates, fit_link_and_host
 from ciera_jax.planning import costmodel as cm
+from ciera_jax.planning import links
 from ciera_jax.planning import crossover as xo
 from ciera_jax.planning.planner import mode_options
 
@@ -23,19 +24,19 @@ ROOT = Path(__file__).resolve().parent.parent
 MB = 2**20
 ALPHA, BETA, FAULT, SPILL = 2e-3, 4e8, 5e8, 3e8
 LLC, CORES = 16 * MB, 2
-HOST = cm.Profile("host", alpha_s=ALPHA, beta_Bps=BETA, codec_Bps=2e8, agreement_s=1e-3,
-                  codec_pricing="measured", word_codec_Bps=5e7, llc_bytes=LLC,
-                  host_cores=CORES, spill_Bps=SPILL)
+HOST = links.Profile("host", alpha_s=ALPHA, beta_Bps=BETA, codec_Bps=2e8, agreement_s=1e-3,
+                     codec_pricing="measured", word_codec_Bps=5e7, llc_bytes=LLC,
+                     host_cores=CORES, spill_Bps=SPILL)
 
 
 def test_gpu_profiles_pay_no_spill_and_profiles_round_trip_the_fields(tmp_path):
-    for name in cm.builtin_profiles():
-        p = cm.Profile.load(name)
+    for name in links.builtin_profiles():
+        p = links.Profile.load(name)
         assert p.spill_Bps == 0.0 and cm.host_spill_time(2**30, 64, p) == 0.0, name
     HOST.save(tmp_path / "p.json")
-    back = cm.Profile.load(tmp_path / "p.json")
+    back = links.Profile.load(tmp_path / "p.json")
     assert (back.llc_bytes, back.host_cores, back.spill_Bps) == (LLC, CORES, SPILL)
-    topo = cm.Topology(HOST, cm.Profile.load("h100-ib400"))
+    topo = links.Topology(HOST, links.Profile.load("h100-ib400"))
     assert cm.host_spill_time(64 * MB, 4, topo) == cm.host_spill_time(64 * MB, 4, HOST)
 
 

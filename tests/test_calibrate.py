@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from ciera_jax.planning import costmodel as cm
+from ciera_jax.planning import links
 from ciera_jax.calibrate.fit import fit_alpha_beta, fit_rate
 from ciera_jax.cli.main import main
 from ciera_jax.runtime.units import fmt_bytes, parse_size
@@ -21,7 +22,7 @@ def test_calibrate_cli_writes_a_loadable_profile(tmp_path, capsys):
                "--sizes", "4K", "256K", "--codec-sizes", "64K", "256K", "--reps", "3",
                "--name", "test-cpu"])
     assert rc == 0
-    prof = cm.Profile.load(out)
+    prof = links.Profile.load(out)
     assert prof.name == "test-cpu"
     for field in ("alpha_s", "beta_Bps", "codec_Bps", "agreement_s", "hbm_Bps", "entropy_Bps",
                   "codec_launch_s"):

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from ciera_jax.codec.wire import PLAIN_RUNG, ExponentWire, WordWire
 from ciera_models.train.rung_policy import (EXIT_SHARE, RungPolicy, exits_for, rungs_holding,
                                            seconds_per_byte)
-from ciera_jax.planning.costmodel import Profile
+from ciera_jax.planning.links import Profile
 
 WIRES = {"experts": WordWire(1 << 16, 2), "attn": ExponentWire(1 << 14, 2)}
 LAYERS = 4

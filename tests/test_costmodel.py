@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import ciera_jax
 from ciera_jax.planning import costmodel as cm
+from ciera_jax.planning import links
 from ciera_jax.collective import quantized
 from ciera_jax.codec.wire import (DEFAULT_CODE_BITS, INT8_SCALE_BYTES, ExponentWire, WordWire,
                                   agreement_bytes, int8_wire_bytes)
@@ -24,7 +25,7 @@ from ciera_jax.codec.word_ladder import code_limit
 N = 8
 ROWS, COLS = N * 512, 8  # 4096 elements per rank
 N_LOCAL = ROWS * COLS // N
-LINK = cm.Profile("test", alpha_s=1e-6, beta_Bps=1e9, codec_Bps=1e9, agreement_s=1e-6)
+LINK = links.Profile("test", alpha_s=1e-6, beta_Bps=1e9, codec_Bps=1e9, agreement_s=1e-6)
 
 
 @pytest.fixture(scope="module")

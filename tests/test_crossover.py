@@ -8,12 +8,13 @@ import math
 import pytest
 
 from ciera_jax.planning import costmodel as cm
+from ciera_jax.planning import links
 from ciera_jax.planning import crossover as xo
 from ciera_jax.planning.planner import mode_options
 
 N, n = 2, 8 * 2**20  # a 16 MB bf16 tensor on two ranks
-COUNTED = cm.Profile("counted", alpha_s=1e-4, beta_Bps=1e8, codec_Bps=2e8, agreement_s=1e-3,
-                     hbm_Bps=5e9, codec_launch_s=1e-3)
+COUNTED = links.Profile("counted", alpha_s=1e-4, beta_Bps=1e8, codec_Bps=2e8, agreement_s=1e-3,
+                        hbm_Bps=5e9, codec_launch_s=1e-3)
 MEASURED = dataclasses.replace(COUNTED, name="measured", codec_pricing="measured",
                                word_codec_Bps=5e7, escape_s=2e-7)
 
@@ -59,10 +60,10 @@ def test_exponent_gathers_pay_for_their_escapes_and_the_planner_sees_it():
 
 def test_profiles_round_trip_the_new_fields(tmp_path):
     MEASURED.save(tmp_path / "p.json")
-    back = cm.Profile.load(tmp_path / "p.json")
+    back = links.Profile.load(tmp_path / "p.json")
     assert (back.codec_pricing, back.word_codec_Bps, back.escape_s) == ("measured", 5e7, 2e-7)
     # the built-in GPU profiles price the codec from its compiled program
-    assert cm.Profile.load("h100-ib400").codec_pricing == "compiled"
+    assert links.Profile.load("h100-ib400").codec_pricing == "compiled"
     with pytest.raises(ValueError, match="codec_pricing"):
         cm.codec_time("ciera", n, N, 2, dataclasses.replace(COUNTED, codec_pricing="guess"))
 

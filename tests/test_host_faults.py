@@ -12,6 +12,7 @@ import pytest
 from ciera_jax.calibrate.fit import fit_alpha_beta, fit_fresh_bytes, fit_link_and_host
 from ciera_jax.calibrate.kit import time_interleaved
 from ciera_jax.planning import costmodel as cm
+from ciera_jax.planning import links
 from ciera_jax.planning import crossover as xo
 from ciera_jax.planning.planner import mode_options
 
@@ -58,9 +59,9 @@ def test_link_and_host_fit_recovers_alpha_beta_and_the_fault_rate():
     assert f == s == 0.0 and (a, b) == pytest.approx((ALPHA, BETA), rel=1e-6)
 
 
-HOST = cm.Profile("host", alpha_s=ALPHA, beta_Bps=BETA, codec_Bps=2e8, agreement_s=1e-3,
-                  codec_pricing="measured", word_codec_Bps=5e7, fault_Bps=FAULT,
-                  fresh_from_bytes=FROM, fresh_per_byte=PER)
+HOST = links.Profile("host", alpha_s=ALPHA, beta_Bps=BETA, codec_Bps=2e8, agreement_s=1e-3,
+                     codec_pricing="measured", word_codec_Bps=5e7, fault_Bps=FAULT,
+                     fresh_from_bytes=FROM, fresh_per_byte=PER)
 
 
 @pytest.mark.parametrize("mb", [8, 16, 32])
@@ -80,13 +81,13 @@ def test_every_mode_pays_the_faults_of_its_full_tensor(mb):
 
 
 def test_gpu_profiles_pay_no_faults_and_profiles_round_trip_the_fields(tmp_path):
-    for name in cm.builtin_profiles():
-        p = cm.Profile.load(name)
+    for name in links.builtin_profiles():
+        p = links.Profile.load(name)
         assert p.fault_Bps == 0.0 and cm.host_fault_time(2**30, p) == 0.0, name
     HOST.save(tmp_path / "p.json")
-    back = cm.Profile.load(tmp_path / "p.json")
+    back = links.Profile.load(tmp_path / "p.json")
     assert (back.fault_Bps, back.fresh_from_bytes, back.fresh_per_byte) == (FAULT, FROM, PER)
-    topo = cm.Topology(HOST, cm.Profile.load("h100-ib400"))
+    topo = links.Topology(HOST, links.Profile.load("h100-ib400"))
     assert cm.host_fault_time(64 * MB, topo) == cm.host_fault_time(64 * MB, HOST)
 
 

@@ -248,8 +248,9 @@ def test_plan_modes_for_the_trainer():
 
 def test_mode_options_word_gathers_once():
     from ciera_jax.planning import costmodel as cm
+    from ciera_jax.planning import links
 
-    p = cm.Profile.load("h100-ib400")
+    p = links.Profile.load("h100-ib400")
     o = mode_options(1 << 24, 16, "bfloat16", p, 1e-3, 0.55, 0.0)
     rs = cm.reduce_scatter_time(2 * (1 << 24), 16, p)  # the gradient, once in every mode
     assert o["plain"] == (0, 2 * cm.t_plain(1 << 24, 16, 2, p) + rs)

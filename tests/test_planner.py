@@ -5,6 +5,7 @@ import json
 import pytest
 
 from ciera_jax.planning import costmodel as cm
+from ciera_jax.planning import links
 from ciera_jax.planning.planner import plan_model, plan_tensor, plan_tree, summarize
 from ciera_jax.planning.shapes import get_config, tensor_inventory
 from ciera_jax.codec.wire import EXPONENT_CAPACITIES, ExponentWire, capacities
@@ -14,28 +15,28 @@ def ideal(**kw):
     d = dict(name="ideal", alpha_s=0.0, beta_Bps=1e9, codec_Bps=1e30, agreement_s=0.0,
              hbm_Bps=1e30, entropy_Bps=1e30, codec_launch_s=0.0)
     d.update(kw)
-    return cm.Profile(**d)
+    return links.Profile(**d)
 
 
 def test_builtin_profiles_load_with_sources():
-    names = cm.builtin_profiles()
+    names = links.builtin_profiles()
     for n in ("h100-nvlink", "h200-nvlink", "h100-ib400", "h200-ib400", "cpu-emulated"):
         assert n in names
-        p = cm.Profile.load(n)
+        p = links.Profile.load(n)
         assert p.alpha_s > 0 and p.beta_Bps > 0 and p.sources
         # a GPU's codec is priced from its compiled program; a calibrated host's as measured
         assert (p.gpu and p.codec_pricing == "compiled") or p.codec_Bps > 0
-    assert cm.Profile.load("h100-ib400").beta_Bps < cm.Profile.load("h100-nvlink").beta_Bps
+    assert links.Profile.load("h100-ib400").beta_Bps < links.Profile.load("h100-nvlink").beta_Bps
 
 
 def test_profile_roundtrip_and_unknown(tmp_path):
-    p = cm.Profile.load("h100-nvlink")
+    p = links.Profile.load("h100-nvlink")
     p.save(tmp_path / "x.json")
-    assert cm.Profile.load(tmp_path / "x.json") == p
+    assert links.Profile.load(tmp_path / "x.json") == p
     with pytest.raises(KeyError):
-        cm.Profile.load("no-such-profile")
+        links.Profile.load("no-such-profile")
     with pytest.raises(FileNotFoundError):
-        cm.Profile.load(tmp_path / "missing.json")
+        links.Profile.load(tmp_path / "missing.json")
 
 
 def test_ring_formula():
@@ -67,7 +68,7 @@ def test_rungs_and_fallback():
     # 5 changes: 8 exponents, the 4-word summary + 8 listed flag words
     assert wire.sent_bytes(5) == 4096 + 4 + 8 + 4 * (4 + 8)
     assert wire.sent_bytes(1025) == 2 * 4096 + 4  # above the top: plain (and the checksum)
-    p = cm.Profile.load("h100-ib400")
+    p = links.Profile.load("h100-ib400")
     n, N = 1 << 26, 16
     # change rate above 1/4: the main plane, then a plain gather, and the planner says plain
     assert cm.t_ciera(n, N, 1, 0.6, p, agreement_share_s=0.0) > cm.t_plain(n, N, 2, p)
@@ -94,8 +95,8 @@ def test_baselines_bytes():
 
 
 def test_hierarchical_matches_flat_inside_a_node_and_costs_more_across():
-    nv, ib = cm.Profile.load("h100-nvlink"), cm.Profile.load("h100-ib400")
-    topo = cm.Topology(nv, ib, 8)
+    nv, ib = links.Profile.load("h100-nvlink"), links.Profile.load("h100-ib400")
+    topo = links.Topology(nv, ib, 8)
     assert cm.gather_time(1e9, 8, topo) == pytest.approx(cm.gather_time(1e9, 8, nv))
     assert cm.gather_time(1e9, 16, topo) > cm.gather_time(1e9, 8, topo)
     two = cm.ring_allgather_time(1e9, 8, nv.alpha_s, nv.beta_Bps) + \
@@ -154,11 +155,11 @@ def test_plan_tree():
 
 
 def test_profiles_state_device_memory():
-    assert cm.Profile.load("h100-ib400").memory_gb == 80
-    assert cm.Profile.load("h200-nvlink").memory_gb == 141
-    assert cm.Profile.load("cpu-emulated").memory_gb is None  # unlimited
-    topo = cm.Topology(cm.Profile.load("h200-nvlink"), cm.Profile.load("h200-ib400"))
-    assert topo.memory_gb == 141 and cm.get_link(topo) is topo
+    assert links.Profile.load("h100-ib400").memory_gb == 80
+    assert links.Profile.load("h200-nvlink").memory_gb == 141
+    assert links.Profile.load("cpu-emulated").memory_gb is None  # unlimited
+    topo = links.Topology(links.Profile.load("h200-nvlink"), links.Profile.load("h200-ib400"))
+    assert topo.memory_gb == 141 and links.get_link(topo) is topo
 
 
 def test_plan_cli(tmp_path, capsys):

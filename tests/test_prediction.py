@@ -10,6 +10,7 @@ import pytest
 
 from ciera_jax.planning import clusters, codec_costs
 from ciera_jax.planning import costmodel as cm
+from ciera_jax.planning import links
 
 RATIO = re.compile(r"predicted step of \S+ on (\d+)×.*?CIERA word [\d.]+ ms \(([\d.]+)x")
 
@@ -39,8 +40,8 @@ def test_plan_simulate_aot_predict_the_same_step(capsys):
 
 
 def test_builtin_gpu_profiles_hold_no_codec_rate():
-    for name in cm.builtin_profiles():
-        d = json.loads((cm.PROFILE_DIR / f"{name}.json").read_text())
+    for name in links.builtin_profiles():
+        d = json.loads((links.PROFILE_DIR / f"{name}.json").read_text())
         if name.startswith("cpu"):
             continue  # a calibration's measured rates (`ciera calibrate` on this host)
         assert "codec_Bps" not in d and "word_codec_Bps" not in d, name
@@ -79,7 +80,7 @@ def test_cluster_names():
         clusters.parse("a100")
     with pytest.raises(ValueError, match="has 16 GPUs but --gpus says 8"):
         clusters.parse("16xh100-ib400", 8)
-    assert isinstance(clusters.get_link("16xh100-ib400"), cm.Topology)
+    assert isinstance(clusters.get_link("16xh100-ib400"), links.Topology)
 
 
 def test_simulate_model_flag_still_works(capsys):

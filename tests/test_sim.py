@@ -6,6 +6,7 @@ import json
 import pytest
 
 from ciera_jax.planning import costmodel as cm
+from ciera_jax.planning import links
 from ciera_jax.planning import memory
 from ciera_jax.cli import simulate as simulate_cli
 from ciera_jax.planning.shapes import get_config, tensor_inventory
@@ -45,7 +46,7 @@ def test_trace_from_metrics_jsonl(tmp_path):
 
 
 def test_simulate_gather_consistent_with_costmodel():
-    p = cm.Profile.load("h100-ib400")
+    p = links.Profile.load("h100-ib400")
     n = 1 << 26
     assert simulate_gather(2 * n, 16, p, "plain") == pytest.approx(cm.t_plain(n, 16, 2, p))
     assert simulate_gather(2 * n, 16, p, "ciera", 1e-3) == pytest.approx(cm.t_ciera(n, 16, 1, 1e-3, p))
@@ -60,10 +61,10 @@ def test_simulate_gather_consistent_with_costmodel():
 MB = 2**20
 # a calibrated CPU host, as ``ciera calibrate`` writes one: measured codec rates, fresh-memory
 # faults from 8 MB, a 16 MB cache shared by 2 cores
-HOST = cm.Profile("sockets", alpha_s=5e-4, beta_Bps=1e8, agreement_s=1e-3, codec_Bps=2e8,
-                  codec_pricing="measured", word_codec_Bps=5e7, escape_s=3e-7, fault_Bps=4e8,
-                  fresh_from_bytes=8 * MB, fresh_per_byte=2.0, llc_bytes=16 * MB, host_cores=2,
-                  spill_Bps=1e9)
+HOST = links.Profile("sockets", alpha_s=5e-4, beta_Bps=1e8, agreement_s=1e-3, codec_Bps=2e8,
+                     codec_pricing="measured", word_codec_Bps=5e7, escape_s=3e-7, fault_Bps=4e8,
+                     fresh_from_bytes=8 * MB, fresh_per_byte=2.0, llc_bytes=16 * MB, host_cores=2,
+                     spill_Bps=1e9)
 
 
 @pytest.mark.parametrize("N", [2, 4])

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from ciera_jax.planning import costmodel as cm
+from ciera_jax.planning import links
 from ciera_jax.calibrate.fit import fit_alpha_beta
 from ciera_jax.sim.step import compare_to_measurements
 
-TRUE = cm.Profile("true", alpha_s=2e-4, beta_Bps=8e8, codec_Bps=5e8, agreement_s=3e-4)
+TRUE = links.Profile("true", alpha_s=2e-4, beta_Bps=8e8, codec_Bps=5e8, agreement_s=3e-4)
 
 
 def _records(sizes, meshes, noise, rng):
@@ -34,8 +35,8 @@ def test_fit_then_predict_held_out(noise):
     rng = np.random.default_rng(0)
     calib = _records([16 << 10, 256 << 10, 4 << 20], [2, 8], noise, rng)
     alpha, beta = fit_alpha_beta(calib)
-    prof = cm.Profile("fit", alpha_s=alpha, beta_Bps=beta, codec_Bps=TRUE.codec_Bps,
-                      agreement_s=TRUE.agreement_s)
+    prof = links.Profile("fit", alpha_s=alpha, beta_Bps=beta, codec_Bps=TRUE.codec_Bps,
+                         agreement_s=TRUE.agreement_s)
     held = _records([1 << 20, 2 << 20], [4, 8], 0.0, rng)  # other sizes, another mesh size
     assert not {r["n_bytes"] for r in calib} & {r["n_bytes"] for r in held}
     rows = compare_to_measurements(held, prof)
@@ -47,6 +48,6 @@ def test_fit_then_predict_held_out(noise):
 def test_a_wrong_profile_is_caught():
     """The comparison can fail: a profile 4x off in bandwidth predicts 4x off at large sizes."""
     held = _records([64 << 20], [8], 0.0, np.random.default_rng(0))
-    slow = cm.Profile("slow", alpha_s=TRUE.alpha_s, beta_Bps=TRUE.beta_Bps / 4,
-                      codec_Bps=1e9, agreement_s=1e-4)
+    slow = links.Profile("slow", alpha_s=TRUE.alpha_s, beta_Bps=TRUE.beta_Bps / 4,
+                         codec_Bps=1e9, agreement_s=1e-4)
     assert compare_to_measurements(held, slow)[0]["ratio"] > 3.5

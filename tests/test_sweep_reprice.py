@@ -14,14 +14,15 @@ from pathlib import Path
 import pytest
 
 from ciera_jax.planning import costmodel as cm
+from ciera_jax.planning import links
 from ciera_jax.planning import crossover as xo
 
 ROOT = Path(__file__).resolve().parent.parent
 MB = 2**20
 ALPHA, BETA, FAULT = 1e-3, 1.25e8, 4e8
-PROFILE = cm.Profile("sockets", alpha_s=5e-4, beta_Bps=1e9, codec_Bps=2e8, agreement_s=1e-3,
-                     codec_pricing="measured", word_codec_Bps=5e7, escape_s=3e-7,
-                     fault_Bps=FAULT, fresh_from_bytes=8 * MB, fresh_per_byte=2.0)
+PROFILE = links.Profile("sockets", alpha_s=5e-4, beta_Bps=1e9, codec_Bps=2e8, agreement_s=1e-3,
+                        codec_pricing="measured", word_codec_Bps=5e7, escape_s=3e-7,
+                        fault_Bps=FAULT, fresh_from_bytes=8 * MB, fresh_per_byte=2.0)
 
 
 def gather(n_bytes, fresh):

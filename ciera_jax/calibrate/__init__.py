@@ -9,7 +9,7 @@ measure.py   calibration's measurements: plain gathers, the codec, CIERA's overh
              wire, the agreement, the memory rate
 fit.py       the fits: ring model ``t = (N-1)*alpha + (N-1)/N * bytes/beta``, host rates, lines
 host.py      the host's last-level cache and cores (sysfs, affinity)
-profile.py   :func:`calibrate`: measure, fit, and return a :class:`~ciera_jax.planning.costmodel.Profile`
+profile.py   :func:`calibrate`: measure, fit, return a :class:`~ciera_jax.planning.links.Profile`
 
 What is measured (every figure a median of interleaved repetitions of one jitted call):
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import jax
 
-from ciera_jax.planning import costmodel as cm
+from ciera_jax.planning import links
 from ciera_jax.calibrate.defaults import (CPU_CODEC_SIZES, CPU_FAULT_SIZES, CPU_SIZES,
                                           GPU_CODEC_SIZES, GPU_SIZES, mesh_sizes_for)
 from ciera_jax.calibrate import host as host_info
@@ -55,14 +55,14 @@ def calibrate(mesh_sizes: Sequence[int] | None = None, sizes: Sequence | None = 
     sources["hbm_Bps"] = (f"{run.src}: w ^ salt over {fmt_bytes(max(run.codec_sizes))} on "
                           "every rank")
     sources["entropy_Bps"] = f"not measured; carried over from built-in profile {run.base.name}"
-    prof = cm.Profile(name=name or f"calibrated-{run.plat}-{run.N_max}", alpha_s=link.alpha,
-                      beta_Bps=link.beta, codec_Bps=codec.codec_Bps, agreement_s=codec.agreement,
-                      hbm_Bps=hbm, entropy_Bps=run.base.entropy_Bps,
-                      codec_launch_s=codec.launch_s, codec_pricing="measured",
-                      word_codec_Bps=codec.word_Bps, escape_s=codec.escape_s,
-                      fault_Bps=link.fault_Bps, fresh_from_bytes=link.fresh_from,
-                      fresh_per_byte=link.fresh_per, llc_bytes=host.llc_bytes,
-                      host_cores=host.host_cores, spill_Bps=link.spill_Bps, sources=sources)
+    prof = links.Profile(name=name or f"calibrated-{run.plat}-{run.N_max}", alpha_s=link.alpha,
+                         beta_Bps=link.beta, codec_Bps=codec.codec_Bps, agreement_s=codec.agreement,
+                         hbm_Bps=hbm, entropy_Bps=run.base.entropy_Bps,
+                         codec_launch_s=codec.launch_s, codec_pricing="measured",
+                         word_codec_Bps=codec.word_Bps, escape_s=codec.escape_s,
+                         fault_Bps=link.fault_Bps, fresh_from_bytes=link.fresh_from,
+                         fresh_per_byte=link.fresh_per, llc_bytes=host.llc_bytes,
+                         host_cores=host.host_cores, spill_Bps=link.spill_Bps, sources=sources)
     details = dict(platform=run.plat, device_kind=run.kind, devices=len(run.devs),
                    mesh_sizes=run.mesh_sizes, empty_call_s=run.empty_s,
                    gathers=[{k: v for k, v in r.items() if k != "times"}
@@ -97,7 +97,7 @@ def _session(mesh_sizes, sizes, codec_sizes, fault_sizes, reps: int, log) -> typ
         devs=devs, plat=plat, kind=kind, on_cpu=on_cpu, mesh_sizes=mesh_sizes, sizes=sizes,
         codec_sizes=codec_sizes, fault_sizes=fault_sizes, N_max=N_max, date=date,
         src=f"measured by ciera calibrate on {plat} {kind} {N_max} devices {date}",
-        base=cm.Profile.load(base_profile(plat, kind)), full_mesh=full_mesh,
+        base=links.Profile.load(base_profile(plat, kind)), full_mesh=full_mesh,
         empty_s=min(empty_call_s(full_mesh), empty_call_s(full_mesh)), reps=reps, log=log)
 
 
@@ -207,7 +207,7 @@ def _host_sources(run, faults_fitted: bool, host, sources: dict) -> None:
     host.llc_bytes = host.host_cores = 0
 
 
-def profile_table(p: cm.Profile) -> str:
+def profile_table(p: links.Profile) -> str:
     """The profile's values with units and what each one prices."""
     rows = [("alpha_s", f"{p.alpha_s * 1e6:.2f} us", "latency per ring hop"),
             ("beta_Bps", f"{p.beta_Bps / 1e9:.3f} GB/s", "bytes/s per link (ring bus bw)"),

@@ -9,6 +9,7 @@ from pathlib import Path
 from ciera_jax.cli import cluster_flags
 from ciera_jax.planning import clusters
 from ciera_jax.planning import costmodel as cm
+from ciera_jax.planning import links
 from ciera_jax.planning.shapes import get_config
 from ciera_jax.planning.traces import PHASES, default_word_trace, load_trace, load_word_trace
 
@@ -149,7 +150,7 @@ def _inputs(args: argparse.Namespace) -> tuple:
         raise ValueError("--gpus must be positive")
     if args.tokens_per_gpu < 0:
         raise ValueError("--tokens-per-gpu must be non-negative")
-    profile = (cm.Profile.load(args.profile) if args.profile is not None
+    profile = (links.Profile.load(args.profile) if args.profile is not None
                else clusters.link(spec, args.codec))
     if args.change_rate is not None:
         if not 0.0 <= args.change_rate <= 1.0:

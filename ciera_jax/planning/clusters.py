@@ -3,7 +3,7 @@
 A cluster is named ``<gpu>-<network>`` (``h100-ib400``); with its GPU count in front
 (``16xh100-ib400``) it is one machine, and its link follows from the count: up to a host's 8
 GPUs, NVLink alone; above, NVLink inside each host, then the network across hosts
-(:class:`~ciera_jax.planning.costmodel.Topology`). The links are the profiles of
+(:class:`~ciera_jax.planning.links.Topology`). The links are the profiles of
 ``profiles/``; the GPU is the compile target whose codec table prices the gathers.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from ciera_jax.planning import costmodel as cm
+from ciera_jax.planning import links
 
 GPUS_PER_HOST = 8
 
@@ -59,11 +59,11 @@ def parse(text: str, gpus: int | None = None) -> tuple[ClusterSpec, int | None]:
     return CLUSTERS[name], count if count is not None else gpus
 
 
-def link(spec: ClusterSpec, calibration: str = "roofline") -> cm.Topology:
+def link(spec: ClusterSpec, calibration: str = "roofline") -> links.Topology:
     """The cluster's NVLink and network links, hosts of :data:`GPUS_PER_HOST`."""
-    intra, inter = (dataclasses.replace(cm.Profile.load(p), codec_calibration=calibration)
+    intra, inter = (dataclasses.replace(links.Profile.load(p), codec_calibration=calibration)
                     for p in (spec.intra, spec.inter))
-    return cm.Topology(intra, inter, GPUS_PER_HOST)
+    return links.Topology(intra, inter, GPUS_PER_HOST)
 
 
 def describe(spec: ClusterSpec, gpus: int) -> str:
@@ -73,11 +73,11 @@ def describe(spec: ClusterSpec, gpus: int) -> str:
     return f"{gpus}×{spec.gpu_label} ({hosts} host{'s' if hosts > 1 else ''}, {how})"
 
 
-def get_link(p) -> cm.Link:
+def get_link(p) -> links.Link:
     """A Profile or Topology as given; ``16xh100-ib400`` as that cluster's link; else a
-    profile by name or path (:func:`costmodel.get_link`)."""
+    profile by name or path (:func:`links.get_link`)."""
     if isinstance(p, str):
         m = _SPEC.match(p.strip().lower())
         if m and m.group(1) and ALIASES.get(m.group(2), m.group(2)) in CLUSTERS:
             return link(parse(p)[0])
-    return cm.get_link(p)
+    return links.get_link(p)

@@ -62,9 +62,7 @@ import dataclasses
 import math
 
 from ciera_jax.planning import codec_costs
-# the links and devices a gather is priced on, here too (``cm.Profile``, ``cm.Link``, ...)
-from ciera_jax.planning.links import (PROFILE_DIR, Link, Profile, Topology,  # noqa: F401
-                                     builtin_profiles, get_link, get_profile)
+from ciera_jax.planning.links import Link, Profile, Topology
 from ciera_jax.codec.wire import (CHECKSUM_BYTES, DEFAULT_CODE_BITS, ExponentWire, WordWire,
                                   int8_wire_bytes)
 # Memory traffic of each codec pass per element of bf16 (b = 2 bytes a word), counted from

@@ -17,16 +17,17 @@ import math
 from collections.abc import Sequence
 
 from ciera_jax.planning import costmodel as cm
+from ciera_jax.planning import links
 
 MODES = ("plain", "exponent", "word")
 
 
-def link_profile(profile: cm.Profile, alpha_s: float, beta_Bps: float) -> cm.Profile:
+def link_profile(profile: links.Profile, alpha_s: float, beta_Bps: float) -> links.Profile:
     """``profile``'s device (codec, agreement) on another link (alpha, beta)."""
     return dataclasses.replace(profile, alpha_s=alpha_s, beta_Bps=beta_Bps)
 
 
-def predict(mode: str, n: int, N: int, link: cm.Link, *, change_rate: float = 0.0,
+def predict(mode: str, n: int, N: int, link: links.Link, *, change_rate: float = 0.0,
             word_bpw: float | None = None, bytes_per_elem: int = 2) -> float:
     """Seconds of one gather of ``mode``, as the planner prices it: exponent mode at
     ``change_rate`` (escaped exponents per shard element), word mode at ``word_bpw`` (bytes
@@ -41,7 +42,7 @@ def predict(mode: str, n: int, N: int, link: cm.Link, *, change_rate: float = 0.
     raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}")
 
 
-def crossover_beta(mode: str, n: int, N: int, profile: cm.Profile, **kw) -> float:
+def crossover_beta(mode: str, n: int, N: int, profile: links.Profile, **kw) -> float:
     """Link bandwidth (bytes/s, ``beta``) below which ``mode`` beats plain on ``profile``'s
     device: ``inf`` if it beats plain on any link, 0 if on none.
 

@@ -27,6 +27,7 @@ import numpy as np
 
 from ciera_jax.codec import bitfields
 from ciera_jax.planning import costmodel as cm
+from ciera_jax.planning import links
 from ciera_jax.planning import clusters
 from ciera_jax.planning import memory
 from ciera_jax.planning.shapes import get_config, tensor_inventory
@@ -73,7 +74,7 @@ def _bytes_per_elem(dtype: str) -> int:
         return 2
 
 
-def plan_tensor(spec_or_shape: Any, dtype: Any, N: int, profile: Union[str, cm.Link],
+def plan_tensor(spec_or_shape: Any, dtype: Any, N: int, profile: Union[str, links.Link],
                 change_rate: float, agreement_share_s: float | None = None) -> Decision:
     """Decide one tensor. ``spec_or_shape`` is a :class:`ciera_jax.planning.shapes.TensorSpec` or a shape."""
     link = clusters.get_link(profile)
@@ -114,7 +115,7 @@ def _rate(trace: Any, kind: str) -> float:
     raise TypeError(f"trace must be a number, a mapping kind->rate or a Trace, not {type(trace)}")
 
 
-def plan_model(cfg: Any, N: int, profile: Union[str, cm.Link], trace: Any = None,
+def plan_model(cfg: Any, N: int, profile: Union[str, links.Link], trace: Any = None,
                dtype: Any = "bfloat16") -> list[Decision]:
     """One exponent-or-plain decision per tensor of ``tensor_inventory(cfg)`` (``cfg`` a
     ModelConfig or its name).
@@ -131,7 +132,7 @@ def plan_model(cfg: Any, N: int, profile: Union[str, cm.Link], trace: Any = None
     return [plan_tensor(t, dtype, N, link, _rate(trace, t.kind), share) for t in inv]
 
 
-def plan_tree(params_tree: Any, axis_size: int, profile: Union[str, cm.Link],
+def plan_tree(params_tree: Any, axis_size: int, profile: Union[str, links.Link],
               change_rate: float = 1e-3) -> Any:
     """A pytree of bools matching ``params_tree`` (leaves: arrays or ShapeDtypeStructs): True
     where the leaf should go through the compressed gather. Non-codec dtypes are False."""
@@ -205,7 +206,7 @@ class ModeChoice:
 BACKWARD_GATHER = {"plain": "plain", "exponent": "payload", "word": None}
 
 
-def mode_options(n: int, N: int, dtype: Any, link: cm.Link, change_rate: float, word_bpw: float,
+def mode_options(n: int, N: int, dtype: Any, link: links.Link, change_rate: float, word_bpw: float,
                  share_s: float, cache_elem_bytes: int | None = None) -> dict:
     """``{mode: (cache bytes per GPU, communication seconds per step)}`` for one tensor of
     ``n`` elements, as ``ciera train`` runs it (:data:`BACKWARD_GATHER`): plain gathers twice
@@ -375,7 +376,7 @@ def _word_bpw(word_trace: Any, kind: str, phase: str) -> float:
     return word_trace.bpw(kind, phase)
 
 
-def plan_model_modes(cfg: Any, N: int, profile: Union[str, cm.Link],
+def plan_model_modes(cfg: Any, N: int, profile: Union[str, links.Link],
                      cache_budget_bytes: float | None = None, trace: Any = None,
                      word_trace: Any = None, phase: str = "steady") -> list[ModeChoice]:
     """Plain / exponent / word per gathered tensor of ``cfg`` on ``N`` ranks, best step-time
@@ -408,7 +409,7 @@ def modes_summary(choices: list[ModeChoice]) -> dict:
             "gather_speedup": t_plain / t_plan if t_plan > 0 else 1.0}
 
 
-def plan_modes(params_tree: Any, axis_size: int, profile: Union[str, cm.Link],
+def plan_modes(params_tree: Any, axis_size: int, profile: Union[str, links.Link],
                cache_budget_bytes: float | None = None, change_rate: float | None = None,
                word_bpw: float | None = None) -> Any:
     """For the trainer (``ciera train --cache auto``): a pytree of "plain" / "exponent" /

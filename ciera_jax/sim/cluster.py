@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from ciera_jax.planning import clusters
-from ciera_jax.planning import costmodel as cm
+from ciera_jax.planning import links
 
 # vendor spec: H100 SXM and H200 SXM dense bf16 tensor-core peak, 989 TFLOP/s (no sparsity)
 PEAK_BF16_FLOPS = 989e12
@@ -18,16 +18,16 @@ DEFAULT_MFU = 0.35
 @dataclasses.dataclass(frozen=True)
 class Cluster:
     name: str
-    intra: cm.Profile  # NVLink inside a node
-    inter: cm.Profile  # one NIC per GPU across nodes
+    intra: links.Profile  # NVLink inside a node
+    inter: links.Profile  # one NIC per GPU across nodes
     gpus_per_node: int = 8
     peak_flops: float = PEAK_BF16_FLOPS
     mfu: float = DEFAULT_MFU
     spec: clusters.ClusterSpec | None = None
 
     @property
-    def topology(self) -> cm.Topology:
-        return cm.Topology(self.intra, self.inter, self.gpus_per_node)
+    def topology(self) -> links.Topology:
+        return links.Topology(self.intra, self.inter, self.gpus_per_node)
 
     @property
     def flops(self) -> float:

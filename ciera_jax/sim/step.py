@@ -42,6 +42,7 @@ import math
 from typing import Any, Callable, Mapping
 
 from ciera_jax.planning import costmodel as cm
+from ciera_jax.planning import links
 from ciera_jax.planning import memory
 from ciera_jax.planning.planner import (HEADROOM_GB, cache_budget, plan_model_modes, plan_tensor,
                                         room_bytes)
@@ -98,7 +99,7 @@ def _fwd_flops_per_token(cfg: Any, name: str, tensors: list) -> float:
     return 2.0 * active + attn
 
 
-def method_modes(method: str, N: int, topo: cm.Link, trace: Trace, word_trace: WordTrace,
+def method_modes(method: str, N: int, topo: links.Link, trace: Trace, word_trace: WordTrace,
                  phase: str, share_s: float) -> Callable:
     """The mode of each tensor under a method: a function of the TensorSpec."""
     if method in ("plain", "plain-noreshard", "int8", "entropy"):
@@ -170,7 +171,7 @@ def _plan_modes(plan: Mapping) -> Callable:
     return lambda t: plan.get(memory.key(t), "plain")
 
 
-def tensor_gathers(mode: str, n: int, N: int, link: cm.Link, change_rate: float,
+def tensor_gathers(mode: str, n: int, N: int, link: links.Link, change_rate: float,
                    word_bpw: float | None) -> tuple[str, cm.GatherCost, cm.GatherCost | None]:
     """One tensor of ``n`` elements in tensor mode ``mode``, as the step prices it: the mode it
     gets (exponent mode above its top rung gathers plain bits), its forward gather's cost and its
@@ -190,7 +191,7 @@ def tensor_gathers(mode: str, n: int, N: int, link: cm.Link, change_rate: float,
     return mode, c, again
 
 
-def build_group(name: str, fwd_s: float, tensors: list, N: int, link: cm.Link,
+def build_group(name: str, fwd_s: float, tensors: list, N: int, link: links.Link,
                 mode_of: Callable, trace: Trace, word_trace: WordTrace,
                 phase: str = "steady") -> Group:
     """One group: its forward compute (``fwd_s``, the backward twice it) and the bucketed gathers
@@ -336,7 +337,7 @@ def sweep(cfg: Any, gpu_counts: list[int], cluster: Cluster | str = "h100-ib400"
     }
 
 
-def simulate_gather(n_bytes: float, N: int, profile: cm.Link | str, method: str = "plain",
+def simulate_gather(n_bytes: float, N: int, profile: links.Link | str, method: str = "plain",
                     change_rate: float = 0.0, word_bpw: float | None = None) -> float:
     """Predicted seconds for one all-gather of a bf16 tensor of ``n_bytes`` (full size) on
     ``N`` ranks, as the step model prices it: a step whose only work is that gather's forward
@@ -350,7 +351,7 @@ def simulate_gather(n_bytes: float, N: int, profile: cm.Link | str, method: str 
         raise ValueError(f"unknown gather method {method!r}; choose one of: {', '.join(modes)}")
     if method == "word" and not (word_bpw and word_bpw > 0):
         raise ValueError(f"word mode is priced at a measured word_bpw > 0, got {word_bpw!r}")
-    link = cm.get_link(profile)
+    link = links.get_link(profile)
     # any weight the FSDP rule shards: only its element count is priced
     t = TensorSpec("w_DxF", (math.ceil(n_bytes / BYTES_PER_ELEM),), "dense")
     trace = Trace({}, default=change_rate)
@@ -360,7 +361,7 @@ def simulate_gather(n_bytes: float, N: int, profile: cm.Link | str, method: str 
     return schedule([g], cm.agreement_time(N, link) if g.n_compressed else 0.0)[0]
 
 
-def compare_to_measurements(records: list[dict], profile: cm.Link | str) -> list[dict]:
+def compare_to_measurements(records: list[dict], profile: links.Link | str) -> list[dict]:
     """``records``: dicts with n_bytes, N, method, seconds (and optionally change_rate).
     Returns each with ``predicted_s`` and ``ratio`` = predicted / measured."""
     out = []
