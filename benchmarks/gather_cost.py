@@ -27,6 +27,7 @@ os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from common import parser, write_results  # noqa: E402  benchmarks/common.py
+from ciera_models.train.config import FALLBACKS  # noqa: E402
 
 SHAPE = (16, 2048, 1024)  # 64 MB of bf16: an OLMoE-like expert tensor, gathered on axis 1
 
@@ -38,7 +39,7 @@ def parse_args(argv=None):
     p.add_argument("--gpus", type=int, nargs="+", default=[8, 16])
     p.add_argument("--gpu", default="h100-80gb")
     p.add_argument("--modes", nargs="+", default=["plain", "exponent", "word"])
-    p.add_argument("--fallback", nargs="+", default=["auto"], choices=["auto", "program", "branch"],
+    p.add_argument("--fallback", nargs="+", default=["auto"], choices=FALLBACKS,
                    help="as ciera train --fallback (auto: program, on GPUs); several: each")
     p.add_argument("--kernels", action="store_true", help="also list every kernel")
     p.add_argument("--table", default=None, help="also write the step model's codec table here")

@@ -31,9 +31,9 @@ from ciera_jax.collective import gather as collective
 from ciera_jax.runtime import gpu_targets
 from ciera_models.aot import kernel_list, schedule
 from ciera_models.train import rung_policy
+from ciera_models.train.config import FALLBACKS
 
 MODES = ("plain", "exponent", "word")
-FALLBACKS = ("auto", "program", "branch")  # ``ciera train --fallback``; auto: program on GPUs
 AXIS = "fsdp"
 # The exchange's stats a train step reads (``ciera_jax.fsdp``'s gather), packed as it packs
 # them: one int32 vector per tensor. The others are dead code in a step, and returned as

@@ -48,6 +48,7 @@ CACHE_MODES = LazyChoices("ciera_jax.collective.cache", "MODES", extra=("auto",)
 # Which tensors compress (ciera_models.train.compression): the cost model plus the expert weights, the cost
 # model alone, every gathered tensor.
 PLANS = ("auto", "cost", "all")
+FALLBACKS = ("auto", "program", "branch")  # --fallback
 
 
 def option(default, help: str, **meta):
@@ -130,7 +131,7 @@ class TrainConfig:
         "program holds no conditional, which on a GPU is a host sync each), branch (every "
         "program compiles a fallback conditional per gather: a plain gather, or "
         "--overflow-rungs' words), auto (program where the mesh's devices are GPUs, branch "
-        "elsewhere: a CPU's conditional costs nothing)", choices=("auto", "program", "branch"))
+        "elsewhere: a CPU's conditional costs nothing)", choices=FALLBACKS)
     compile_beside: str = option(
         "auto", "a step whose program is not compiled yet (the run's first, a new rung vector "
         "the policy bought) runs one that is while it compiles in a thread: the first step "
