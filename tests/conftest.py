@@ -9,15 +9,15 @@ file runs whole on one worker, and the groups likely to take longest start first
 
 import functools
 import os
+import shutil
+import tempfile
 
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The tests' programs are small: XLA spends its time compiling them, not running them, so LLVM
 # compiles them without its costly optimisations (same arithmetic: no fast-math either way).
-# The flags reach the tests' child processes too (tests/processes.child_env). JAX's persistent
-# compilation cache stays off: loaded programs aborted the TP test file's process now and then
-# (docs/training.md).
+# The flags reach the tests' child processes too (tests/processes.child_env).
 COMPILE_FAST = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
 _flags = os.environ.get("XLA_FLAGS", "").split()
 # the count last, whatever count a test's run set before (the last flag of a name wins)
@@ -26,7 +26,21 @@ if "--xla_force_host_platform_device_count=8" not in _flags[-1:]:
     _flags.append("--xla_force_host_platform_device_count=8")
 os.environ["XLA_FLAGS"] = " ".join(_flags)
 
+# JAX's persistent compilation cache serves the child processes alone, one folder for the whole
+# run (every xdist worker's children): the drills' ``ciera train`` processes run few distinct
+# programs, so each compiles once and later children load it (a loaded step trains bitwise:
+# tests/test_compilation_cache.py). The pytest processes compile fresh: one that loaded many
+# programs aborted now and then (docs/training.md). JAX reads the variable at import, so it is
+# set for the children only after.
+CHILD_CACHE = "CIERA_TESTS_JAX_CACHE"
+_owns_child_cache = CHILD_CACHE not in os.environ  # the controller, or a run without -n
+if _owns_child_cache:
+    os.environ[CHILD_CACHE] = tempfile.mkdtemp(prefix="ciera-tests-jax-cache-")
+os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+
 import jax  # noqa: E402
+
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[CHILD_CACHE]
 
 # Start the backend now, with 8 devices, so that no test (e.g. a CLI run with --devices 4)
 # can re-flag XLA for the rest of the session.
@@ -43,6 +57,11 @@ TINY_PROGRAMS = {"program_patience": 2e-5}
 # Files whose tests call jax.clear_caches(): everything compiled earlier in the session (the
 # shared trainers, the gather harness) would compile again after them.
 CLEARS_CACHES = ("test_no_deprecations.py",)
+
+
+def pytest_unconfigure(config):
+    if _owns_child_cache:
+        shutil.rmtree(os.environ[CHILD_CACHE], ignore_errors=True)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
