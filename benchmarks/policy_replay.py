@@ -1,6 +1,6 @@
 """What the rung policy's programs send on a recorded run: padding and fallbacks counted.
 
-Replays :class:`ciera_models.train.rung_policy.RungPolicy` on the per-step, per-tensor-layer
+Replays :class:`ciera_jax.loop.rungs.RungPolicy` on the per-step, per-tensor-layer
 escape counts ``weight_stability.py --counts-out`` recorded (default: ``small``, 300 steps):
 word mode at the default code width, one program per rung vector, each tensor (its layers
 stacked) at one rung per program, as ``ciera train`` compiles them. Prints, per price (the
@@ -22,14 +22,14 @@ import numpy as np
 
 from ciera_jax.codec.wire import WordWire
 from ciera_jax.planning import links
-from ciera_models.train.rung_policy import (EXIT_SHARE, RungPolicy, exits_for,
+from ciera_jax.loop.rungs import (EXIT_SHARE, RungPolicy, exits_for,
                                            seconds_per_byte)
 from common import RESULTS, parser, write_results  # benchmarks/common.py, beside this script
 
 # (label, profile, patience, max_programs, overflow rungs, the tensors that compile them): the
 # defaults on CPU and GPU links, then without overflow rungs and cheaper compiles (a compile
 # priced like a few plain steps of small's bytes), then fewer overflow rungs. Which tensors
-# compile them: EXIT_SHARE, the trainer's rule (``rung_policy.exits_for``) on the tensors as
+# compile them: EXIT_SHARE, the trainer's rule (``rungs.exits_for``) on the tensors as
 # this replay takes them, each alone (the 3 expert tensors); LAYERS, every layer tensor: the
 # unit the trainer makes of them where a layer is one bucket (small and tiny on 8 devices),
 # which then carries over 90% of the word bytes and compiles them.

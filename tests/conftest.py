@@ -27,20 +27,24 @@ if "--xla_force_host_platform_device_count=8" not in _flags[-1:]:
 os.environ["XLA_FLAGS"] = " ".join(_flags)
 
 # JAX's persistent compilation cache serves the child processes alone, one folder for the whole
-# run (every xdist worker's children): the drills' ``ciera train`` processes run few distinct
-# programs, so each compiles once and later children load it (a loaded step trains bitwise:
-# tests/test_compilation_cache.py). The pytest processes compile fresh: one that loaded many
-# programs aborted now and then (docs/training.md). JAX reads the variable at import, so it is
-# set for the children only after.
+# run (every xdist worker's children), every program however short its compile: the drills'
+# ``ciera train`` processes run few distinct programs, so each compiles once and later children
+# load it (a loaded step trains bitwise: tests/test_compilation_cache.py). Of a two-process
+# run only process 0 gains (only it writes, and the other's key names its own devices). The
+# pytest processes compile fresh: one that loaded many programs aborted now and then
+# (docs/training.md). JAX reads the variables at import, so they are set for the children
+# only after.
 CHILD_CACHE = "CIERA_TESTS_JAX_CACHE"
 _owns_child_cache = CHILD_CACHE not in os.environ  # the controller, or a run without -n
 if _owns_child_cache:
     os.environ[CHILD_CACHE] = tempfile.mkdtemp(prefix="ciera-tests-jax-cache-")
-os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+for _setting in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"):
+    os.environ.pop(_setting, None)
 
 import jax  # noqa: E402
 
 os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[CHILD_CACHE]
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 # Start the backend now, with 8 devices, so that no test (e.g. a CLI run with --devices 4)
 # can re-flag XLA for the rest of the session.

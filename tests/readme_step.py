@@ -17,7 +17,7 @@ import ciera_jax
 from ciera_jax import fsdp, loop
 from ciera_jax.fsdp.state.ahead import ahead_of, set_ahead
 from ciera_jax.fsdp.state.setup import gathering_modules
-from ciera_models.train.rung_policy import rungs_holding
+from ciera_jax.loop.rungs import rungs_holding
 
 D, F, BATCH = 256, 1024, 64
 

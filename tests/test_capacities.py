@@ -1,4 +1,4 @@
-"""The host's rung policy (``ciera_models.train.rung_policy``): which programs a run compiles, and which of
+"""The host's rung policy (``ciera_jax.loop.rungs``): which programs a run compiles, and which of
 them each step runs, from the demands the previous step agreed on."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ciera_jax.codec.wire import PLAIN_RUNG, ExponentWire, WordWire
-from ciera_models.train.rung_policy import (EXIT_SHARE, RungPolicy, exits_for, rungs_holding,
+from ciera_jax.loop.rungs import (EXIT_SHARE, RungPolicy, exits_for, rungs_holding,
                                            seconds_per_byte)
 from ciera_jax.planning.links import Profile
 

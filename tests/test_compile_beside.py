@@ -12,7 +12,7 @@ from ciera_models.train.data import load_dataset
 from ciera_models.checkpoint.params_hash import params_sha256
 from ciera_models.train import TrainConfig, build_trainer, make_mesh
 from ciera_jax.codec.wire import PLAIN_RUNG
-from ciera_models.train.rung_policy import program_key
+from ciera_jax.loop.rungs import program_key
 
 
 def _done(compiles: CompilesBeside) -> None:

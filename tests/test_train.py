@@ -21,7 +21,7 @@ from ciera_models.model.transformer import Transformer, abstract_model
 from ciera_models.train.compression import NO_CACHE, cache_modes
 from ciera_models.train.state import bytes_per_device
 from ciera_models.train import TrainConfig, build_trainer, make_mesh, choose_compressed, train
-from ciera_models.train.rung_policy import program_key
+from ciera_jax.loop.rungs import program_key
 from conftest import TINY_PROGRAMS
 
 STEPS = 20

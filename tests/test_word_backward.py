@@ -20,7 +20,7 @@ from flax import nnx
 from ciera_jax import fsdp
 from ciera_jax.planning import memory
 from ciera_jax.fsdp import buckets
-from ciera_models.train.rung_policy import program_key, rungs_holding
+from ciera_jax.loop.rungs import program_key, rungs_holding
 from flax_nets import (LM, MLP, all_compressed, batches, make_mesh, same_bits, train_jit,
                        train_shard_map)
 from ciera_models.train import data

@@ -25,11 +25,6 @@ from ciera_jax.runtime.units import fmt_bytes, parse_size
 ESCAPE_CHURN = 0.05  # exponent churn of the escape-cost measurement (word moves' steady state)
 
 
-def base_profile(platform_name: str, device_kind: str) -> str:
-    """The built-in profile whose unmeasured values (entropy rate) a calibration carries over."""
-    if platform_name == "cpu":
-        return "cpu-emulated"
-    return "h200-nvlink" if "h200" in device_kind.lower() else "h100-nvlink"
 
 
 def calibrate(mesh_sizes: Sequence[int] | None = None, sizes: Sequence | None = None,
@@ -97,7 +92,7 @@ def _session(mesh_sizes, sizes, codec_sizes, fault_sizes, reps: int, log) -> typ
         devs=devs, plat=plat, kind=kind, on_cpu=on_cpu, mesh_sizes=mesh_sizes, sizes=sizes,
         codec_sizes=codec_sizes, fault_sizes=fault_sizes, N_max=N_max, date=date,
         src=f"measured by ciera calibrate on {plat} {kind} {N_max} devices {date}",
-        base=links.Profile.load(base_profile(plat, kind)), full_mesh=full_mesh,
+        base=links.Profile.load(links.default_profile(plat, kind)), full_mesh=full_mesh,
         empty_s=min(empty_call_s(full_mesh), empty_call_s(full_mesh)), reps=reps, log=log)
 
 

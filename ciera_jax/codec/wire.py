@@ -68,7 +68,7 @@ LEVEL2_SHARES = ((1 / 4, 1 / 16), (1.0, 1 / 8))
 # each step's own rung would, up to padding (small's policy replay at one program), for a fill
 # and a small switch in the fallback, off the steady path. Each switch costs compile time, so
 # only the units carrying most of the word bytes get them
-# (``ciera_models.train.rung_policy.EXIT_SHARE``).
+# (``ciera_jax.loop.rungs.EXIT_SHARE``).
 OVERFLOW_RUNGS = 3
 DEFAULT_CODE_BITS = 3  # the word-delta study: the best single width across phases
 CODE_BITS_CHOICES = (2, 3, 4)

@@ -10,7 +10,7 @@ when the demand is above the fixed rung (or the cache unprimed). ``rung=PLAIN_RU
 a plain gather of the bits (a priming step) and no codec at all.
 
 ``guaranteed=True``: the host promises that the rung holds every layer's agreed demand (it
-picked a program whose rungs do, :class:`~ciera_models.train.rung_policy.RungPolicy` with
+picked a program whose rungs do, :class:`~ciera_jax.loop.rungs.RungPolicy` with
 ``holds``), so the exchange compiles no fallback and no conditional at all: a straight line,
 what a GPU wants (a conditional there is a host sync). A broken promise drops escapes; the
 self-check then fails and the step is redone with the caches re-primed, so even that stays

@@ -5,7 +5,7 @@ exchange each at its agreed rung.
 
 When the agreement also runs at the end of the previous step, the host reads each tensor's
 needed rung (:func:`needed_rungs`) before the step and fixes the rungs the step is compiled at
-(:func:`fix_rungs`; a policy such as :class:`~ciera_models.train.rung_policy.RungPolicy` picks
+(:func:`fix_rungs`; a policy such as :class:`~ciera_jax.loop.rungs.RungPolicy` picks
 them): the step then holds no agreement collective and no collective in a conditional but the
 fallback's (:mod:`ciera_jax.collective.capacity`)."""
 

@@ -5,7 +5,8 @@ step's path). :mod:`.ahead` (the encode program), :mod:`.rungs` (which program a
 :mod:`.step` (the wrapper)."""
 
 from ciera_jax.loop.ahead import ahead_specs, ahead_values, at_rungs, encode_ahead
-from ciera_jax.loop.rungs import RungChoice
+from ciera_jax.loop.rungs import RungPolicy
 from ciera_jax.loop.step import TrainStep, train_step
 
-__all__ = ["RungChoice", "TrainStep", "ahead_specs", "ahead_values", "at_rungs", "encode_ahead", "train_step"]
+__all__ = ["RungPolicy", "TrainStep", "ahead_specs", "ahead_values", "at_rungs", "encode_ahead",
+           "train_step"]

@@ -6,12 +6,13 @@ Wrap the step (an ``nnx.jit`` function taking the model) and each call:
    tensor encoded, ONE agreement, the needed rungs: :mod:`~ciera_jax.loop.ahead`) ran on the
    parameters and caches the step is about to read; it is dispatched right after the step
    before, so it runs while the host returns to your loop;
-2. reads the needed rungs (the step's one host synchronisation) and picks the program that
-   holds them (:class:`~ciera_jax.loop.rungs.RungChoice`): the rungs are a static field of
-   each gathering module, so ``jit`` compiles one program per rung vector and the step's
-   gathers exchange at fixed rungs, with no encode, no agreement and no conditional; a demand
-   no compiled program holds runs a program with those tensors plain (also the first step,
-   which primes the caches);
+2. reads the needed rungs (the step's one host synchronisation) and picks a program that
+   holds them, by the policy ``ciera train`` runs (:class:`~ciera_jax.loop.rungs.RungPolicy`,
+   pricing bytes on ``link`` and each compile at what the first ones took): the rungs are a
+   static field of each gathering module, so ``jit`` compiles one program per rung vector and
+   the step's gathers exchange at fixed rungs, with no encode, no agreement and no
+   conditional; a demand no compiled program holds runs a program with those tensors plain
+   (also the first step, which primes the caches);
 3. calls your step, then dispatches the next encode program.
 
 Outside a call the modules gather as before (the bare decorator's per-call path), so an
@@ -23,19 +24,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 import weakref
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from ciera_jax.collective import PLAIN_RUNG
+from ciera_jax.fsdp import buckets
 from ciera_jax.fsdp.state.ahead import ahead_of
 from ciera_jax.fsdp.state.caches import GatherCacheVar
 from ciera_jax.fsdp.state.setup import gathering_modules, set_setup, setup_of
 from ciera_jax.loop.ahead import encode_ahead, wire_of
-from ciera_jax.loop.rungs import RungChoice
+from ciera_jax.loop.rungs import RungPolicy, exits_for, seconds_per_byte
+from ciera_jax.planning import clusters, links
 
 
 def _models(args, kwargs) -> list:
@@ -57,46 +60,75 @@ class TrainStep:
     """``step`` (a function taking the model) run at rungs the host picks. Counters:
     ``steps``, ``plain_steps`` (steps whose program gathers a compressed tensor plain: the
     priming step, a demand above every compiled rung), ``encodes`` (encode programs run);
-    ``programs``: the rung vectors compiled, ``{(module path, key): rung}`` each."""
+    ``programs``: the rung vectors compiled, ``{(model index, module path, key): rung}`` each;
+    ``policies``: the :class:`~ciera_jax.loop.rungs.RungPolicy` of each set of such units
+    called (made at its first call, from the wires it prices)."""
 
-    def __init__(self, step, *, max_programs: int = 8, slack: float = 0.25):
+    def __init__(self, step, *, max_programs: int = 8, patience: float = 1.0,
+                 headroom: int = 3, link=None):
+        if max_programs < 1 or not patience >= 0 or headroom < 0:
+            raise ValueError(f"max_programs must be >= 1, patience and headroom >= 0, got "
+                             f"{max_programs}, {patience} and {headroom}")
         self.step = step
-        self.choice = RungChoice(max_programs, slack)
+        self.max_programs, self.patience, self.headroom, self.link = (max_programs, patience,
+                                                                      headroom, link)
+        self.policies: dict = {}  # sorted units -> RungPolicy
         self.steps = self.plain_steps = self.encodes = 0
         self._read: dict = {}  # id(model) -> weak references to what its encode read
         functools.update_wrapper(self, step)
 
     @property
     def programs(self) -> list:
-        return self.choice.programs
+        return [dict(p) for policy in self.policies.values() for p in policy.programs]
 
     def __call__(self, *args, **kwargs):
         models = _models(args, kwargs)
         for m in models:
             if not self._current(m):
                 self._encode(m)
-        units = {}  # (model index, module path, key) -> (module, needed, wire)
+        units = {}  # (model index, module path, key) -> (module, needed, encoded)
         for i, m in enumerate(models):
             for path, mod in gathering_modules(m):
                 for k, (e, _, needed) in ahead_of(mod).items():
-                    units[(i, "/".join(map(str, path)), k)] = (mod, needed,
-                                                               wire_of(e, jnp.ndim(needed)))
+                    units[(i, "/".join(map(str, path)), k)] = (mod, needed, e)
         if not units:
             return self.step(*args, **kwargs)
         needed = jax.device_get({u: v[1] for u, v in units.items()})  # the one host sync
-        rungs = self.choice.choose({u: int(np.max(n)) for u, n in needed.items()},
-                                   {u: v[2] for u, v in units.items()})
+        policy = self._policy(units, needed)
+        rungs, new = policy.choose(needed)
         saved = self._fix(units, rungs)
+        t0 = time.perf_counter()
         try:
             out = self.step(*args, **kwargs)
         finally:
             for mod, setup in saved:
                 set_setup(mod, setup)
+        if new:  # the call compiled the program (the step itself runs on, dispatched)
+            policy.compiled(time.perf_counter() - t0)
         self.steps += 1
         self.plain_steps += any(r == PLAIN_RUNG for r in rungs.values())
         for m in models:
             self._encode(m)
         return out
+
+    def _policy(self, units: dict, needed: dict) -> RungPolicy:
+        """The policy of this set of units, made at its first call: their wires priced on
+        ``link`` (default: this platform's built-in profile) over the most ranks any of them
+        gathers, ``headroom`` overflow rungs over a demand still rising (the units carrying
+        enough of the word bytes: :func:`~ciera_jax.loop.rungs.exits_for`)."""
+        key = tuple(sorted(units))
+        if key not in self.policies:
+            wires = {u: wire_of(e, np.ndim(needed[u])) for u, (_, _, e) in units.items()}
+            ranks = max(buckets.unwrap(e).n_ranks for _, _, e in units.values())
+            device = jax.devices()[0]
+            link = clusters.get_link(self.link or links.default_profile(device.platform,
+                                                                        device.device_kind))
+            layers = {u: max(1, np.size(n)) for u, n in needed.items()}
+            self.policies[key] = RungPolicy(
+                wires, seconds_per_byte(link, ranks), max_programs=self.max_programs,
+                patience=self.patience, exits=exits_for(wires, layers, self.headroom),
+                holds=True)
+        return self.policies[key]
 
     def _fix(self, units: dict, rungs: dict) -> list:
         """Each module's setup with its rungs fixed; returns the setups it had."""
@@ -122,14 +154,19 @@ class TrainStep:
             r() is a for r, a in zip(refs, now))
 
 
-def train_step(step=None, *, max_programs: int = 8, slack: float = 0.25):
+def train_step(step=None, *, max_programs: int = 8, patience: float = 1.0, headroom: int = 3,
+               link=None):
     """Run a jitted train step over a model with gathering modules (``@ciera_jax.gathered``,
     ``fsdp.shard``) as ``ciera train`` runs its own: encode ahead, one agreement a step, rungs
-    fixed per compiled program and picked on the host, no conditional. Use it as a decorator
-    above ``@nnx.jit`` (or ``train_step(step)``); returns a :class:`TrainStep`. The model is
-    any ``nnx.Module`` argument; the step runs under ``jax.set_mesh`` with the parameters
-    placed (the gathers open their own ``shard_map``). Bitwise the parameters of a plain
-    gather."""
+    fixed per compiled program and picked on the host by its policy, no conditional. Use it as
+    a decorator above ``@nnx.jit`` (or ``train_step(step)``); returns a :class:`TrainStep`.
+    ``max_programs``, ``patience``: ``ciera train``'s ``--max-programs`` and
+    ``--program-patience``; ``headroom``: its ``--overflow-rungs``; ``link``: the link bytes
+    are priced on (a profile or cluster name, ``16xh100-ib400``, or a Profile; default: this
+    platform's built-in profile). The model is any ``nnx.Module`` argument; the step runs
+    under ``jax.set_mesh`` with the parameters placed (the gathers open their own
+    ``shard_map``). Bitwise the parameters of a plain gather."""
+    options = dict(max_programs=max_programs, patience=patience, headroom=headroom, link=link)
     if step is None:
-        return functools.partial(train_step, max_programs=max_programs, slack=slack)
-    return TrainStep(step, max_programs=max_programs, slack=slack)
+        return functools.partial(train_step, **options)
+    return TrainStep(step, **options)

@@ -94,6 +94,13 @@ def builtin_profiles() -> list[str]:
     return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
 
 
+def default_profile(platform: str, device_kind: str = "") -> str:
+    """The built-in profile a run on ``platform`` prices its links with when none is named."""
+    if platform == "cpu":
+        return "cpu-emulated"
+    return "h200-nvlink" if "h200" in device_kind.lower() else "h100-nvlink"
+
+
 def get_profile(p: Union[str, Path, Profile]) -> Profile:
     return p if isinstance(p, Profile) else Profile.load(p)
 

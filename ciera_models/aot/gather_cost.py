@@ -4,7 +4,7 @@ there (``ciera aot --gather-shape``, ``benchmarks/gather_cost.py``).
 One tensor, gathered over ``gpus`` target GPUs as ``ciera train`` gathers it: plain (the bits
 of the shard, gathered), or compressed in the trainer's two programs, the encode (run ahead, at
 the end of the previous step) and the step's exchange at a fixed rung (the steady program's:
-the rung holding the steady-state demand of :mod:`~ciera_models.train.rung_policy`), self-check
+the rung holding the steady-state demand of :mod:`~ciera_jax.loop.rungs`), self-check
 on, its stats packed as a train step packs what it reads of them, the cache donated as a train
 step donates its caches. ``fallback`` as ``ciera train --fallback``: on GPUs (``auto``) a
 ``program`` whose rung holds the demand (no fallback, no conditional), or a ``branch``: a
@@ -30,7 +30,7 @@ from ciera_jax.collective.cache import init_cache
 from ciera_jax.collective import gather as collective
 from ciera_jax.runtime import gpu_targets
 from ciera_models.aot import kernel_list, schedule
-from ciera_models.train import rung_policy
+from ciera_jax.loop import rungs
 from ciera_models.train.config import FALLBACKS
 
 MODES = ("plain", "exponent", "word")
@@ -64,7 +64,7 @@ def _unlead(tree):
 
 def steady_rung(wire, fallback: str = "auto") -> tuple[int, int]:
     """(rung, overflow rungs) of the steady program ``ciera train`` compiles first."""
-    rung = rung_policy.rungs_holding({"t": wire})["t"]
+    rung = rungs.rungs_holding({"t": wire})["t"]
     branch = fallback == "branch"
     return rung, (OVERFLOW_RUNGS if branch and isinstance(wire, WordWire) else 0)
 

@@ -5,7 +5,6 @@ data.py          token data
 optimizer.py     AdamW, warm-up + cosine
 compression.py   which gathered tensors compress, and each one's cache mode
 memory_limit.py  XLA:GPU's scheduler memory limit from the plan (train and aot alike)
-rung_policy.py   RungPolicy: which rung vectors a run compiles and which each step runs
 step.py          the sharded train step and the encode program after it
 state.py         the state, and the trainer that compiles and runs both programs
 beside.py        ``--compile-beside``: step programs compiled in threads beside the steps

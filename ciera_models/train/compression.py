@@ -18,12 +18,9 @@ import sys
 import jax
 
 from ciera_jax.planning import memory, planner
+from ciera_jax.planning.links import default_profile
 from ciera_models.train.config import PLANS
 EXPERT_WEIGHT = re.compile(r"w_(gate|up|down)_Ex\w+")
-
-
-def default_profile(platform: str) -> str:
-    return "cpu-emulated" if platform == "cpu" else "h100-nvlink"
 
 
 NO_CACHE = "none"  # a tensor gathered plainly: its cache is empty

@@ -163,7 +163,7 @@ class TrainConfig:
         choices=LazyChoices("ciera_jax.runtime.gpu_targets", "MEMORY_LIMITS"))
 
     def rung_policy_options(self) -> dict:
-        """Keyword arguments of :class:`ciera_models.train.rung_policy.RungPolicy`."""
+        """Keyword arguments of :class:`ciera_jax.loop.rungs.RungPolicy`."""
         return {"max_programs": self.max_programs, "patience": self.program_patience}
 
     @property

@@ -27,15 +27,16 @@ from ciera_jax.collective import PLAIN_RUNG
 from ciera_jax.collective.cache import EMPTY_SHAPE
 from ciera_jax.fsdp import AXIS
 from ciera_jax.planning import clusters
+from ciera_jax.planning.links import default_profile
 from ciera_jax.runtime import gpu_targets
-from ciera_models.train.rung_policy import (RungPolicy, exits_for, program_key, rungs_holding,
+from ciera_jax.loop.rungs import (RungPolicy, exits_for, program_key, rungs_holding,
                                            seconds_per_byte)
 from ciera_models.train import memory_limit
 from ciera_models.resilience import peers, watchdog
 from ciera_models.train.beside import CompilesBeside, abstract_like, in_thread
 from ciera_models.train.data import Dataset
 from ciera_models.model.transformer import Transformer
-from ciera_models.train.compression import NO_CACHE, default_profile
+from ciera_models.train.compression import NO_CACHE
 from ciera_models.train.step import AHEAD_SPECS, all_words, per_layer_stats
 
 INT32_MAX = np.iinfo(np.int32).max
@@ -131,7 +132,7 @@ class Trainer:
     cache_shapes: object = None  # the abstract cache state (every tensor's, exponent mode)
     param_shapes: object = None  # the abstract params (``ciera aot`` lowers the step on them)
     compiled: bool = False  # a step has run (so the next one does not compile)
-    policy: RungPolicy | None = None  # picks each step's rungs (rung_policy)
+    policy: RungPolicy | None = None  # picks each step's rungs (ciera_jax.loop.rungs)
     programs: dict = dataclasses.field(default_factory=dict)  # rung vector -> compiled step
     # the policy's programs compiling while the steps run others (--compile-beside)
     beside_compiles: CompilesBeside = dataclasses.field(default_factory=CompilesBeside)
@@ -331,8 +332,8 @@ class Trainer:
 
     def unit_exits(self, encoded) -> dict:
         """``{key: overflow rungs}`` of every compressed tensor and bucket: ``--overflow-rungs``
-        where the unit carries enough of the word bytes (:func:`rung_policy.exits_for`), none
-        elsewhere. ``encoded``: ahead's, arrays or shapes."""
+        where the unit carries enough of the word bytes
+        (:func:`ciera_jax.loop.rungs.exits_for`), none elsewhere. ``encoded``: ahead's, arrays or shapes."""
         return exits_for(fsdp.wires(self.tensors, encoded, self.n),
                          fsdp.unit_layers(self.tensors, encoded), self.tc.overflow_rungs)
 
@@ -340,8 +341,8 @@ class Trainer:
         """The step's ``(params, caches, opt_state, ahead, tokens)`` with every compressed
         gather's rung fixed (the ahead's ``agreed``): ``rungs`` is ``{key: rung}``,
         ``"steady"`` (each tensor at the rung holding the steady-state demand,
-        ``rung_policy.rungs_holding``: the first step's program) or ``"priming"`` (every one
-        plain). Abstract arguments work too (``ciera aot``)."""
+        ``ciera_jax.loop.rungs.rungs_holding``: the first step's program) or ``"priming"``
+        (every one plain). Abstract arguments work too (``ciera aot``)."""
         params, caches, opt_state, ahead, tokens = args
         if isinstance(rungs, str):
             if rungs not in PROGRAMS:

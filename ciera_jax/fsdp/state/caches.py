@@ -106,10 +106,12 @@ def _local_shape(p, spec_entries, mesh) -> tuple[int, ...]:
 def _planned_modes(found, axis_size: int, memory_gb, profile) -> dict:
     """``mode="auto"``: the planner's mode per tensor (plain / exponent / word) for the
     per-device block, within ``memory_gb`` of caches per device (None: unlimited)."""
-    from ciera_jax.planning import planner  # the planner is a tool above fsdp: import it late
+    # the planner is a tool above fsdp: import it late
+    from ciera_jax.planning import links, planner
 
     if profile is None:
-        profile = "cpu-emulated" if jax.default_backend() == "cpu" else "h100-nvlink"
+        device = jax.devices()[0]
+        profile = links.default_profile(device.platform, device.device_kind)
     tree = {k: jax.ShapeDtypeStruct(((layers,) if layers else ()) + shape, dtype)
             for k, (shape, dtype, layers) in found.items()}
     budget = None if memory_gb is None else float(memory_gb) * 1e9
