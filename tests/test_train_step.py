@@ -174,3 +174,10 @@ def test_the_inputs_made_ahead_are_split_over_the_ranks():
 def test_bad_policy_options_are_one_line_errors(bad):
     with pytest.raises(ValueError, match="max_programs must be >= 1"):
         ciera_jax.train_step(lambda model: None, **bad)
+
+
+def test_the_link_is_read_when_the_step_is_wrapped():
+    with pytest.raises(KeyError, match="unknown profile 'nvlink9'"):
+        ciera_jax.train_step(lambda model: None, link="nvlink9")
+    assert ciera_jax.train_step(lambda model: None, link="16xh100-ib400").link.inter.name == \
+        "h100-ib400"

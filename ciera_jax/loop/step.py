@@ -30,6 +30,7 @@ import weakref
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from ciera_jax.collective import PLAIN_RUNG
 from ciera_jax.fsdp import buckets
@@ -39,6 +40,14 @@ from ciera_jax.fsdp.state.setup import gathering_modules, set_setup, setup_of
 from ciera_jax.loop.ahead import encode_ahead, wire_of
 from ciera_jax.loop.rungs import RungPolicy, exits_for, seconds_per_byte
 from ciera_jax.planning import clusters, links
+
+
+def agreed_seconds(seconds: float) -> float:
+    """Process 0's figure on every process (a compile's seconds, which price the next
+    program): each process's policy must pick the same programs, and each measures its own."""
+    if jax.process_count() == 1:
+        return seconds
+    return float(multihost_utils.broadcast_one_to_all(np.float32(seconds)))
 
 
 def _models(args, kwargs) -> list:
@@ -70,8 +79,8 @@ class TrainStep:
             raise ValueError(f"max_programs must be >= 1, patience and headroom >= 0, got "
                              f"{max_programs}, {patience} and {headroom}")
         self.step = step
-        self.max_programs, self.patience, self.headroom, self.link = (max_programs, patience,
-                                                                      headroom, link)
+        self.max_programs, self.patience, self.headroom = max_programs, patience, headroom
+        self.link = None if link is None else clusters.get_link(link)  # a bad name fails here
         self.policies: dict = {}  # sorted units -> RungPolicy
         self.steps = self.plain_steps = self.encodes = 0
         self._read: dict = {}  # id(model) -> weak references to what its encode read
@@ -104,7 +113,7 @@ class TrainStep:
             for mod, setup in saved:
                 set_setup(mod, setup)
         if new:  # the call compiled the program (the step itself runs on, dispatched)
-            policy.compiled(time.perf_counter() - t0)
+            policy.compiled(agreed_seconds(time.perf_counter() - t0))
         self.steps += 1
         self.plain_steps += any(r == PLAIN_RUNG for r in rungs.values())
         for m in models:

@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -29,6 +28,7 @@ from ciera_jax.fsdp import AXIS
 from ciera_jax.planning import clusters
 from ciera_jax.planning.links import default_profile
 from ciera_jax.runtime import gpu_targets
+from ciera_jax.loop import step as loop_step
 from ciera_jax.loop.rungs import (RungPolicy, exits_for, program_key, rungs_holding,
                                            seconds_per_byte)
 from ciera_models.train import memory_limit
@@ -89,8 +89,7 @@ def fresh_caches(abstract, tensors: dict, modes: dict):
 
 
 def agreed_seconds(seconds: float) -> float:
-    """Process 0's figure on every process (a compile's seconds, which price the next
-    program): each process's policy must decide the same, and each measures its own."""
+    """:func:`ciera_jax.loop.step.agreed_seconds` once every process arrived."""
     if jax.process_count() == 1:
         return seconds
     # Processes come here after compiles of uneven length (one that loads the program from
@@ -98,7 +97,7 @@ def agreed_seconds(seconds: float) -> float:
     # program has a key of its own, and only process 0 writes the cache), and the broadcast
     # may be their first collective, which gloo abandons when a peer is late past its timeout.
     peers.all_arrived("compiled")
-    return float(multihost_utils.broadcast_one_to_all(np.float32(seconds)))
+    return loop_step.agreed_seconds(seconds)
 
 
 def is_spec(x) -> bool:
