@@ -23,7 +23,7 @@ import numpy as np
 from ciera_jax.codec.wire import WordWire
 from ciera_jax.planning import links
 from ciera_jax.loop.rungs import (EXIT_SHARE, RungPolicy, exits_for,
-                                           seconds_per_byte)
+                                  seconds_per_byte)
 from common import RESULTS, parser, write_results  # benchmarks/common.py, beside this script
 
 # (label, profile, patience, max_programs, overflow rungs, the tensors that compile them): the

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from ciera_jax.codec.wire import PLAIN_RUNG, ExponentWire, WordWire
 from ciera_jax.loop.rungs import (EXIT_SHARE, RungPolicy, exits_for, rungs_holding,
-                                           seconds_per_byte)
+                                  seconds_per_byte)
 from ciera_jax.planning.links import Profile
 
 WIRES = {"experts": WordWire(1 << 16, 2), "attn": ExponentWire(1 << 14, 2)}

@@ -48,12 +48,11 @@ def _train_step(model, opt, x):
 
 
 def _run(gather: str, wrap: bool, steps: int = STEPS, nudge_at: int | None = None,
-         sharded: bool = False, stacked: bool = False, **options):
+         sharded: bool = False, stacked: bool = False):
     """The README's loop: final params, each step's stats, and the wrapper (or None).
     ``nudge_at``: before that step, every parameter is changed outside the step;
     ``sharded``: the model wrapped by instance instead of decorated; ``stacked``: three
-    smaller layers stacked with ``nnx.vmap``, run with ``nnx.scan``; ``options``: the
-    wrapper's (``ciera_jax.train_step``)."""
+    smaller layers stacked with ``nnx.vmap``, run with ``nnx.scan``."""
     d = 64 if stacked else 256
     with jax.set_mesh(_mesh()):
         x = jax.device_put(jax.random.normal(jax.random.key(1), (64, d)), P(("data", "fsdp")))
@@ -65,7 +64,7 @@ def _run(gather: str, wrap: bool, steps: int = STEPS, nudge_at: int | None = Non
         else:
             fsdp.attach_caches(model, mode=gather)
         opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
-        step = ciera_jax.train_step(_train_step, **options) if wrap else _train_step
+        step = ciera_jax.train_step(_train_step) if wrap else _train_step
         stats = []
         for i in range(steps):
             if i == nudge_at:

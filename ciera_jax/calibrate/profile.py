@@ -25,8 +25,6 @@ from ciera_jax.runtime.units import fmt_bytes, parse_size
 ESCAPE_CHURN = 0.05  # exponent churn of the escape-cost measurement (word moves' steady state)
 
 
-
-
 def calibrate(mesh_sizes: Sequence[int] | None = None, sizes: Sequence | None = None,
               codec_sizes: Sequence | None = None, reps: int = 7, name: str | None = None,
               log=print, fault_sizes: Sequence | None = None):

@@ -30,7 +30,7 @@ from ciera_jax.planning.links import default_profile
 from ciera_jax.runtime import gpu_targets
 from ciera_jax.loop import step as loop_step
 from ciera_jax.loop.rungs import (RungPolicy, exits_for, program_key, rungs_holding,
-                                           seconds_per_byte)
+                                  seconds_per_byte)
 from ciera_models.train import memory_limit
 from ciera_models.resilience import peers, watchdog
 from ciera_models.train.beside import CompilesBeside, abstract_like, in_thread
@@ -332,7 +332,8 @@ class Trainer:
     def unit_exits(self, encoded) -> dict:
         """``{key: overflow rungs}`` of every compressed tensor and bucket: ``--overflow-rungs``
         where the unit carries enough of the word bytes
-        (:func:`ciera_jax.loop.rungs.exits_for`), none elsewhere. ``encoded``: ahead's, arrays or shapes."""
+        (:func:`ciera_jax.loop.rungs.exits_for`), none elsewhere. ``encoded``: ahead's, arrays or
+        shapes."""
         return exits_for(fsdp.wires(self.tensors, encoded, self.n),
                          fsdp.unit_layers(self.tensors, encoded), self.tc.overflow_rungs)
 
