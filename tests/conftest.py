@@ -63,6 +63,38 @@ TINY_PROGRAMS = {"program_patience": 2e-5}
 CLEARS_CACHES = ("test_no_deprecations.py",)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which turns -n's "no" into "load"
+def pytest_cmdline_main(config):
+    """With ``-n`` and no ``--dist``: tests marked ``xdist_group`` run on one worker (the files
+    grouped below), handed out in the order they are put in (heaviest first), not re-sorted by
+    their number of tests. Set here, not in the addopts, so that ``-p no:xdist`` runs too. A
+    worker reads its own command line (no ``--dist``), so the controller tells it
+    (:func:`pytest_configure_node`)."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    if getattr(config, "workerinput", {}).get(GROUPED):
+        config.option.loadgroup = True  # what xdist's worker makes of --dist loadgroup
+    elif config.option.numprocesses and config.option.dist == "no":
+        config.option.dist = "loadgroup"
+        config.option.loadscopereorder = False
+
+
+GROUPED = "ciera_grouped"  # in a worker's input: the controller chose loadgroup
+
+
+def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_Controller(), "ciera-controller")
+    else:  # the groups' mark, which xdist declares
+        config.addinivalue_line("markers", "xdist_group(name): tests that run on one worker")
+
+
+class _Controller:
+    @staticmethod
+    def pytest_configure_node(node):
+        node.workerinput[GROUPED] = node.config.option.dist == "loadgroup"
+
+
 def pytest_unconfigure(config):
     if _owns_child_cache:
         shutil.rmtree(os.environ[CHILD_CACHE], ignore_errors=True)
@@ -71,9 +103,9 @@ def pytest_unconfigure(config):
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(session, config, items):
     last = {i.path for i in items if i.path.name in CLEARS_CACHES}
-    # Under ``-n`` (pyproject's ``--dist loadgroup``) every file that trains ``tiny_run``'s
-    # config runs on one worker: its step compiles and its 20-step runs train once, not once
-    # per worker (each worker is a process of its own; the files also train TC beside it).
+    # Under ``-n`` (``--dist loadgroup``: pytest_cmdline_main) every file that trains
+    # ``tiny_run``'s config runs on one worker: its step compiles and its 20-step runs train
+    # once, not once per worker (each worker is a process of its own; the files also train TC beside it).
     shared = {i.path for i in items if "tiny_run" in getattr(i, "fixturenames", ())}
     for i in items:
         if i.path in shared:
