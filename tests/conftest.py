@@ -105,7 +105,8 @@ def pytest_collection_modifyitems(session, config, items):
     last = {i.path for i in items if i.path.name in CLEARS_CACHES}
     # Under ``-n`` (``--dist loadgroup``: pytest_cmdline_main) every file that trains
     # ``tiny_run``'s config runs on one worker: its step compiles and its 20-step runs train
-    # once, not once per worker (each worker is a process of its own; the files also train TC beside it).
+    # once, not once per worker (each worker is a process of its own; the files also train
+    # TC beside it).
     shared = {i.path for i in items if "tiny_run" in getattr(i, "fixturenames", ())}
     for i in items:
         if i.path in shared:
