@@ -6,13 +6,18 @@ import re
 import subprocess
 import sys
 import threading
+import time
 
+import numpy as np
 import pytest
 
+from ciera_jax.cli import main as cli
+from ciera_models.checkpoint import store
 from ciera_models.resilience import peers
 from ciera_models.resilience import watchdog
 from ciera_models.resilience.failures import EXIT_HUNG
 from ciera_models.resilience.watchdog import Watch
+from ciera_models.train.config import TrainConfig
 
 
 def _value(count: int, where: str, compiling: bool = False) -> str:
@@ -156,6 +161,34 @@ def test_the_watchdog_sees_the_others_marks_as_the_beats_brought_them(monkeypatc
     watchdog.look(w, 0, now=3.0)
     assert [s.since for s in w.seen] == [1.0, 3.0, 1.0]
     assert not w.stuck(7.9) and w.stuck(8.0)
+
+
+def _watches_alive(within_s: float = 3.0) -> int:
+    deadline = time.monotonic() + within_s  # a watch sees its stop within a second
+    while True:
+        alive = sum(t.name == "ciera-watchdog" and t.is_alive() for t in threading.enumerate())
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+def test_a_run_that_raised_leaves_no_watch_behind(tmp_path, capsys):
+    """A run inside a longer-lived process (a test, a notebook) that ends in an error stops its
+    watch: left running, it would end that process ``--hang-timeout`` seconds later. A second
+    start replaces the first watch instead of reviving it."""
+    watchdog.start(600)
+    watchdog.start(600)
+    assert _watches_alive(0.0) >= 1
+    watchdog.stop()
+    assert _watches_alive() == 0
+    ck = tmp_path / "ck"
+    with store.Checkpointer(str(ck)) as c:  # another run's: the run starts, then refuses it
+        c.save(4, {"w": np.zeros(4, np.float32)}, {"m": np.zeros(4, np.float32)},
+               {"train_config": {**TrainConfig().__dict__, "gather": "plain", "seed": 0}})
+    assert cli.main(["train", "--steps", "8", "--checkpoint-dir", str(ck), "--resume",
+                     "--hang-timeout", "600"]) == 2
+    assert "was trained with --gather plain" in capsys.readouterr().err
+    assert _watches_alive() == 0
 
 
 @pytest.mark.slow

@@ -203,8 +203,9 @@ def _train_here(tc: TrainConfig, run_cfg: RunConfig, launch: LaunchConfig) -> in
     except Exception as e:
         _end_alone_if_alone(e, jax, launch.peer_timeout)
         raise
+    finally:
+        watchdog.stop()
     peers.stop_watching()
-    watchdog.stop()
     if is_main:
         print(res.summary)
         print(f"params_sha256={res.sha256}", flush=True)

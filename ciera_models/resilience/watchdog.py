@@ -39,7 +39,7 @@ EXIT_GRACE_S = 3.0  # process 0 hosts the coordination service: the others print
 
 _lock = threading.Lock()
 _mark = {"count": 0, "where": "starting", "compiling": 0}
-_stopped = threading.Event()
+_stopped = threading.Event()  # the running watch's own: a later start never revives an old one
 
 
 def mark(where: str) -> None:
@@ -132,26 +132,30 @@ def start(timeout_s: float, process_id: int = 0, num_processes: int = 1,
     travel with the peer watcher's beats (:func:`ciera_models.resilience.peers.publish_with_beats`);
     ``log``: where the stacks go (the supervisor's log of this process), else stderr, above
     the line."""
+    global _stopped
     if not timeout_s:
         return
-    _stopped.clear()
+    stop()
+    _stopped = threading.Event()
     if num_processes > 1:
         peers.publish_with_beats(own)
-    threading.Thread(target=_watch, args=(timeout_s, process_id, num_processes, log),
+    threading.Thread(target=_watch, args=(timeout_s, process_id, num_processes, log, _stopped),
                      name="ciera-watchdog", daemon=True).start()
 
 
 def stop() -> None:
-    """The run is over: processes now leave one by one; that is not a hang."""
+    """The run is over (returned or raised): processes now leave one by one; that is not a
+    hang. A run inside a longer-lived process (a test, a notebook) must not leave its watch
+    behind to end that process later."""
     _stopped.set()
 
 
-def _watch(timeout_s, process_id, num_processes, log) -> None:
+def _watch(timeout_s, process_id, num_processes, log, stopped: threading.Event) -> None:
     watch = Watch(num_processes, timeout_s, time.monotonic())
-    while not _stopped.wait(1.0):
+    while not stopped.wait(1.0):
         now = time.monotonic()
         look(watch, process_id, now)
-        if watch.stuck(now) and not _stopped.is_set():
+        if watch.stuck(now) and not stopped.is_set():
             _end(process_id, watch, log)
 
 
