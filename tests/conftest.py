@@ -43,6 +43,8 @@ for _setting in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_
 
 import jax  # noqa: E402
 
+from ciera_models.resilience import watchdog  # noqa: E402
+
 os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[CHILD_CACHE]
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
@@ -128,6 +130,14 @@ def _heaviest_groups_first(items, last):
     for i in items:
         weight[group[i]] = weight.get(group[i], 0) + (30 if i.get_closest_marker("slow") else 1)
     return sorted(items, key=lambda i: (i.path in last, -weight[group[i]], group[i]))
+
+
+@pytest.fixture(autouse=True)
+def _no_watch_left_behind():
+    """A ``ciera train`` run inside the test process stops its watchdog however it ends: one
+    left running would end this worker ``--hang-timeout`` seconds later, in another test."""
+    yield
+    assert not watchdog.watching(), "a run left its watchdog running"
 
 
 @pytest.fixture(scope="session")

@@ -40,6 +40,7 @@ EXIT_GRACE_S = 3.0  # process 0 hosts the coordination service: the others print
 _lock = threading.Lock()
 _mark = {"count": 0, "where": "starting", "compiling": 0}
 _stopped = threading.Event()  # the running watch's own: a later start never revives an old one
+_stopped.set()  # none runs yet
 
 
 def mark(where: str) -> None:
@@ -148,6 +149,11 @@ def stop() -> None:
     hang. A run inside a longer-lived process (a test, a notebook) must not leave its watch
     behind to end that process later."""
     _stopped.set()
+
+
+def watching() -> bool:
+    """Whether a watch runs (started and not stopped)."""
+    return not _stopped.is_set()
 
 
 def _watch(timeout_s, process_id, num_processes, log, stopped: threading.Event) -> None:
