@@ -87,8 +87,9 @@ def test_decorator_on_user_module_matches_plain_bitwise(mesh):
             np.testing.assert_array_equal(a, b)
     # ciera: the first gather primes (fallback); later ones send less than plain
     first, last = results["ciera"][0][2], results["ciera"][-1][2]
-    assert int(first["w_in"]["fallback"]) == 1
-    assert int(last["w_in"]["sent_bytes"]) < int(last["w_in"]["plain_bytes"])
+    assert sorted(first) == sorted(last) == ["w_in", "w_out"]
+    assert all(int(s["fallback"]) == 1 for s in first.values())
+    assert all_compressed(last), last
 
     # and it is the same math as the unsharded module (up to summation order)
     ref_model = MLP(64, 128, nnx.Rngs(0))
