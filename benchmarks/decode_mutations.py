@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -72,6 +73,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=1, help="pytest workers per mutation")
     ap.add_argument("--out", help="JSON path")
     a = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally below still runs
     trees = {m: mutated_tree(m) for m in a.mutations}
     t0 = time.time()
     procs = {m: start(t, a.lane, a.workers) for m, t in trees.items()}
@@ -82,6 +84,8 @@ def main() -> None:
             results[m] = {**outcome(out), "returncode": p.returncode,
                           "wall_s": round(time.time() - t0, 1)}
     finally:
+        for p in procs.values():
+            p.kill()
         for t in trees.values():
             subprocess.run(["git", "worktree", "remove", "--force", str(t)], cwd=ROOT,
                            capture_output=True)
