@@ -71,7 +71,13 @@ def pytest_cmdline_main(config):
     grouped below), handed out in the order they are put in (heaviest first), not re-sorted by
     their number of tests. Set here, not in the addopts, so that ``-p no:xdist`` runs too. A
     worker reads its own command line (no ``--dist``), so the controller tells it
-    (:func:`pytest_configure_node`)."""
+    (:func:`pytest_configure_node`).
+
+    A worker that dies (a native crash, an exit inside a test) is not replaced unless
+    ``--max-worker-restart`` says so: xdist's group scheduling puts the crashed test back in
+    its group and hands it on, so it crashes each replacement in turn, and a replacement can
+    be left waiting for work that never comes (the run hangs). Not replaced, the crash is one
+    failed test and the other worker finishes the run (tests/test_suite_runner.py)."""
     if not config.pluginmanager.hasplugin("xdist"):
         return
     if getattr(config, "workerinput", {}).get(GROUPED):
@@ -79,6 +85,8 @@ def pytest_cmdline_main(config):
     elif config.option.numprocesses and config.option.dist == "no":
         config.option.dist = "loadgroup"
         config.option.loadscopereorder = False
+        if config.option.maxworkerrestart is None:
+            config.option.maxworkerrestart = "0"
 
 
 GROUPED = "ciera_grouped"  # in a worker's input: the controller chose loadgroup
