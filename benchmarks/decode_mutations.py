@@ -53,7 +53,7 @@ def mutated_tree(name: str) -> Path:
 
 
 def start(tree: Path, lane: str, workers: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf",
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
            "-n", str(workers)] + (["-m", "not slow"] if lane == "fast" else [])
     env = dict(os.environ, PYTHONPATH=str(tree))
     return subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.PIPE,
@@ -61,7 +61,8 @@ def start(tree: Path, lane: str, workers: int) -> subprocess.Popen:
 
 
 def outcome(out: str) -> dict:
-    failed = sorted(set(re.findall(r"^FAILED (\S+)", out, re.M)))
+    # -rfE lists "FAILED <id> - <reason>", and "ERROR <id> - <reason>" for a fixture's failure
+    failed = sorted(set(re.findall(r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$", out, re.M)))
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|error)", out)}
     return {"failed": failed, "counts": counts, "tail": out[-1500:]}
 
@@ -74,6 +75,8 @@ def main() -> None:
     ap.add_argument("--out", help="JSON path")
     a = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally below still runs
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                            capture_output=True, text=True).stdout.strip()  # what is tested
     trees = {m: mutated_tree(m) for m in a.mutations}
     t0 = time.time()
     procs = {m: start(t, a.lane, a.workers) for m, t in trees.items()}
@@ -89,8 +92,6 @@ def main() -> None:
         for t in trees.values():
             subprocess.run(["git", "worktree", "remove", "--force", str(t)], cwd=ROOT,
                            capture_output=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip()
     for m, r in results.items():
         print(f"{m}: {r['counts']} (exit {r['returncode']}, {r['wall_s']:.0f} s); "
               f"{len(r['failed'])} tests failed:")
