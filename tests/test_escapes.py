@@ -17,18 +17,26 @@ def _packed(flags_RxN):
     n = flags_RxN.shape[1]
     words = escapes.pack_flags(flags_RxN)
     slots = jnp.broadcast_to(jnp.arange(n + 2, dtype=jnp.int32), (flags_RxN.shape[0], n + 2))
+    counted, pop = escapes.pack_flags_counted(flags_RxN)
     return (words, escapes.unpack_flags(words, n), escapes.count(words),
-            escapes.select(words, escapes.running_count(words), slots))
+            escapes.select(words, escapes.running_count(words), slots),
+            (counted, pop, escapes.running_count(words, pop), escapes.running_count(words)))
 
 
 @pytest.mark.parametrize("n", [1, 31, 32, 33, 100, 1000])
 def test_flags_round_trip_count_and_select(n):
-    """Three rows of different densities in one call (one compile per length)."""
+    """Three rows of different densities in one call (one compile per length); the pack that
+    counts as it packs gives the same words and each word's popcount."""
     rng = np.random.default_rng(n)
     for densities in ([0.0, 0.3, 1.0], [0.01, 1.0, 0.3]):
         flags = rng.random((3, n)) < np.array(densities)[:, None]
-        words, back, count, element = _packed(jnp.asarray(flags))
+        words, back, count, element, (counted, pop, running, want_running) = _packed(
+            jnp.asarray(flags))
         assert words.shape == (3, -(-n // 32)) and words.dtype == jnp.uint32
+        # the pack that also counts: the same words, each word's popcount, the same scan
+        np.testing.assert_array_equal(np.asarray(counted), np.asarray(words))
+        np.testing.assert_array_equal(np.asarray(pop), np.asarray(escapes.popcount(words)))
+        np.testing.assert_array_equal(np.asarray(running), np.asarray(want_running))
         np.testing.assert_array_equal(np.asarray(back), flags)
         np.testing.assert_array_equal(np.asarray(count), flags.sum(axis=1))
         past_end = 32 * words.shape[1]

@@ -96,6 +96,22 @@ def pack_flags(flags_RxN: jax.Array) -> jax.Array:
     return lax.reduce(shifted, jnp.uint32(0), lax.bitwise_or, (2,))
 
 
+def pack_flags_counted(flags_RxN: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """:func:`pack_flags` and each word's popcount, int32 (R, W), in ONE reduction: the count
+    is the sum of the word's flags, so what reads the counts (a running count) needs no
+    popcount pass of its own (a kernel on a GPU)."""
+    rows, n = flags_RxN.shape
+    pad = -n % FLAG_WORD_BITS
+    f = jnp.pad(flags_RxN, ((0, 0), (0, pad))).reshape(rows, -1, FLAG_WORD_BITS)
+    shifted = f.astype(jnp.uint32) << _lanes()
+
+    def both(a, b):
+        return lax.bitwise_or(a[0], b[0]), a[1] + b[1]
+
+    return lax.reduce((shifted, f.astype(jnp.int32)), (jnp.uint32(0), jnp.int32(0)), both,
+                      (2,))
+
+
 def unpack_flags(words_RxW: jax.Array, n: int) -> jax.Array:
     """Inverse of :func:`pack_flags`: uint32 (R, W) -> bool (R, n)."""
     rows = words_RxW.shape[0]
@@ -108,14 +124,16 @@ def popcount(words):
     return lax.population_count(words).astype(jnp.int32)
 
 
-def count(words_RxW: jax.Array) -> jax.Array:
-    """Flags per row, int32 (R,)."""
-    return jnp.sum(popcount(words_RxW), axis=1)
+def count(words_RxW: jax.Array, pop_RxW=None) -> jax.Array:
+    """Flags per row, int32 (R,). ``pop_RxW``: each word's popcount, where the caller has it."""
+    return jnp.sum(popcount(words_RxW) if pop_RxW is None else pop_RxW, axis=1)
 
 
-def running_count(words_RxW: jax.Array) -> jax.Array:
-    """int32 (R, W): flags in words ``0..w`` of each row (an inclusive scan over words)."""
-    pop, words = popcount(words_RxW), words_RxW.shape[1]
+def running_count(words_RxW: jax.Array, pop_RxW=None) -> jax.Array:
+    """int32 (R, W): flags in words ``0..w`` of each row (an inclusive scan over words).
+    ``pop_RxW``: each word's popcount, where the caller has it (:func:`pack_flags_counted`)."""
+    pop = popcount(words_RxW) if pop_RxW is None else pop_RxW
+    words = words_RxW.shape[1]
     if target.traced_backend() == "cpu":
         if words <= CPU_BLOCKED_SCAN_MAX:
             return blocked_prefix_sum(pop, CPU_SCAN_BLOCK, base=CPU_SCAN_BLOCK)

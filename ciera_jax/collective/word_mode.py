@@ -170,9 +170,9 @@ def receive(e: WordEncoded, sent: transfer.Sent, cache_words, impl: str) -> Rece
     # the cache's rank rows, read in place by the kernel where it can (no transpose of it)
     dense_Nxn = kernels.word_decode_rows(cache_words, codes_Nxn, b, e.shard_shape, e.axis,
                                          impl=impl)
-    esc_NxW = escapes.pack_flags(codes_Nxn == escape_code(b))
+    esc_NxW, pop_NxW = escapes.pack_flags_counted(codes_Nxn == escape_code(b))
     return Received(sent_N, dense_Nxn, esc_NxW, tuple(sent.sections or fixed),
-                    escapes.running_count(esc_NxW))
+                    escapes.running_count(esc_NxW, pop_NxW))
 
 
 def fill(e: WordEncoded, got: Received, level1_NxC, level2_NxC, limit, impl: str,
@@ -235,9 +235,10 @@ def escape_words(level1_NxC, level2_NxC, escape_offset: int):
         move = escapes.take(level1_NxC, slot)
         raw = (move == LEVEL2) & live
         raw_W = escapes.pack_flags(raw)
-        raw_rank = raw_before_N[:, None] + escapes.ranks(raw_W, slot.shape[1])
+        running_W = escapes.running_count(raw_W)
+        raw_rank = raw_before_N[:, None] + escapes.ranks(raw_W, slot.shape[1], running_W)
         moved = wordcodec.apply_delta(dense, move.astype(jnp.int32) - escape_offset)
         words = jnp.where(raw, escapes.take(level2_NxC, raw_rank), moved)
-        return words, raw_before_N + escapes.count(raw_W)
+        return words, raw_before_N + running_W[:, -1]
 
     return escaped
