@@ -23,6 +23,18 @@ def _packed(flags_RxN):
             (counted, pop, escapes.running_count(words, pop), escapes.running_count(words)))
 
 
+@pytest.mark.parametrize("backend", ["cpu", "cuda"])
+def test_pack_and_run_is_the_pack_and_its_running_count(backend, monkeypatch):
+    """Either way it is traced (a counting pack for an accelerator's short rows): the packed
+    flags and the flags in words 0..w, against numpy, on rows of 1,000 elements."""
+    monkeypatch.setattr(escapes.target, "traced_backend", lambda: backend)
+    flags = np.random.default_rng(3).random((3, 1000)) < np.array([0.0, 0.3, 1.0])[:, None]
+    words, running = jax.jit(escapes.pack_and_run)(jnp.asarray(flags))
+    np.testing.assert_array_equal(np.asarray(words), np.asarray(escapes.pack_flags(flags)))
+    padded = np.pad(flags, ((0, 0), (0, 24))).reshape(3, -1, 32)
+    np.testing.assert_array_equal(np.asarray(running), np.cumsum(padded.sum(axis=2), axis=1))
+
+
 @pytest.mark.parametrize("n", [1, 31, 32, 33, 100, 1000])
 def test_flags_round_trip_count_and_select(n):
     """Three rows of different densities in one call (one compile per length); the pack that

@@ -112,6 +112,20 @@ def pack_flags_counted(flags_RxN: jax.Array) -> tuple[jax.Array, jax.Array]:
                       (2,))
 
 
+def pack_and_run(flags_RxN: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """:func:`pack_flags` and its :func:`running_count`. Traced for an accelerator, on rows
+    whose running count is one masked sum (at most :data:`BLOCKED_SCAN_MIN` words), the pack
+    also counts (:func:`pack_flags_counted`): the popcounts would be a kernel of their own
+    there. Longer rows' blocked scan reads the popcounts in its first kernel, and a counting
+    pack would make what produces the flags a kernel of its own instead."""
+    n_words = -(-flags_RxN.shape[1] // FLAG_WORD_BITS)
+    if target.traced_backend() != "cpu" and n_words <= BLOCKED_SCAN_MIN:
+        words, pop = pack_flags_counted(flags_RxN)
+        return words, running_count(words, pop)
+    words = pack_flags(flags_RxN)
+    return words, running_count(words)
+
+
 def unpack_flags(words_RxW: jax.Array, n: int) -> jax.Array:
     """Inverse of :func:`pack_flags`: uint32 (R, W) -> bool (R, n)."""
     rows = words_RxW.shape[0]

@@ -170,9 +170,8 @@ def receive(e: WordEncoded, sent: transfer.Sent, cache_words, impl: str) -> Rece
     # the cache's rank rows, read in place by the kernel where it can (no transpose of it)
     dense_Nxn = kernels.word_decode_rows(cache_words, codes_Nxn, b, e.shard_shape, e.axis,
                                          impl=impl)
-    esc_NxW, pop_NxW = escapes.pack_flags_counted(codes_Nxn == escape_code(b))
-    return Received(sent_N, dense_Nxn, esc_NxW, tuple(sent.sections or fixed),
-                    escapes.running_count(esc_NxW, pop_NxW))
+    esc_NxW, running_NxW = escapes.pack_and_run(codes_Nxn == escape_code(b))
+    return Received(sent_N, dense_Nxn, esc_NxW, tuple(sent.sections or fixed), running_NxW)
 
 
 def fill(e: WordEncoded, got: Received, level1_NxC, level2_NxC, limit, impl: str,
