@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import ciera_jax
 from ciera_jax import fsdp, loop
+from ciera_jax.loop.ahead import ahead_values
 from ciera_jax.fsdp.state.ahead import ahead_of, set_ahead
 from ciera_jax.fsdp.state.setup import gathering_modules
 from ciera_jax.loop.rungs import rungs_holding
@@ -64,6 +65,14 @@ class Stacked(nnx.Module):
                         transform_metadata={nnx.PARTITION_NAME: None})(x, self.layers)
 
 
+def _placed(state, mesh):
+    """Abstract ``state`` placed on ``mesh`` as its partition names say."""
+    specs = nnx.get_partition_spec(state)
+    return jax.tree.map(lambda s, sub: jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+        a.shape, a.dtype, sharding=NamedSharding(mesh, s if isinstance(s, P) else P())), sub),
+        specs, state, is_leaf=lambda s: isinstance(s, P) or s is None)
+
+
 def build(mesh, mode: str | None = "word", d: int = D, f: int = F, batch: int = BATCH,
           rungs=None, blocks: int = 0, layers: int = 0):
     """``(step, (state, x))``: the README's ``train_step`` over the model and optimizer's
@@ -90,12 +99,8 @@ def build(mesh, mode: str | None = "word", d: int = D, f: int = F, batch: int = 
         made["graphdef"], state = nnx.split(make())
         return state
 
-    state = jax.eval_shape(state_of)
+    state = _placed(jax.eval_shape(state_of), mesh)
     graphdef = made["graphdef"]
-    specs = nnx.get_partition_spec(state)
-    state = jax.tree.map(lambda s, sub: jax.tree.map(lambda a: jax.ShapeDtypeStruct(
-        a.shape, a.dtype, sharding=NamedSharding(mesh, s if isinstance(s, P) else P())), sub),
-        specs, state, is_leaf=lambda s: isinstance(s, P) or s is None)
     if "ahead" in made:  # the inputs made ahead, split as the encode program leaves them
         model, opt = nnx.merge(graphdef, state)
         for path, m in gathering_modules(model):
@@ -118,6 +123,22 @@ def build(mesh, mode: str | None = "word", d: int = D, f: int = F, batch: int = 
     return step, (state, x)
 
 
+def build_encode(mesh, mode: str = "word", d: int = D, f: int = F):
+    """The encode program ``ciera_jax.train_step`` runs after each step (the README's MLP
+    with ``mode`` caches): ``(program, (model state,))``, abstract and placed."""
+    made = {}
+
+    def state_of():
+        made["graphdef"], state = nnx.split(
+            fsdp.attach_caches(MLP(d, f, nnx.Rngs(0)), mode=mode))
+        return state
+
+    state = jax.eval_shape(state_of)
+    state = _placed(state, mesh)
+    graphdef = made["graphdef"]
+    return jax.jit(lambda st: ahead_values(nnx.merge(graphdef, st))), (state,)
+
+
 build_plain = functools.partial(build, mode=None)
 build_word = functools.partial(build, mode="word")
 build_exponent = functools.partial(build, mode="exponent")
@@ -128,5 +149,7 @@ build_exponent_steady = functools.partial(build, mode="exponent", rungs=rungs_ho
 build_plain_4 = functools.partial(build, mode=None, blocks=4)
 build_word_steady_4 = functools.partial(build, mode="word", rungs=rungs_holding, blocks=4)
 build_plain_stacked_4 = functools.partial(build, mode=None, layers=4)
+build_word_encode = functools.partial(build_encode, mode="word")
+build_exponent_encode = functools.partial(build_encode, mode="exponent")
 build_word_steady_stacked_4 = functools.partial(build, mode="word", rungs=rungs_holding,
                                                 layers=4)
