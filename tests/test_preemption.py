@@ -72,9 +72,13 @@ def test_sigterm_mid_run_saves_and_resume_is_bitwise(tmp_path, straight_sha, cap
     """``ciera train`` in this process; a real SIGTERM to it once step 3 is reported."""
     ck = tmp_path / "ck"
 
+    signalled = []
+
     def print_then_signal(*args, **kw):  # the command's progress lines go through print
         builtins.print(*args, **kw)
-        if args and re.search(rf"step +3/{STEPS}\b", str(args[0])):
+        # once: a second signal ends the process at once (the test's)
+        if args and re.search(rf"step +3/{STEPS}\b", str(args[0])) and not signalled:
+            signalled.append(True)
             os.kill(os.getpid(), signal.SIGTERM)
 
     with monkeypatch.context() as m:
