@@ -138,9 +138,9 @@ def popcount(words):
     return lax.population_count(words).astype(jnp.int32)
 
 
-def count(words_RxW: jax.Array, pop_RxW=None) -> jax.Array:
-    """Flags per row, int32 (R,). ``pop_RxW``: each word's popcount, where the caller has it."""
-    return jnp.sum(popcount(words_RxW) if pop_RxW is None else pop_RxW, axis=1)
+def count(words_RxW: jax.Array) -> jax.Array:
+    """Flags per row, int32 (R,)."""
+    return jnp.sum(popcount(words_RxW), axis=1)
 
 
 def running_count(words_RxW: jax.Array, pop_RxW=None) -> jax.Array:
