@@ -77,7 +77,8 @@ def pytest_cmdline_main(config):
     ``--max-worker-restart`` says so: xdist's group scheduling puts the crashed test back in
     its group and hands it on, so it crashes each replacement in turn, and a replacement can
     be left waiting for work that never comes (the run hangs). Not replaced, the crash is one
-    failed test and the other worker finishes the run (tests/test_suite_runner.py)."""
+    failed test and the run ends once the other worker's tests in hand are done
+    (tests/test_suite_runner.py)."""
     if not config.pluginmanager.hasplugin("xdist"):
         return
     if getattr(config, "workerinput", {}).get(GROUPED):

@@ -15,9 +15,9 @@ from jax.sharding import PartitionSpec as P
 
 import ciera_jax
 from ciera_jax import fsdp, loop
-from ciera_jax.loop.ahead import ahead_values
 from ciera_jax.fsdp.state.ahead import ahead_of, set_ahead
 from ciera_jax.fsdp.state.setup import gathering_modules
+from ciera_jax.loop.ahead import ahead_values
 from ciera_jax.loop.rungs import rungs_holding
 
 D, F, BATCH = 256, 1024, 64
@@ -133,8 +133,7 @@ def build_encode(mesh, mode: str = "word", d: int = D, f: int = F):
             fsdp.attach_caches(MLP(d, f, nnx.Rngs(0)), mode=mode))
         return state
 
-    state = jax.eval_shape(state_of)
-    state = _placed(state, mesh)
+    state = _placed(jax.eval_shape(state_of), mesh)
     graphdef = made["graphdef"]
     return jax.jit(lambda st: ahead_values(nnx.merge(graphdef, st))), (state,)
 

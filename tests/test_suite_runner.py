@@ -34,7 +34,8 @@ def test_after():
 def test_a_crashed_worker_fails_the_run_instead_of_hanging(tmp_path):
     crashes = tmp_path / "test_crashes.py"
     crashes.write_text(CRASHES)
-    # beside a file of this suite, so that its conftest runs the session
+    # beside a file of this suite, so that its conftest runs the session (a session of its
+    # own: none of this one's PYTEST_ variables)
     p = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider",
          str(TESTS / "test_cli.py"), str(crashes)],
