@@ -87,12 +87,16 @@ def _lanes():
     return jnp.arange(FLAG_WORD_BITS, dtype=jnp.uint32)
 
 
-def pack_flags(flags_RxN: jax.Array) -> jax.Array:
-    """bool (R, n) -> uint32 (R, W): element ``32*w + i`` is bit ``i`` of word ``w``."""
+def _by_word(flags_RxN: jax.Array) -> jax.Array:
+    """bool (R, n) -> (R, W, 32): each word's flags, zero-padded past ``n``."""
     rows, n = flags_RxN.shape
     pad = -n % FLAG_WORD_BITS
-    f = jnp.pad(flags_RxN, ((0, 0), (0, pad))).reshape(rows, -1, FLAG_WORD_BITS)
-    shifted = f.astype(jnp.uint32) << _lanes()
+    return jnp.pad(flags_RxN, ((0, 0), (0, pad))).reshape(rows, -1, FLAG_WORD_BITS)
+
+
+def pack_flags(flags_RxN: jax.Array) -> jax.Array:
+    """bool (R, n) -> uint32 (R, W): element ``32*w + i`` is bit ``i`` of word ``w``."""
+    shifted = _by_word(flags_RxN).astype(jnp.uint32) << _lanes()
     return lax.reduce(shifted, jnp.uint32(0), lax.bitwise_or, (2,))
 
 
@@ -100,9 +104,7 @@ def pack_flags_counted(flags_RxN: jax.Array) -> tuple[jax.Array, jax.Array]:
     """:func:`pack_flags` and each word's popcount, int32 (R, W), in ONE reduction: the count
     is the sum of the word's flags, so what reads the counts (a running count) needs no
     popcount pass of its own (a kernel on a GPU)."""
-    rows, n = flags_RxN.shape
-    pad = -n % FLAG_WORD_BITS
-    f = jnp.pad(flags_RxN, ((0, 0), (0, pad))).reshape(rows, -1, FLAG_WORD_BITS)
+    f = _by_word(flags_RxN)
     shifted = f.astype(jnp.uint32) << _lanes()
 
     def both(a, b):
